@@ -1,0 +1,103 @@
+"""Typed configuration: the model's shape and the engine's settings, validated on construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from ember.errors import ModelLoadError
+
+
+@dataclass(slots=True)
+class ModelConfig:
+    """The architecture hyper-parameters every model file reads, in Hugging Face's names."""
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    bos_token_id: int | None = None
+    eos_token_ids: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ModelLoadError(
+                f"num_attention_heads ({self.num_attention_heads}) is not a multiple of "
+                f"num_key_value_heads ({self.num_key_value_heads})")
+
+    @classmethod
+    def from_hf(cls, hf: dict[str, Any]) -> "ModelConfig":
+        """Build from a Hugging Face config.json dict."""
+        if "text_config" in hf and "hidden_size" not in hf:
+            hf = {**hf["text_config"], "model_type": hf.get("model_type")}
+        try:
+            heads = hf["num_attention_heads"]
+            eos = hf.get("eos_token_id")
+            rope_scaling = hf.get("rope_scaling") or hf.get("rope_parameters")
+            rope_theta = hf.get("rope_theta")
+            if rope_theta is None and isinstance(rope_scaling, dict):
+                rope_theta = rope_scaling.get("rope_theta")
+            if isinstance(rope_scaling, dict):
+                kind = rope_scaling.get("rope_type", rope_scaling.get("type", "default"))
+                rope_scaling = None if kind == "default" else {**rope_scaling, "rope_type": kind}
+            return cls(
+                model_type=hf["model_type"],
+                vocab_size=hf["vocab_size"],
+                hidden_size=hf["hidden_size"],
+                intermediate_size=hf["intermediate_size"],
+                num_hidden_layers=hf["num_hidden_layers"],
+                num_attention_heads=heads,
+                num_key_value_heads=hf.get("num_key_value_heads") or heads,
+                head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
+                rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
+                rope_theta=rope_theta if rope_theta is not None else 10000.0,
+                rope_scaling=rope_scaling,
+                max_position_embeddings=hf.get("max_position_embeddings", 2048),
+                tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+                attention_bias=bool(hf.get("attention_bias", hf["model_type"] == "qwen2")),
+                bos_token_id=hf.get("bos_token_id"),
+                eos_token_ids=[] if eos is None else ([eos] if isinstance(eos, int) else list(eos)),
+            )
+        except KeyError as missing:
+            raise ModelLoadError(f"the model's config lacks the field {missing}") from None
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    """How the engine runs: memory, batch limits, caching, dtype and device."""
+
+    max_model_len: int | None = None  # None: the model's trained length
+    block_size: int = 16
+    num_kv_blocks: int | None = None  # explicit size of the paged KV cache
+    kv_cache_tokens: int | None = None  # or: size it to hold this many tokens
+    kv_cache_memory_gb: float | None = None  # or: size it from a memory budget (default 2 GiB on CPU)
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    enable_prefix_caching: bool = True
+    # CPU: cut matmuls into row tiles so a request's tokens never depend on its batch (exact,
+    # slower prefill). Off: whole-batch matmuls, faster prefill, results may vary in the last bits.
+    batch_invariant: bool = True
+    dtype: str = "auto"  # auto: bfloat16 (batch-invariant and fastest on CPU and GPU)
+    device: str = "auto"  # auto: cuda when available, else cpu
+    seed: int = 0
+    num_threads: int | None = None  # torch CPU threads; None: leave torch's choice
+
+    def __post_init__(self) -> None:
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")

@@ -1,0 +1,256 @@
+"""The engine core: owns the model, the KV cache, the scheduler; add, abort and step."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from dataclasses import dataclass, replace
+
+import torch
+
+from ember.config import EngineConfig, ModelConfig
+from ember.engine.attention import KVCache
+from ember.engine.kv_cache import KVCacheManager
+from ember.engine.request import Request, RequestStatus
+from ember.engine.runner import ModelRunner
+from ember.engine.sampler import Sampler
+from ember.engine.scheduler import Scheduler, SchedulerConfig
+from ember.errors import ContextLengthExceeded, InvalidRequest
+from ember.models import get_model_class
+from ember.models.layers import set_batch_invariant
+from ember.types import FinishReason, SamplingParams, StepOutput
+
+logger = logging.getLogger("ember.engine")
+
+_DEFAULT_CPU_KV_GIB = 2.0
+_CUDA_MEMORY_FRACTION = 0.85  # of the memory still free after the weights are loaded
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(slots=True)
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    kv_blocks_total: int  # allocatable blocks (the null block excluded)
+    kv_blocks_used: int
+    kv_blocks_cached: int  # free blocks still holding reusable prefix KV
+    prefix_cache_queries: int  # prompt tokens looked up
+    prefix_cache_hits: int  # prompt tokens found
+    num_preemptions: int
+    prompt_tokens: int  # computed prompt tokens, cache hits excluded
+    generation_tokens: int
+
+
+class EngineCore:
+    """Synchronous engine. Not thread-safe: one thread calls everything (see AsyncEngine)."""
+
+    def __init__(self, model: torch.nn.Module, model_config: ModelConfig, config: EngineConfig,
+                 eos_token_ids: set[int], device: torch.device, dtype: torch.dtype) -> None:
+        self.model_config = model_config
+        self.config = config
+        self.device = device
+        self.dtype = dtype
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.max_model_len = config.max_model_len or model_config.max_position_embeddings
+        if self.max_model_len > model_config.max_position_embeddings:
+            logger.warning("max_model_len %d is above the model's trained length %d; quality may drop",
+                           self.max_model_len, model_config.max_position_embeddings)
+        set_batch_invariant(config.batch_invariant and device.type == "cpu")
+        num_blocks = self._num_kv_blocks()
+        self.kv_manager = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(
+            SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len),
+            self.kv_manager)
+        cache = KVCache(model_config.num_hidden_layers, num_blocks, config.block_size,
+                        model_config.num_key_value_heads, model_config.head_dim, dtype, device)
+        sampler = Sampler(model_config.vocab_size, device, config.seed)
+        self.runner = ModelRunner(model, cache, sampler, device)
+        self.kv_capacity_tokens = (num_blocks - 1) * config.block_size
+        self._scheduled_at: dict[str, float] = {}
+        self._num_preemptions = 0
+        self._prompt_tokens = 0
+        self._generation_tokens = 0
+        logger.info("KV cache: %d blocks of %d tokens (%d tokens, %.2f GiB, %s)", num_blocks - 1,
+                    config.block_size, self.kv_capacity_tokens,
+                    cache.tensor.numel() * cache.tensor.element_size() / 2**30, dtype)
+
+    @classmethod
+    def from_source(cls, source, config: EngineConfig) -> "EngineCore":
+        """Build the model described by a loaders.ModelSource and wrap it in an engine."""
+        device = resolve_device(config.device)
+        dtype = resolve_dtype(config.dtype, device)
+        if config.num_threads and device.type == "cpu":
+            torch.set_num_threads(config.num_threads)
+        model_config = ModelConfig.from_hf(source.hf_config)
+        model = build_model(model_config, dtype, device, config.max_model_len)
+        model.load_weights(source.weights())
+        eos = set(model_config.eos_token_ids) | set(source.tokenizer.eos_token_ids)
+        generation_eos = source.generation_config.get("eos_token_id")
+        if generation_eos is not None:
+            eos |= {generation_eos} if isinstance(generation_eos, int) else set(generation_eos)
+        return cls(model, model_config, config, eos, device, dtype)
+
+    def _num_kv_blocks(self) -> int:
+        cfg, mc = self.config, self.model_config
+        if cfg.num_kv_blocks is not None:
+            return cfg.num_kv_blocks + 1
+        if cfg.kv_cache_tokens is not None:
+            return -(-cfg.kv_cache_tokens // cfg.block_size) + 1
+        per_block = KVCache.bytes_per_block(mc.num_hidden_layers, cfg.block_size, mc.num_key_value_heads,
+                                            mc.head_dim, self.dtype)
+        if cfg.kv_cache_memory_gb is not None:
+            budget = cfg.kv_cache_memory_gb * 2**30
+        elif self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            budget = free * _CUDA_MEMORY_FRACTION
+        else:
+            budget = _DEFAULT_CPU_KV_GIB * 2**30
+        # No use holding more than every sequence at full length.
+        most_needed = cfg.max_num_seqs * -(-self.max_model_len // cfg.block_size)
+        return max(2, min(int(budget // per_block), most_needed)) + 1
+
+    # ---- requests ------------------------------------------------------------------------------
+
+    def resolve_max_tokens(self, num_prompt_tokens: int, max_tokens: int | None) -> int:
+        """Check that a request can ever run; return its max_tokens with None resolved."""
+        if num_prompt_tokens == 0:
+            raise InvalidRequest("the prompt is empty", param="prompt")
+        if num_prompt_tokens >= self.max_model_len:
+            raise ContextLengthExceeded(self.max_model_len, num_prompt_tokens)
+        room = self.max_model_len - num_prompt_tokens
+        if max_tokens is None:
+            max_tokens = room
+        elif max_tokens > room:
+            raise InvalidRequest(
+                f"max_tokens ({max_tokens}) plus the prompt ({num_prompt_tokens} tokens) exceeds the "
+                f"model's maximum context length of {self.max_model_len} tokens",
+                param="max_tokens", code="context_length_exceeded")
+        needed = num_prompt_tokens + max_tokens
+        if needed > self.kv_capacity_tokens:
+            raise InvalidRequest(
+                f"the request needs {needed} tokens of KV cache ({num_prompt_tokens} prompt + {max_tokens} "
+                f"max_tokens) but the cache holds {self.kv_capacity_tokens}",
+                param="max_tokens", code="context_length_exceeded")
+        return max_tokens
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    priority: int = 0, cache_salt: str | None = None, arrival_time: float | None = None) -> None:
+        if self.scheduler.get_request(request_id) is not None:
+            raise InvalidRequest(f"request id {request_id!r} is already in use", param="request_id")
+        vocab = self.model_config.vocab_size
+        if any(not 0 <= t < vocab for t in prompt_token_ids):
+            raise InvalidRequest(f"the prompt holds a token id outside the vocabulary (0..{vocab - 1})",
+                                 param="prompt")
+        max_tokens = self.resolve_max_tokens(len(prompt_token_ids), params.max_tokens)
+        request = Request(request_id, list(prompt_token_ids), params, max_tokens=max_tokens,
+                          eos_token_ids=self.eos_token_ids, arrival_time=arrival_time or time.time(),
+                          priority=priority, cache_salt=cache_salt)
+        self.scheduler.add_request(request)
+
+    def abort(self, request_ids: list[str]) -> None:
+        for request in self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED):
+            self._scheduled_at.pop(request.request_id, None)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ---- the step ------------------------------------------------------------------------------
+
+    def step(self) -> list[StepOutput]:
+        plan = self.scheduler.schedule()
+        self._num_preemptions += len(plan.preempted)
+        if not plan.scheduled:
+            return []
+        now = time.time()
+        for item in plan.scheduled:
+            self._scheduled_at.setdefault(item.request.request_id, now)
+        result = self.runner.execute(plan.scheduled)
+        self.scheduler.update_from_output(plan, result.sampled)
+        outputs = []
+        for item in plan.scheduled:
+            request = item.request
+            self._prompt_tokens += max(0, min(item.start + item.num_new_tokens, request.num_prompt_tokens) - item.start)
+            new_tokens = result.sampled.get(request.request_id)
+            if not new_tokens:
+                continue
+            self._generation_tokens += len(new_tokens)
+            finished = request.status.is_finished
+            outputs.append(StepOutput(
+                request_id=request.request_id,
+                new_token_ids=new_tokens,
+                logprobs=result.logprobs.get(request.request_id),
+                finish_reason=request.finish_reason if finished else None,
+                num_prompt_tokens=request.num_prompt_tokens,
+                num_cached_tokens=request.num_cached_tokens,
+                scheduled_time=self._scheduled_at[request.request_id],
+                stop_token_id=request.stop_reason if finished else None,
+            ))
+            if finished:
+                del self._scheduled_at[request.request_id]
+        return outputs
+
+    def fail_all(self, message: str) -> list[StepOutput]:
+        """End every live request with an error (after an engine fault)."""
+        live = list(self.scheduler.requests)
+        finished = self.scheduler.finish_requests(live, RequestStatus.FINISHED_ABORTED)
+        self._scheduled_at.clear()
+        return [StepOutput(r.request_id, [], None, FinishReason.ERROR, r.num_prompt_tokens,
+                           max(r.num_cached_tokens, 0), error=message) for r in finished]
+
+    def stats(self) -> EngineStats:
+        kv = self.kv_manager
+        return EngineStats(
+            num_running=self.scheduler.num_running,
+            num_waiting=self.scheduler.num_waiting,
+            kv_blocks_total=kv.num_blocks - 1,
+            kv_blocks_used=kv.num_used_blocks,
+            kv_blocks_cached=kv.num_cached_blocks,
+            prefix_cache_queries=kv.prefix_cache_queries,
+            prefix_cache_hits=kv.prefix_cache_hits,
+            num_preemptions=self._num_preemptions,
+            prompt_tokens=self._prompt_tokens,
+            generation_tokens=self._generation_tokens,
+        )
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError if blocks leaked; meaningful when no request is live."""
+        self.kv_manager.check_invariants()
+        if not self.has_unfinished():
+            assert self.kv_manager.num_used_blocks == 0, f"{self.kv_manager.num_used_blocks} blocks still in use"
+
+
+def build_model(model_config: ModelConfig, dtype: torch.dtype, device: torch.device,
+                max_model_len: int | None = None) -> torch.nn.Module:
+    """An empty model of the config's architecture, its parameters waiting for load_weights."""
+    if max_model_len and max_model_len > model_config.max_position_embeddings:
+        if model_config.rope_scaling:
+            raise InvalidRequest(
+                f"max_model_len {max_model_len} is beyond the model's trained length "
+                f"{model_config.max_position_embeddings}, which ember extends only for plain rotary "
+                f"embeddings, not for {model_config.rope_scaling.get('rope_type')} scaling", param="max_model_len")
+        # Plain rotary embeddings are defined at every position: widen the table.
+        model_config = replace(model_config, max_position_embeddings=max_model_len)
+    with _default_dtype(dtype), device:
+        return get_model_class(model_config.model_type)(model_config).eval()
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    # bfloat16 by default: its CPU matmuls are batch-invariant here and about 2x faster than float32.
+    return torch.bfloat16 if name == "auto" else _DTYPES[name]
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype):
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)

@@ -1,0 +1,196 @@
+"""The asyncio client of the engine: the core runs in its own thread; typed messages cross over.
+
+The front end's event loop never waits on model work. It sends AddRequest / AbortRequest /
+CallInEngine / Shutdown into the engine thread's inbox, and step outputs come back through
+`loop.call_soon_threadsafe`. Detokenizing and stop strings happen on the front end's side.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import itertools
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Callable
+
+from ember.engine.core import EngineCore
+from ember.engine.outputs import RequestTracker
+from ember.errors import EmberError
+from ember.types import FinishReason, GenerationOutput, SamplingParams, StepOutput
+
+logger = logging.getLogger("ember.engine")
+
+
+@dataclass(slots=True)
+class AddRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    priority: int = 0
+    cache_salt: str | None = None
+    arrival_time: float = field(default_factory=time.time)
+
+
+@dataclass(slots=True)
+class AbortRequest:
+    request_ids: list[str]
+
+
+@dataclass(slots=True)
+class CallInEngine:
+    """Run fn(core) on the engine thread between steps (statistics, invariant checks, cache reset)."""
+
+    fn: Callable[[EngineCore], Any]
+    future: concurrent.futures.Future
+
+
+@dataclass(slots=True)
+class Shutdown:
+    pass
+
+
+class EngineUnavailable(EmberError):
+    status = 503
+    type = "server_error"
+
+
+class AsyncEngine:
+    def __init__(self, core: EngineCore, tokenizer) -> None:
+        self.core = core
+        self.tokenizer = tokenizer
+        self.failed: str | None = None  # the fault that stopped the engine, if any
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._streams: dict[str, asyncio.Queue] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._ids = itertools.count()
+        self._handlers = {
+            AddRequest: self._handle_add,
+            AbortRequest: self._handle_abort,
+            CallInEngine: self._handle_call,
+        }
+
+    # ---- front end side (the event loop) -------------------------------------------------------
+
+    def start(self) -> None:
+        """Start the engine thread; call from inside the running event loop."""
+        if self._thread is not None:
+            return
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="ember-engine", daemon=True)
+        self._thread.start()
+
+    async def generate(self, prompt_token_ids: list[int], params: SamplingParams, *,
+                       request_id: str | None = None, priority: int = 0,
+                       cache_salt: str | None = None) -> AsyncIterator[GenerationOutput]:
+        """Submit a request and yield its outputs until it finishes.
+
+        Refusals (context length, cache size) raise before the first output. Leaving the
+        iteration early (a client gone, a cancelled task) aborts the request in the engine.
+        """
+        if self.failed:
+            raise EngineUnavailable(f"the engine stopped after a fault: {self.failed}")
+        self.start()
+        self.core.resolve_max_tokens(len(prompt_token_ids), params.max_tokens)
+        request_id = request_id or f"req-{next(self._ids)}"
+        if request_id in self._streams:
+            raise EmberError(f"request id {request_id!r} is already running", param="request_id", status=400)
+        stream: asyncio.Queue = asyncio.Queue()
+        self._streams[request_id] = stream
+        tracker = RequestTracker(request_id, prompt_token_ids, params, self.tokenizer.hf.backend_tokenizer)
+        self._inbox.put(AddRequest(request_id, prompt_token_ids, params, priority, cache_salt,
+                                   tracker.timings.arrival))
+        finished = False
+        try:
+            while not finished:
+                step: StepOutput = await stream.get()
+                output = tracker.update(step)
+                finished = output.finished
+                if tracker.stopped_by_string:
+                    self._inbox.put(AbortRequest([request_id]))
+                yield output
+        finally:
+            del self._streams[request_id]
+            if not finished:
+                self._inbox.put(AbortRequest([request_id]))
+
+    def abort(self, request_id: str) -> None:
+        self._inbox.put(AbortRequest([request_id]))
+
+    async def call(self, fn: Callable[[EngineCore], Any]) -> Any:
+        """Run fn(core) on the engine thread and return its result."""
+        self.start()
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._inbox.put(CallInEngine(fn, future))
+        return await asyncio.wrap_future(future)
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Stop the engine thread; live requests are aborted and their blocks returned."""
+        if self._thread is None:
+            return
+        self._inbox.put(Shutdown())
+        self._thread.join(timeout)
+        self._thread = None
+
+    def _deliver(self, outputs: list[StepOutput]) -> None:
+        for step in outputs:
+            stream = self._streams.get(step.request_id)
+            if stream is not None:
+                stream.put_nowait(step)
+
+    # ---- engine side (the engine thread) -------------------------------------------------------
+
+    def _run(self) -> None:
+        core = self.core
+        while True:
+            try:
+                message = self._inbox.get(block=not core.has_unfinished())
+            except queue.Empty:
+                message = None
+            while message is not None:
+                if isinstance(message, Shutdown):
+                    core.abort(list(core.scheduler.requests))
+                    return
+                self._handlers[type(message)](message)
+                try:
+                    message = self._inbox.get_nowait()
+                except queue.Empty:
+                    message = None
+            if not core.has_unfinished():
+                continue
+            try:
+                outputs = core.step()
+            except Exception as exc:  # a fault in the model or sampler: fail what is live, stop
+                logger.exception("engine step failed")
+                self.failed = f"{type(exc).__name__}: {exc}"
+                outputs = core.fail_all(self.failed)
+            if outputs:
+                self._loop.call_soon_threadsafe(self._deliver, outputs)
+
+    def _handle_add(self, message: AddRequest) -> None:
+        if self.failed:
+            self._reject(message, self.failed)
+            return
+        try:
+            self.core.add_request(message.request_id, message.prompt_token_ids, message.params,
+                                  message.priority, message.cache_salt, message.arrival_time)
+        except EmberError as exc:
+            self._reject(message, exc.message)
+
+    def _reject(self, message: AddRequest, error: str) -> None:
+        rejected = StepOutput(message.request_id, [], None, FinishReason.ERROR, len(message.prompt_token_ids), 0,
+                              error=error)
+        self._loop.call_soon_threadsafe(self._deliver, [rejected])
+
+    def _handle_abort(self, message: AbortRequest) -> None:
+        self.core.abort(message.request_ids)
+
+    def _handle_call(self, message: CallInEngine) -> None:
+        try:
+            message.future.set_result(message.fn(self.core))
+        except Exception as exc:
+            message.future.set_exception(exc)

@@ -1,0 +1,226 @@
+"""Paged KV block manager: a pool of fixed-size blocks, ref counts, and a prefix cache.
+
+Block 0 is a null block for padding block tables; it is never handed out. A full block whose
+tokens are all computed gets a hash chained from its parent's hash, so a later request with the
+same prefix (and the same cache salt) can reuse it. Free blocks sit in an LRU queue; a free block
+that still has a hash stays findable until allocation takes it from the front of the queue.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections import OrderedDict
+from collections.abc import Sequence
+
+from ember.engine.request import Request
+
+_ROOT = b"\x00"
+_CHILD = b"\x01"
+
+
+def hash_block(parent_hash: bytes | None, token_ids: Sequence[int], cache_salt: str | None) -> bytes:
+    """16-byte blake2b of (parent hash, salt, token ids); every field is framed, so no two differ only in framing."""
+    digest = hashlib.blake2b(digest_size=16)
+    digest.update(_ROOT if parent_hash is None else _CHILD + parent_hash)
+    if cache_salt is None:
+        digest.update(_ROOT)
+    else:
+        salt = cache_salt.encode()
+        digest.update(_CHILD + len(salt).to_bytes(8, "little") + salt)
+    digest.update(array("q", token_ids).tobytes())
+    return digest.digest()
+
+
+class Block:
+    __slots__ = ("block_id", "ref_count", "hash")
+
+    def __init__(self, block_id: int) -> None:
+        self.block_id = block_id
+        self.ref_count = 0
+        self.hash: bytes | None = None  # set only while the hash map points at this block
+
+    def __repr__(self) -> str:
+        return f"Block({self.block_id}, ref={self.ref_count}, cached={self.hash is not None})"
+
+
+class KVCacheManager:
+    """Hands out block ids to requests and keeps the prefix cache.
+
+    Invariant: a block's hash is set exactly when `cached_block_ids[hash]` names that block, so a
+    block that lost a race to register its hash stays plain and is reused first once free.
+    The manager tracks the requests that hold blocks; `check_invariants()` needs no arguments.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+        if num_blocks < 2:
+            raise ValueError(f"num_blocks must be at least 2 (block 0 is reserved), got {num_blocks}")
+        if block_size < 1:
+            raise ValueError(f"block_size must be positive, got {block_size}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        # front: taken next (plain blocks, then the least recently freed cached ones)
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(1, num_blocks))
+        self.cached_block_ids: dict[bytes, int] = {}
+        self._num_cached_free = 0
+        self._holders: dict[str, Request] = {}  # requests holding blocks, for check_invariants
+        self.prefix_cache_queries = 0  # tokens looked up at admission
+        self.prefix_cache_hits = 0  # tokens found
+
+    @property
+    def num_allocatable_blocks(self) -> int:
+        return self.num_blocks - 1
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return self._num_cached_free
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_allocatable_blocks - len(self._free)
+
+    @property
+    def usage(self) -> float:
+        return self.num_used_blocks / self.num_allocatable_blocks
+
+    @property
+    def free_block_ids(self) -> list[int]:
+        """Free block ids in the order allocation will take them (a copy; for tests and debugging)."""
+        return list(self._free)
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[int], int]:
+        """The cached blocks matching the start of request.token_ids, and the tokens they cover.
+
+        At most num_tokens - 1 tokens are hits, so the engine always computes one token to sample from.
+        """
+        if not self.enable_prefix_caching:
+            return [], 0
+        size = self.block_size
+        tokens = request.token_ids
+        hits: list[int] = []
+        parent = None
+        for start in range(0, (len(tokens) - 1) // size * size, size):
+            parent = hash_block(parent, tokens[start:start + size], request.cache_salt)
+            block_id = self.cached_block_ids.get(parent)
+            if block_id is None:
+                break
+            hits.append(block_id)
+        return hits, len(hits) * size
+
+    def allocate_slots(self, request: Request, num_new_tokens: int, new_computed_blocks: Sequence[int] = (),
+                       num_new_computed_tokens: int = 0) -> bool:
+        """Attach cache hits, then grow request.block_ids to cover every token up to the new ones.
+
+        Returns False and changes nothing when the pool cannot cover it.
+        """
+        assert not new_computed_blocks or not request.block_ids, "cache hits attach only to a request with no blocks"
+        num_tokens = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens
+        num_required = -(-num_tokens // self.block_size)
+        num_new_blocks = max(0, num_required - len(request.block_ids) - len(new_computed_blocks))
+        num_free_hits = sum(1 for block_id in new_computed_blocks if self.blocks[block_id].ref_count == 0)
+        if num_new_blocks + num_free_hits > len(self._free):
+            return False
+
+        if self.enable_prefix_caching and not request.block_ids and request.num_computed_tokens == 0:
+            self.prefix_cache_queries += request.num_tokens
+            self.prefix_cache_hits += num_new_computed_tokens
+        for block_id in new_computed_blocks:
+            block = self.blocks[block_id]
+            if block.ref_count == 0:
+                del self._free[block_id]
+                self._num_cached_free -= 1
+            block.ref_count += 1
+            request.block_ids.append(block_id)
+            request.block_hashes.append(block.hash)
+        for _ in range(num_new_blocks):
+            block_id, _ = self._free.popitem(last=False)
+            block = self.blocks[block_id]
+            if block.hash is not None:
+                del self.cached_block_ids[block.hash]
+                block.hash = None
+                self._num_cached_free -= 1
+            block.ref_count = 1
+            request.block_ids.append(block_id)
+        if request.block_ids:
+            self._holders[request.request_id] = request
+        return True
+
+    def cache_full_blocks(self, request: Request) -> None:
+        """Hash and register each block that became full and computed since the last call."""
+        if not self.enable_prefix_caching:
+            return
+        size = self.block_size
+        hashes = request.block_hashes
+        parent = hashes[-1] if hashes else None
+        for index in range(len(hashes), request.num_computed_tokens // size):
+            parent = hash_block(parent, request.token_ids[index * size:(index + 1) * size], request.cache_salt)
+            hashes.append(parent)
+            block = self.blocks[request.block_ids[index]]
+            if parent not in self.cached_block_ids:
+                self.cached_block_ids[parent] = block.block_id
+                block.hash = parent
+
+    def free(self, request: Request) -> None:
+        """Release the request's blocks; the tail of its chain goes to the free queue first."""
+        for block_id in reversed(request.block_ids):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self._free[block_id] = None
+                if block.hash is None:
+                    self._free.move_to_end(block_id, last=False)  # holds nothing worth keeping
+                else:
+                    self._num_cached_free += 1
+        request.block_ids = []
+        request.block_hashes = []
+        self._holders.pop(request.request_id, None)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every hash; refused (False) while any block is in use."""
+        if self.num_used_blocks:
+            return False
+        for block_id in self.cached_block_ids.values():
+            self.blocks[block_id].hash = None
+        self.cached_block_ids.clear()
+        self._num_cached_free = 0
+        return True
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError naming the first broken invariant of the pool."""
+        assert 0 not in self._free and self.blocks[0].ref_count == 0 and self.blocks[0].hash is None, \
+            "the null block 0 was handed out"
+        expected_refs = [0] * self.num_blocks
+        for request_id, request in self._holders.items():
+            assert request.block_ids, f"request {request_id} is tracked but holds no blocks"
+            assert len(set(request.block_ids)) == len(request.block_ids), \
+                f"request {request_id} lists a block twice: {request.block_ids}"
+            assert len(request.block_hashes) <= len(request.block_ids), \
+                f"request {request_id} has more block hashes than blocks"
+            for block_id in request.block_ids:
+                expected_refs[block_id] += 1
+        for block in self.blocks:
+            assert block.ref_count == expected_refs[block.block_id], \
+                f"block {block.block_id} has ref_count {block.ref_count} but {expected_refs[block.block_id]} holders"
+            is_free = block.block_id in self._free
+            assert not (is_free and block.ref_count), f"free block {block.block_id} has ref_count {block.ref_count}"
+            assert is_free or block.ref_count or block.block_id == 0, \
+                f"block {block.block_id} is neither free nor in use (leaked)"
+            if block.hash is not None:
+                assert self.cached_block_ids.get(block.hash) == block.block_id, \
+                    f"block {block.block_id} carries a hash the hash map does not point back to"
+        for block_hash, block_id in self.cached_block_ids.items():
+            assert self.blocks[block_id].hash == block_hash, \
+                f"hash map entry points at block {block_id}, which has a different hash"
+        num_cached_free = sum(1 for block_id in self._free if self.blocks[block_id].hash is not None)
+        assert num_cached_free == self._num_cached_free, \
+            f"cached free count is {self._num_cached_free} but {num_cached_free} free blocks carry a hash"
+        num_plain_free = len(self._free) - num_cached_free
+        num_used = sum(1 for block in self.blocks if block.ref_count)
+        assert num_plain_free + num_cached_free + num_used == self.num_allocatable_blocks, \
+            f"free {num_plain_free} + cached {num_cached_free} + used {num_used} != pool {self.num_allocatable_blocks}"

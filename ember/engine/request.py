@@ -1,0 +1,87 @@
+"""One request's state inside the engine: its tokens, how many have KV in the cache, its blocks."""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterable
+
+from ember.types import FinishReason, SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    PREEMPTED = enum.auto()  # waiting again, its KV dropped; recomputed (often from the prefix cache)
+    FINISHED_STOPPED = enum.auto()
+    FINISHED_LENGTH = enum.auto()
+    FINISHED_ABORTED = enum.auto()
+
+    @property
+    def is_finished(self) -> bool:
+        return self in _FINISH_REASONS
+
+    @property
+    def finish_reason(self) -> FinishReason | None:
+        return _FINISH_REASONS.get(self)
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: FinishReason.STOP,
+    RequestStatus.FINISHED_LENGTH: FinishReason.LENGTH,
+    RequestStatus.FINISHED_ABORTED: FinishReason.ABORT,
+}
+
+
+class Request:
+    """Token ids are one list, prompt then output, appended in place.
+
+    Invariants: num_computed_tokens <= num_tokens; block_ids cover at least num_computed_tokens
+    tokens while running; block_hashes[i] is the hash of block_ids[i] (full, computed blocks only).
+    """
+
+    __slots__ = (
+        "request_id", "token_ids", "num_prompt_tokens", "sampling_params", "max_tokens",
+        "eos_token_ids", "arrival_time", "priority", "cache_salt", "num_computed_tokens",
+        "num_cached_tokens", "block_ids", "block_hashes", "status", "finish_reason",
+        "stop_reason", "num_preemptions",
+    )
+
+    def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams, *,
+                 max_tokens: int, eos_token_ids: Iterable[int], arrival_time: float, priority: int = 0,
+                 cache_salt: str | None = None) -> None:
+        self.request_id = request_id
+        self.token_ids: list[int] = list(prompt_token_ids)
+        self.num_prompt_tokens = len(self.token_ids)
+        self.sampling_params = sampling_params
+        self.max_tokens = max_tokens  # resolved by the engine; prompt + max_tokens <= max_model_len
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.arrival_time = arrival_time
+        self.priority = priority  # lower is more important
+        self.cache_salt = cache_salt
+        self.num_computed_tokens = 0  # tokens whose KV is in the cache
+        self.num_cached_tokens = -1  # prompt tokens served by the prefix cache; -1 until first scheduled
+        self.block_ids: list[int] = []
+        self.block_hashes: list[bytes] = []
+        self.status = RequestStatus.WAITING
+        self.finish_reason: FinishReason | None = None
+        self.stop_reason: int | None = None  # the stop token id that ended it
+        self.num_preemptions = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    def append_output_token(self, token_id: int) -> None:
+        self.token_ids.append(token_id)
+
+    def __repr__(self) -> str:
+        return (f"Request({self.request_id!r}, {self.status.name}, tokens={self.num_tokens}, "
+                f"computed={self.num_computed_tokens}, blocks={self.block_ids})")

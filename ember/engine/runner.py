@@ -1,0 +1,106 @@
+"""Turns a scheduled batch into tensors, runs the model over it and samples the next tokens."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ember.engine.attention import DecodeGroup, KVCache, PagedAttention, PrefillSeq
+from ember.engine.sampler import Sampler, SamplingRow
+from ember.engine.scheduler import ScheduledRequest
+from ember.types import TokenLogprob
+
+# Decode block tables are padded up to a multiple of this many blocks, so shapes repeat
+# from step to step (fewer distinct shapes for kernels, graph capture and allocators).
+_BLOCK_TABLE_BUCKET = 4
+
+
+@dataclass(slots=True)
+class RunnerOutput:
+    sampled: dict[str, list[int]]  # request id -> tokens sampled this step
+    logprobs: dict[str, list[TokenLogprob]]
+
+
+class ModelRunner:
+    def __init__(self, model: torch.nn.Module, cache: KVCache, sampler: Sampler, device: torch.device) -> None:
+        self.model = model
+        self.cache = cache
+        self.sampler = sampler
+        self.device = device
+        self.block_size = cache.block_size
+
+    @torch.inference_mode()
+    def execute(self, scheduled: list[ScheduledRequest]) -> RunnerOutput:
+        input_ids, positions, slots, sample_rows, attn = self._prepare(scheduled)
+        hidden = self.model(input_ids, positions, attn)
+        sampling = [s for s in scheduled if s.samples]
+        if not sampling:
+            return RunnerOutput({}, {})
+        logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=self.device)])
+        rows = [_sampling_row(s) for s in sampling]
+        result = self.sampler(logits, rows)
+        sampled = {s.request.request_id: [t] for s, t in zip(sampling, result.token_ids)}
+        logprobs = {s.request.request_id: [lp] for s, lp in zip(sampling, result.logprobs) if lp is not None}
+        return RunnerOutput(sampled, logprobs)
+
+    def _prepare(self, scheduled: list[ScheduledRequest]):
+        block_size = self.block_size
+        token_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        sample_rows: list[int] = []
+        decode_rows: list[int] = []
+        decode_tables: list[list[int]] = []
+        decode_lengths: list[int] = []
+        prefills: list[PrefillSeq] = []
+        for item in scheduled:
+            request, start, count = item.request, item.start, item.num_new_tokens
+            begin = len(token_ids)
+            token_ids.extend(request.token_ids[start:start + count])
+            positions.extend(range(start, start + count))
+            if count == 1:
+                slots.append(request.block_ids[start // block_size] * block_size + start % block_size)
+                decode_rows.append(begin)
+                decode_tables.append(request.block_ids[: start // block_size + 1])
+                decode_lengths.append(start + 1)
+            else:
+                seq_slots = _slots_of(request.block_ids, start + count, block_size)
+                slots.extend(seq_slots[start:].tolist())
+                prefills.append(PrefillSeq(begin, begin + count, start, seq_slots.to(self.device)))
+            if item.samples:
+                sample_rows.append(begin + count - 1)
+        decode = self._decode_group(decode_rows, decode_tables, decode_lengths) if decode_rows else None
+        to_device = lambda values: torch.tensor(values, dtype=torch.long).to(self.device, non_blocking=True)
+        slot_mapping = to_device(slots)
+        attn = PagedAttention(self.cache, slot_mapping, decode, prefills)
+        return to_device(token_ids), to_device(positions), slot_mapping, sample_rows, attn
+
+    def _decode_group(self, rows: list[int], tables: list[list[int]], lengths: list[int]) -> DecodeGroup:
+        width = -(-max(len(t) for t in tables) // _BLOCK_TABLE_BUCKET) * _BLOCK_TABLE_BUCKET
+        padded = [t + [0] * (width - len(t)) for t in tables]
+        block_table = torch.tensor(padded, dtype=torch.long)
+        key_mask = torch.arange(width * self.block_size)[None, :] < torch.tensor(lengths)[:, None]
+        return DecodeGroup(
+            token_index=torch.tensor(rows, dtype=torch.long).to(self.device, non_blocking=True),
+            block_table=block_table.to(self.device, non_blocking=True),
+            key_mask=key_mask[:, None, None, :].to(self.device, non_blocking=True),
+        )
+
+
+def _slots_of(block_ids: list[int], num_tokens: int, block_size: int) -> torch.Tensor:
+    """Cache slots of a sequence's first num_tokens tokens: (num_tokens,)."""
+    blocks = torch.tensor(block_ids[: -(-num_tokens // block_size)], dtype=torch.long)
+    return (blocks[:, None] * block_size + torch.arange(block_size)).flatten()[:num_tokens]
+
+
+def _sampling_row(item: ScheduledRequest) -> SamplingRow:
+    request = item.request
+    params = request.sampling_params
+    suppressed: frozenset[int] = frozenset()
+    if request.num_output_tokens < params.min_tokens:
+        ends = set(params.stop_token_ids)
+        if not params.ignore_eos:
+            ends |= request.eos_token_ids
+        suppressed = frozenset(ends)
+    return SamplingRow(params, request.token_ids, request.num_prompt_tokens, suppressed)

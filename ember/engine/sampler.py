@@ -1,0 +1,175 @@
+"""Batched sampling: penalties, bias, temperature, top-k/top-p/min-p, per-request seeds, logprobs.
+
+Each row is processed independently, so a request samples the same token alone or in any batch.
+A seeded request draws its noise from a generator reseeded from (seed, output position), which
+keeps it reproducible across batches, preemptions and restarts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ember.types import SamplingParams, TokenLogprob
+
+_SEED_STRIDE = 1_000_003  # mixes the output position into a request's seed
+
+
+@dataclass(slots=True)
+class SamplingRow:
+    """What the sampler needs of one request this step."""
+
+    params: SamplingParams
+    token_ids: list[int]  # the request's prompt then output tokens (not copied)
+    num_prompt_tokens: int
+    suppressed_token_ids: frozenset[int]  # end tokens held back until min_tokens is reached
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+
+@dataclass(slots=True)
+class SamplerOutput:
+    token_ids: list[int]
+    logprobs: list[TokenLogprob | None]
+
+
+class Sampler:
+    def __init__(self, vocab_size: int, device: torch.device, seed: int = 0) -> None:
+        self.vocab_size = vocab_size
+        self.device = device
+        self.generator = torch.Generator(device=device)
+        self.generator.manual_seed(seed)
+        self._row_generator = torch.Generator(device=device)
+
+    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
+        """logits: (N, V) float32, one row per request in `rows`."""
+        logits = logits[:, : self.vocab_size]
+        want_logprobs = [row.params.logprobs for row in rows]
+        raw_logprobs = torch.log_softmax(logits, dim=-1) if any(k is not None for k in want_logprobs) else None
+        logits = self._adjust(logits, rows)
+        token_ids = self._choose(logits, rows)
+        chosen = token_ids.tolist()
+        logprobs: list[TokenLogprob | None] = [None] * len(rows)
+        if raw_logprobs is not None:
+            logprobs = _gather_logprobs(raw_logprobs, token_ids, want_logprobs)
+        return SamplerOutput(chosen, logprobs)
+
+    def _adjust(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        """Penalties, logit bias and suppressed end tokens; returns a new tensor if anything applies."""
+        needs_copy = any(r.params.uses_penalties or r.params.logit_bias or r.suppressed_token_ids for r in rows)
+        if not needs_copy:
+            return logits
+        logits = logits.clone()
+        if any(r.params.uses_penalties for r in rows):
+            _apply_penalties(logits, rows)
+        for i, row in enumerate(rows):
+            if row.params.logit_bias:
+                ids = torch.tensor(list(row.params.logit_bias), device=logits.device)
+                keep = ids < self.vocab_size
+                bias = torch.tensor(list(row.params.logit_bias.values()), dtype=logits.dtype, device=logits.device)
+                logits[i].index_add_(0, ids[keep], bias[keep])
+            if row.suppressed_token_ids:
+                ids = [t for t in row.suppressed_token_ids if t < self.vocab_size]
+                logits[i, ids] = float("-inf")
+        return logits
+
+    def _choose(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        greedy = torch.argmax(logits, dim=-1)
+        sampled_rows = [i for i, row in enumerate(rows) if not row.params.greedy]
+        if not sampled_rows:
+            return greedy
+        index = torch.tensor(sampled_rows, device=logits.device)
+        params = [rows[i].params for i in sampled_rows]
+        temperature = torch.tensor([p.temperature for p in params], device=logits.device)
+        scaled = logits[index] / temperature[:, None]
+        scaled = _filter_top_k(scaled, [p.top_k for p in params])
+        scaled = _filter_top_p_min_p(scaled, [p.top_p for p in params], [p.min_p for p in params])
+        probs = torch.softmax(scaled, dim=-1)
+        noise = self._exponential_noise(probs.shape, [rows[i] for i in sampled_rows])
+        # Dividing by Exp(1) noise and taking the argmax draws exactly from `probs`.
+        choice = torch.argmax(probs / noise, dim=-1)
+        greedy[index] = choice
+        return greedy
+
+    def _exponential_noise(self, shape: torch.Size, rows: list[SamplingRow]) -> torch.Tensor:
+        noise = torch.empty(shape, device=self.device)
+        noise.exponential_(generator=self.generator)
+        for i, row in enumerate(rows):
+            seed = row.params.seed
+            if seed is not None:
+                self._row_generator.manual_seed((seed * _SEED_STRIDE + row.num_output_tokens) % (1 << 63))
+                noise[i].exponential_(generator=self._row_generator)
+        return noise
+
+
+def _apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
+    """Repetition (prompt and output), presence and frequency (output only), as vLLM defines them."""
+    vocab = logits.shape[1]
+    device = logits.device
+    for i, row in enumerate(rows):
+        p = row.params
+        if not p.uses_penalties:
+            continue
+        output = torch.tensor(row.token_ids[row.num_prompt_tokens:], dtype=torch.long, device=device)
+        counts = torch.zeros(vocab, device=device)
+        if len(output):
+            counts.index_add_(0, output.clamp_(max=vocab - 1), torch.ones(len(output), device=device))
+        if p.repetition_penalty != 1.0:
+            seen = counts > 0
+            if row.num_prompt_tokens:
+                prompt = torch.tensor(row.token_ids[: row.num_prompt_tokens], dtype=torch.long, device=device)
+                seen[prompt.clamp_(max=vocab - 1)] = True
+            penalised = torch.where(logits[i] > 0, logits[i] / p.repetition_penalty, logits[i] * p.repetition_penalty)
+            logits[i] = torch.where(seen, penalised, logits[i])
+        if p.frequency_penalty:
+            logits[i] -= p.frequency_penalty * counts
+        if p.presence_penalty:
+            logits[i] -= p.presence_penalty * (counts > 0).float()
+
+
+def _filter_top_k(logits: torch.Tensor, top_ks: list[int]) -> torch.Tensor:
+    vocab = logits.shape[1]
+    ks = [k if 0 < k < vocab else vocab for k in top_ks]
+    if all(k == vocab for k in ks):
+        return logits
+    k_tensor = torch.tensor(ks, device=logits.device)
+    kth = torch.topk(logits, max(ks), dim=-1).values.gather(1, (k_tensor - 1)[:, None])
+    return logits.masked_fill(logits < kth, float("-inf"))
+
+
+def _filter_top_p_min_p(logits: torch.Tensor, top_ps: list[float], min_ps: list[float]) -> torch.Tensor:
+    if all(p >= 1.0 for p in top_ps) and all(m <= 0.0 for m in min_ps):
+        return logits
+    probs = torch.softmax(logits, dim=-1)
+    if any(m > 0.0 for m in min_ps):
+        min_p = torch.tensor(min_ps, device=logits.device)[:, None]
+        floor = probs.max(dim=-1, keepdim=True).values * min_p
+        logits = logits.masked_fill(probs < floor, float("-inf"))
+    if any(p < 1.0 for p in top_ps):
+        top_p = torch.tensor(top_ps, device=logits.device)[:, None]
+        sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
+        # Drop a token once the tokens strictly more likely than it already reach top_p.
+        mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
+        drop_sorted = mass_before >= top_p
+        drop = torch.zeros_like(drop_sorted).scatter_(1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return logits
+
+
+def _gather_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor,
+                     counts: list[int | None]) -> list[TokenLogprob | None]:
+    chosen = logprobs.gather(1, token_ids[:, None]).squeeze(1).tolist()
+    chosen_ids = token_ids.tolist()
+    most = max(k for k in counts if k is not None)
+    top_values, top_ids = (torch.topk(logprobs, most, dim=-1) if most else (None, None))
+    result: list[TokenLogprob | None] = []
+    for i, k in enumerate(counts):
+        if k is None:
+            result.append(None)
+            continue
+        top = list(zip(top_ids[i, :k].tolist(), top_values[i, :k].tolist())) if k else []
+        result.append(TokenLogprob(chosen_ids[i], chosen[i], top))
+    return result

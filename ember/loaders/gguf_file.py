@@ -1,0 +1,374 @@
+"""GGUF files: metadata -> HF config, tokenizer and generation defaults; tensors -> float weights
+under HF names (dequantized with the gguf package, llama.cpp's Q/K row order undone)."""
+
+from __future__ import annotations
+
+import logging
+import math
+import pathlib
+import re
+from collections.abc import Iterator, Mapping
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from ember.errors import ModelLoadError
+
+if TYPE_CHECKING:
+    from ember.loaders import ModelSource
+
+logger = logging.getLogger("ember.loaders")
+
+GGUF_MAGIC = b"GGUF"
+
+# GGUF general.architecture -> HF model_type (Mistral GGUFs are written as "llama").
+GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+_HF_ARCHITECTURE_CLASS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                          "qwen3": "Qwen3ForCausalLM"}
+_PERMUTED_QK = {"llama"}  # llama.cpp's converter interleaves q/k rows for these
+
+_GLOBAL_NAMES = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+}
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+_REQUIRED_LAYER_TENSORS = ("attn_norm.weight", "ffn_norm.weight", "attn_q.weight", "attn_k.weight",
+                           "attn_v.weight", "attn_output.weight", "ffn_gate.weight",
+                           "ffn_up.weight", "ffn_down.weight")
+_EXTRA_REQUIRED = {
+    "qwen2": ("attn_q.bias", "attn_k.bias", "attn_v.bias"),
+    "qwen3": ("attn_q_norm.weight", "attn_k_norm.weight"),
+}
+_HALF_TYPES = {"F16": torch.float16, "BF16": torch.bfloat16}
+_NOT_WEIGHTS = {"rope_freqs.weight"}  # folded into the config's rope_scaling
+_QUANT_SUFFIX = re.compile(r"[.\-_](?:(?:UD-)?I?Q\d\w*|F16|F32|BF16|FP16|FP32)$", re.IGNORECASE)
+_SAMPLING_KEYS = {
+    "general.sampling.temp": "temperature",
+    "general.sampling.top_p": "top_p",
+    "general.sampling.top_k": "top_k",
+    "general.sampling.min_p": "min_p",
+    "general.sampling.penalty_repeat": "repetition_penalty",
+}
+
+
+def is_gguf_file(path: pathlib.Path) -> bool:
+    try:
+        with open(path, "rb") as f:
+            return f.read(4) == GGUF_MAGIC
+    except OSError:
+        return False
+
+
+def model_name_from_file(path: pathlib.Path) -> str:
+    """'SmolLM2-135M-Instruct.Q4_1.gguf' -> 'SmolLM2-135M-Instruct'."""
+    stem = path.name[:-5] if path.name.lower().endswith(".gguf") else path.name
+    return _QUANT_SUFFIX.sub("", stem) or stem
+
+
+class GGUFModel:
+    """An opened, validated GGUF file: its metadata as plain values and its tensors by name."""
+
+    def __init__(self, path: pathlib.Path) -> None:
+        import gguf
+
+        self.path = path
+        if not is_gguf_file(path):
+            raise ModelLoadError(f"{path} is not a GGUF file (it does not start with the GGUF "
+                                 f"magic bytes)", param="model", code="invalid_model")
+        try:
+            reader = gguf.GGUFReader(path, "r")
+        except Exception as exc:  # the reader fails with ValueError/IndexError on a cut-off file
+            raise ModelLoadError(f"{path} is not a readable GGUF file (truncated or corrupt: "
+                                 f"{_first_line(exc)})", param="model", code="invalid_model") from None
+        self.metadata: dict[str, Any] = {}
+        for key, value in reader.fields.items():
+            if key.startswith("GGUF."):
+                continue
+            try:
+                self.metadata[key] = value.contents()
+            except Exception:  # an unreadable value we do not need is not fatal
+                logger.debug("skipping unreadable GGUF field %s", key)
+        self.tensors = {t.name: t for t in reader.tensors}
+        self.file_size = path.stat().st_size
+        for t in reader.tensors:
+            if int(t.data_offset) + int(t.n_bytes) > self.file_size:
+                raise ModelLoadError(f"{path} is truncated: tensor {t.name} runs past the end of "
+                                     f"the file", param="model", code="invalid_model")
+
+        arch = self.metadata.get("general.architecture")
+        if arch not in GGUF_ARCHITECTURES:
+            from ember.loaders import supported_architectures
+            raise ModelLoadError(
+                f"{path.name}: GGUF architecture {arch!r} is not supported by ember (supported: "
+                f"{', '.join(supported_architectures())})", param="model",
+                code="unsupported_architecture")
+        self.arch: str = arch
+        self.model_type = GGUF_ARCHITECTURES[arch]
+        from ember.loaders import check_architecture
+        check_architecture(self.model_type, path.name)
+        self._check_tensor_names()
+
+    # ---- metadata -> config -------------------------------------------------------------------
+
+    def _arch_value(self, key: str, default: Any = None) -> Any:
+        return self.metadata.get(f"{self.arch}.{key}", default)
+
+    def _required(self, key: str) -> Any:
+        value = self._arch_value(key)
+        if value is None:
+            raise ModelLoadError(f"{self.path.name} lacks the GGUF metadata key {self.arch}.{key}",
+                                 param="model", code="invalid_model")
+        if isinstance(value, list):
+            raise ModelLoadError(f"{self.path.name}: per-layer values for {self.arch}.{key} are "
+                                 f"not supported", param="model", code="invalid_model")
+        return value
+
+    def hf_config(self, eos_token_ids: list[int]) -> dict[str, Any]:
+        """A config.json-shaped dict for this model."""
+        num_layers = int(self._required("block_count"))
+        hidden = int(self._required("embedding_length"))
+        heads = int(self._required("attention.head_count"))
+        kv_heads = int(self._arch_value("attention.head_count_kv") or heads)
+        head_dim = int(self._arch_value("attention.key_length") or hidden // heads)
+        rotary = self._arch_value("rope.dimension_count")
+        if rotary is not None and int(rotary) != head_dim:
+            raise ModelLoadError(f"{self.path.name}: partial rotary embeddings ({rotary} of "
+                                 f"{head_dim} dims) are not supported", param="model",
+                                 code="invalid_model")
+        embed_shape = self.torch_shape("token_embd.weight")
+        tokens = self.metadata.get("tokenizer.ggml.tokens") or []
+        vocab_size = embed_shape[0]
+        if tokens and len(tokens) > vocab_size:
+            raise ModelLoadError(f"{self.path.name}: the tokenizer has {len(tokens)} tokens but the "
+                                 f"embedding only {vocab_size} rows", param="model",
+                                 code="invalid_model")
+        theta = float(self._arch_value("rope.freq_base", 10000.0))
+        config: dict[str, Any] = {
+            "architectures": [_HF_ARCHITECTURE_CLASS[self.model_type]],
+            "model_type": self.model_type,
+            "vocab_size": vocab_size,
+            "hidden_size": hidden,
+            "intermediate_size": int(self._required("feed_forward_length")),
+            "num_hidden_layers": num_layers,
+            "num_attention_heads": heads,
+            "num_key_value_heads": kv_heads,
+            "head_dim": head_dim,
+            "hidden_act": "silu",
+            "rms_norm_eps": _shortest_float32(self._arch_value("attention.layer_norm_rms_epsilon", 1e-6)),
+            "rope_theta": _shortest_float32(theta),
+            "rope_scaling": self._rope_scaling(theta, head_dim),
+            "max_position_embeddings": int(self._arch_value("context_length") or 2048),
+            "tie_word_embeddings": "output.weight" not in self.tensors,
+            "attention_bias": "blk.0.attn_q.bias" in self.tensors,
+            "bos_token_id": self.metadata.get("tokenizer.ggml.bos_token_id"),
+            "eos_token_id": eos_token_ids,
+        }
+        if self.metadata.get("tokenizer.ggml.padding_token_id") is not None:
+            config["pad_token_id"] = self.metadata["tokenizer.ggml.padding_token_id"]
+        if self.model_type == "qwen2":
+            config["use_sliding_window"] = False
+        return config
+
+    def _rope_scaling(self, theta: float, head_dim: int) -> dict[str, Any] | None:
+        kind = self._arch_value("rope.scaling.type")
+        factor = self._arch_value("rope.scaling.factor")
+        original = self._arch_value("rope.scaling.original_context_length")
+        if "rope_freqs.weight" in self.tensors:
+            if kind not in (None, "none"):
+                raise ModelLoadError(f"{self.path.name} has both rope_freqs and rope scaling "
+                                     f"type {kind!r}", param="model", code="invalid_model")
+            return self._llama3_rope_scaling(theta, head_dim, original)
+        if kind in (None, "none") or factor in (None, 1.0, 0.0):
+            return None
+        if kind == "linear":
+            return {"rope_type": "linear", "factor": float(factor)}
+        if kind == "yarn":
+            scaling: dict[str, Any] = {"rope_type": "yarn", "factor": float(factor)}
+            if original:
+                scaling["original_max_position_embeddings"] = int(original)
+            for key, name in (("rope.scaling.yarn_beta_fast", "beta_fast"),
+                              ("rope.scaling.yarn_beta_slow", "beta_slow"),
+                              ("rope.scaling.attn_factor", "attention_factor")):
+                if self._arch_value(key) is not None:
+                    scaling[name] = float(self._arch_value(key))
+            return scaling
+        raise ModelLoadError(f"{self.path.name}: rope scaling type {kind!r} is not supported "
+                             f"(supported: linear, yarn, llama3 rope_freqs)", param="model",
+                             code="invalid_model")
+
+    def _llama3_rope_scaling(self, theta: float, head_dim: int,
+                             original: int | None) -> dict[str, Any] | None:
+        """llama.cpp stores Llama 3.1-style scaling as a per-frequency factor tensor; find the
+        HF parameters that reproduce it."""
+        factors = self.dequantize("rope_freqs.weight").numpy().astype(np.float64).reshape(-1)
+        factor = float(factors.max())
+        if factor <= 1.0:
+            return None
+        for low, high, context in ((1.0, 4.0, int(original or 8192)),):
+            expected = llama3_rope_factors(theta, head_dim, factor, low, high, context)
+            if expected.shape == factors.shape and np.allclose(expected, factors, rtol=1e-4):
+                return {"rope_type": "llama3", "factor": factor, "low_freq_factor": low,
+                        "high_freq_factor": high, "original_max_position_embeddings": context}
+        raise ModelLoadError(f"{self.path.name}: its rope_freqs tensor matches no known Llama 3 "
+                             f"rope scaling", param="model", code="invalid_model")
+
+    def generation_config(self, eos_token_ids: list[int]) -> dict[str, Any]:
+        config: dict[str, Any] = {"eos_token_id": eos_token_ids}
+        if self.metadata.get("tokenizer.ggml.bos_token_id") is not None:
+            config["bos_token_id"] = self.metadata["tokenizer.ggml.bos_token_id"]
+        for key, name in _SAMPLING_KEYS.items():
+            if self.metadata.get(key) is not None:
+                value = self.metadata[key]
+                config[name] = int(value) if name == "top_k" else _shortest_float32(value)
+        return config
+
+    # ---- tensors ------------------------------------------------------------------------------
+
+    def _check_tensor_names(self) -> None:
+        num_layers = self._arch_value("block_count")
+        if not isinstance(num_layers, int) or num_layers < 1:
+            raise ModelLoadError(f"{self.path.name} lacks a valid {self.arch}.block_count",
+                                 param="model", code="invalid_model")
+        required = ["token_embd.weight", "output_norm.weight"]
+        per_layer = _REQUIRED_LAYER_TENSORS + _EXTRA_REQUIRED.get(self.arch, ())
+        required += [f"blk.{i}.{name}" for i in range(num_layers) for name in per_layer]
+        missing = [name for name in required if name not in self.tensors]
+        if missing:
+            shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+            raise ModelLoadError(f"{self.path.name} is missing tensors ({shown}); the file is "
+                                 f"incomplete or not a {self.arch} model", param="model",
+                                 code="invalid_model")
+        unknown = [name for name in self.tensors
+                   if name not in _NOT_WEIGHTS and hf_tensor_name(name, num_layers) is None]
+        if unknown:
+            raise ModelLoadError(f"{self.path.name} has tensors ember does not know for "
+                                 f"{self.arch}: {', '.join(unknown[:5])}", param="model",
+                                 code="invalid_model")
+
+    def torch_shape(self, name: str) -> tuple[int, ...]:
+        # GGUF lists dimensions fastest-first (ne[0] = columns); torch wants them slowest-first.
+        return tuple(int(n) for n in reversed(self.tensors[name].shape.tolist()))
+
+    def tensor_type(self, name: str) -> str:
+        return self.tensors[name].tensor_type.name
+
+    def dequantize(self, name: str) -> torch.Tensor:
+        """The named GGUF tensor as float32, in torch's shape and GGUF's row order."""
+        import gguf
+
+        tensor = self.tensors[name]
+        try:
+            values = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+        except NotImplementedError:
+            raise ModelLoadError(f"{self.path.name}: tensor {name} has type "
+                                 f"{tensor.tensor_type.name}, which ember cannot dequantize",
+                                 param="model", code="invalid_model") from None
+        array = np.asarray(values, dtype=np.float32).reshape(self.torch_shape(name))
+        if not array.flags.writeable or not array.flags.owndata:
+            array = array.copy()  # never hand out a view of the memory-mapped file
+        return torch.from_numpy(array)
+
+    def weights(self, hf_config: Mapping[str, Any], *,
+                keep_half: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+        """(HF name, float32 tensor) for every weight, Q/K rows back in HF order. With keep_half,
+        F16 and BF16 tensors stay in their own (exact) dtype instead."""
+        num_layers = hf_config["num_hidden_layers"]
+        heads = hf_config["num_attention_heads"]
+        kv_heads = hf_config["num_key_value_heads"]
+        for name in self.tensors:
+            if name in _NOT_WEIGHTS:
+                continue
+            hf_name = hf_tensor_name(name, num_layers)
+            tensor = dequantize_tensor(self, name)
+            if keep_half and self.tensor_type(name) in _HALF_TYPES:
+                tensor = tensor.to(_HALF_TYPES[self.tensor_type(name)])
+            if self.arch in _PERMUTED_QK:
+                if ".attn_q." in name:
+                    tensor = unpermute_qk_rows(tensor, heads, name)
+                elif ".attn_k." in name:
+                    tensor = unpermute_qk_rows(tensor, kv_heads, name)
+            yield hf_name, tensor
+
+
+def dequantize_tensor(model: GGUFModel, name: str) -> torch.Tensor:
+    """One tensor to float32 (the one place the loader dequantizes; tests count calls here)."""
+    return model.dequantize(name)
+
+
+def hf_tensor_name(name: str, num_layers: int) -> str | None:
+    """GGUF tensor name -> HF checkpoint name, or None when it is not one ember knows."""
+    base, _, kind = name.rpartition(".")
+    if base in _GLOBAL_NAMES and kind == "weight":
+        return f"{_GLOBAL_NAMES[base]}.weight"
+    match = _LAYER_TENSOR.fullmatch(name)
+    if match is None:
+        return None
+    layer, part, kind = int(match.group(1)), match.group(2), match.group(3)
+    if layer >= num_layers or part not in _LAYER_NAMES:
+        return None
+    return f"model.layers.{layer}.{_LAYER_NAMES[part]}.{kind}"
+
+
+def unpermute_qk_rows(tensor: torch.Tensor, num_heads: int, name: str = "") -> torch.Tensor:
+    """Undo llama.cpp's q/k permutation. Within each head it stores rows in the order
+    (pair, half) where HF has (half, pair): rotary pairs interleaved instead of split in halves."""
+    rows = tensor.shape[0]
+    if rows % num_heads or (rows // num_heads) % 2:
+        raise ModelLoadError(f"tensor {name} has {rows} rows, which do not split into {num_heads} "
+                             f"heads of even size", param="model", code="invalid_model")
+    head_dim = rows // num_heads
+    rest = tensor.shape[1:]
+    return (tensor.reshape(num_heads, head_dim // 2, 2, *rest).transpose(1, 2)
+            .reshape(rows, *rest).contiguous())
+
+
+def permute_qk_rows(tensor: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """llama.cpp's q/k permutation (HF order -> GGUF order); the inverse of unpermute_qk_rows."""
+    rows = tensor.shape[0]
+    head_dim = rows // num_heads
+    rest = tensor.shape[1:]
+    return (tensor.reshape(num_heads, 2, head_dim // 2, *rest).transpose(1, 2)
+            .reshape(rows, *rest).contiguous())
+
+
+def llama3_rope_factors(theta: float, head_dim: int, factor: float, low_freq_factor: float,
+                        high_freq_factor: float, original_context: int) -> np.ndarray:
+    """The per-frequency divisors Llama 3 rope scaling applies (as llama.cpp's rope_freqs)."""
+    freqs = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
+    wavelen = 2 * math.pi / freqs
+    low_wavelen = original_context / low_freq_factor
+    high_wavelen = original_context / high_freq_factor
+    smooth = (original_context / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    blended = 1.0 / ((1.0 - smooth) / factor + smooth)
+    return np.where(wavelen < high_wavelen, 1.0, np.where(wavelen > low_wavelen, factor, blended))
+
+
+def load_gguf(path: pathlib.Path, cache_dir: pathlib.Path) -> "ModelSource":
+    """A GGUF file as a ModelSource, converted once and then served from the cache."""
+    from ember.loaders.gguf_cache import load_or_convert
+    return load_or_convert(path.resolve(), cache_dir)
+
+
+def _shortest_float32(value: Any) -> float:
+    """GGUF stores float32; 9.999999747378752e-06 reads back as the 1e-05 that was written."""
+    return float(str(np.float32(value)))
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0] if text else type(exc).__name__

@@ -1,0 +1,20 @@
+"""Model architectures, one module per Hugging Face model_type, each exporting `Model`."""
+
+from __future__ import annotations
+
+import importlib
+
+from ember.errors import ModelLoadError
+
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
+# model_type -> the module that implements it
+ALIASES = {"mistral": "llama"}  # Mistral without a sliding window is Llama
+
+
+def get_model_class(model_type: str) -> type:
+    """The `Model` class for a Hugging Face model_type; ModelLoadError if none implements it."""
+    name = ALIASES.get(model_type, model_type)
+    if name not in SUPPORTED_ARCHITECTURES:
+        supported = ", ".join(SUPPORTED_ARCHITECTURES + tuple(ALIASES))
+        raise ModelLoadError(f"model type {model_type!r} is not supported (supported: {supported})")
+    return importlib.import_module(f"ember.models.{name}").Model

@@ -1,0 +1,106 @@
+"""Llama 2/3, SmolLM2 and Mistral (without a sliding window): the decoder qwen2 and qwen3 build on.
+
+The model sees flattened tokens of many sequences (T,) and one attention call per layer;
+the `attn` object owns the KV cache, the causal structure and GQA.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from ember.config import ModelConfig
+from ember.models.layers import (Embedding, GatedMLP, Linear, QKVLinear, RMSNorm, RotaryEmbedding,
+                                 apply_rotary, linear, load_checkpoint)
+
+# fused module -> the checkpoint's separate projections, in the fused order
+FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+# names that old checkpoints carry and that the model recomputes
+HARMLESS = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int, qkv_bias: bool | None = None,
+                 o_bias: bool | None = None) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        bias = config.attention_bias
+        self.qkv_proj = QKVLinear(config.hidden_size, config.num_attention_heads,
+                                  config.num_key_value_heads, config.head_dim,
+                                  bias if qkv_bias is None else qkv_bias)
+        self.o_proj = Linear(config.num_attention_heads * config.head_dim, config.hidden_size,
+                             bias if o_bias is None else o_bias)
+
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(T, hidden) -> q (T, heads, head_dim), k and v (T, kv_heads, head_dim), before rotary."""
+        return self.qkv_proj(x)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: Any) -> torch.Tensor:
+        q, k, v = self.project(x)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        out = attn.attend(self.layer_idx, q, k, v)  # (T, heads, head_dim)
+        return self.o_proj(out.reshape(out.shape[0], -1))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, self_attn: nn.Module) -> None:
+        super().__init__()
+        self.self_attn = self_attn
+        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: Any) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Decoder(nn.Module):
+    """Checkpoint prefix "model.": embeddings, layers, final norm."""
+
+    def __init__(self, config: ModelConfig, attention_class: type[Attention]) -> None:
+        super().__init__()
+        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, attention_class(config, i)) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings,
+                                      config.rope_theta, config.rope_scaling)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: Any) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)  # (T, hidden)
+        cos, sin = self.rotary(positions, x.dtype)  # shared by every layer
+        for layer in self.layers:
+            x = layer(x, cos, sin, attn)
+        return self.norm(x)
+
+
+class Model(nn.Module):
+    """The engine's contract: forward -> final hidden states, compute_logits, load_weights."""
+
+    attention_class: type[Attention] = Attention  # architectures differ only in their attention
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = Decoder(config, self.attention_class)
+        self.lm_head = (self.model.embed_tokens if config.tie_word_embeddings
+                        else Linear(config.hidden_size, config.vocab_size))
+        # positions the rotary table covers; the engine must not go past it
+        self.max_positions = self.model.rotary.max_positions
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: Any) -> torch.Tensor:
+        """input_ids, positions: (T,) flattened over sequences -> (T, hidden) after the final norm."""
+        return self.model(input_ids, positions, attn)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """(N, hidden) -> (N, vocab) float32; the matmul runs in the weights' dtype."""
+        return linear(hidden, self.lm_head.weight).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Hugging Face names; a tied head ignores any lm_head.weight the checkpoint also has."""
+        skip = HARMLESS + (("lm_head.weight",) if self.config.tie_word_embeddings else ())
+        load_checkpoint(self, weights, FUSED, skip)

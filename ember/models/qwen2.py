@@ -1,0 +1,18 @@
+"""Qwen2 / Qwen2.5: the Llama decoder with a bias on q, k and v (never on o), as transformers has it.
+
+Sliding-window attention (use_sliding_window) is not supported; released Qwen2 checkpoints leave it off.
+"""
+
+from __future__ import annotations
+
+from ember.config import ModelConfig
+from ember.models import llama
+
+
+class Attention(llama.Attention):
+    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+        super().__init__(config, layer_idx, qkv_bias=True, o_bias=False)
+
+
+class Model(llama.Model):
+    attention_class = Attention

@@ -1,0 +1,160 @@
+"""Neutral types shared by every layer: sampling settings, requests, outputs, finish reasons."""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass, field
+
+from ember.errors import InvalidRequest
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # end-of-sequence, a stop token or a stop string
+    LENGTH = "length"  # max_tokens or the end of the context window
+    ABORT = "abort"  # cancelled by the client or the server
+    ERROR = "error"  # the engine failed while running the request
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    """How to pick tokens and when to stop. Validated on construction."""
+
+    max_tokens: int | None = 16  # None: up to the end of the context window
+    temperature: float = 1.0  # 0 means greedy
+    top_k: int = 0  # 0 or -1: off
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[int, float] | None = None
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    logprobs: int | None = None  # None: off; k >= 0: the chosen token plus k alternatives
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        _check_int("max_tokens", self.max_tokens, low=1, optional=True)
+        _check_float("temperature", self.temperature, 0.0, 100.0)
+        _check_int("top_k", self.top_k, low=-1)
+        _check_float("top_p", self.top_p, 0.0, 1.0)
+        if self.top_p == 0.0:
+            raise InvalidRequest("top_p must be greater than 0", param="top_p")
+        _check_float("min_p", self.min_p, 0.0, 1.0)
+        _check_float("repetition_penalty", self.repetition_penalty, 0.0, 100.0)
+        if self.repetition_penalty == 0.0:
+            raise InvalidRequest("repetition_penalty must be greater than 0", param="repetition_penalty")
+        _check_float("presence_penalty", self.presence_penalty, -2.0, 2.0)
+        _check_float("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
+        _check_int("seed", self.seed, optional=True)
+        _check_int("min_tokens", self.min_tokens, low=0)
+        _check_int("logprobs", self.logprobs, low=0, high=20, optional=True)
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise InvalidRequest("min_tokens must not exceed max_tokens", param="min_tokens")
+        if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
+            raise InvalidRequest("stop must be a non-empty string or a list of non-empty strings", param="stop")
+        if not isinstance(self.stop_token_ids, list) or not all(_is_int(t) and t >= 0 for t in self.stop_token_ids):
+            raise InvalidRequest("stop_token_ids must be a list of token ids", param="stop_token_ids")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise InvalidRequest("logit_bias must map token ids to numbers", param="logit_bias")
+            for token, bias in self.logit_bias.items():
+                if not _is_int(token) or token < 0:
+                    raise InvalidRequest(f"logit_bias key {token!r} is not a token id", param="logit_bias")
+                _check_float("logit_bias", bias, -100.0, 100.0)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def uses_penalties(self) -> bool:
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+
+@dataclass(slots=True)
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]  # the most likely alternatives, best first
+
+
+@dataclass(slots=True)
+class StepOutput:
+    """What the engine produced for one request in one step (token ids only; text comes later)."""
+
+    request_id: str
+    new_token_ids: list[int]
+    logprobs: list[TokenLogprob] | None
+    finish_reason: FinishReason | None
+    num_prompt_tokens: int
+    num_cached_tokens: int  # prompt tokens served from the prefix cache
+    scheduled_time: float | None = None  # when the engine first gave the request a step
+    stop_token_id: int | None = None  # the stop token id that ended it, if one did
+    error: str | None = None
+
+
+@dataclass(slots=True)
+class RequestTimings:
+    """Seconds since the epoch (time.time()) at each milestone of a request."""
+
+    arrival: float
+    scheduled: float | None = None  # first time the request got a step
+    first_token: float | None = None
+    finished: float | None = None
+
+
+@dataclass(slots=True)
+class GenerationOutput:
+    """A request's result as the front end sees it: token ids plus the text they decode to.
+
+    Streaming consumers read `text_delta` and `new_token_ids` of each output; `text` holds the
+    whole text on the final output only (joining it every step would cost quadratic time).
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    new_token_ids: list[int]
+    text_delta: str
+    logprobs: list[TokenLogprob] | None  # every token's so far, when requested
+    new_logprobs: list[TokenLogprob] | None  # this output's tokens only
+    finish_reason: FinishReason | None
+    num_cached_tokens: int
+    timings: RequestTimings
+    stop_reason: str | int | None = None  # the stop string or stop token id that ended it
+    error: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_int(name: str, value, low: int | None = None, high: int | None = None, optional: bool = False) -> None:
+    if value is None and optional:
+        return
+    if not _is_int(value):
+        raise InvalidRequest(f"{name} must be an integer", param=name)
+    if low is not None and value < low:
+        raise InvalidRequest(f"{name} must be at least {low}, got {value}", param=name)
+    if high is not None and value > high:
+        raise InvalidRequest(f"{name} must be at most {high}, got {value}", param=name)
+
+
+def _check_float(name: str, value, low: float, high: float) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise InvalidRequest(f"{name} must be a number", param=name)
+    if not math.isfinite(value) or not low <= value <= high:
+        raise InvalidRequest(f"{name} must be between {low} and {high}, got {value}", param=name)

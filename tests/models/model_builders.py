@@ -1,0 +1,77 @@
+"""Tiny random transformers models and their ember twins, loaded with the same weights."""
+
+from __future__ import annotations
+
+import torch
+import transformers
+
+from ember.config import ModelConfig
+from ember.models import get_model_class
+
+TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=160, num_hidden_layers=3,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+            rms_norm_eps=1e-5)
+
+# name -> (transformers config class, causal LM class, config overrides)
+CASES = {
+    "llama_llama3": ("LlamaConfig", "LlamaForCausalLM", dict(
+        rope_theta=10000.0, rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                          "high_freq_factor": 4.0, "original_max_position_embeddings": 64})),
+    "llama_yarn": ("LlamaConfig", "LlamaForCausalLM", dict(
+        rope_theta=10000.0, rope_scaling={"rope_type": "yarn", "factor": 4.0,
+                                          "original_max_position_embeddings": 64})),
+    "llama_tied_bias": ("LlamaConfig", "LlamaForCausalLM", dict(
+        tie_word_embeddings=True, attention_bias=True, rope_theta=500000.0)),
+    "mistral_head_dim": ("MistralConfig", "MistralForCausalLM", dict(head_dim=32, sliding_window=None)),
+    "qwen2_bias": ("Qwen2Config", "Qwen2ForCausalLM", dict(rope_theta=1000000.0)),
+    "qwen3_qk_norm": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=32, tie_word_embeddings=True)),
+    "qwen3_yarn": ("Qwen3Config", "Qwen3ForCausalLM", dict(
+        head_dim=24, rope_scaling={"rope_type": "yarn", "factor": 2.0,
+                                   "original_max_position_embeddings": 128})),
+}
+
+LARGEST_ERRORS: dict[str, float] = {}
+
+
+def randomize_(model: torch.nn.Module, seed: int = 0) -> None:
+    """Weights with O(1) activations (transformers' init leaves logits near zero), random norm
+    scales and biases, so every loaded tensor matters."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=gen)
+            if "norm" in name:
+                p.copy_(1 + 0.3 * noise)
+            elif p.dim() == 1:
+                p.copy_(0.2 * noise)
+            elif "embed_tokens" in name:
+                p.copy_(noise)
+            else:
+                p.copy_(noise * p.shape[1] ** -0.5)
+
+
+def build_pair(case: str, dtype: torch.dtype = torch.float32):
+    """(transformers model in float32, ember model in `dtype`, ember config), same weights."""
+    config_cls, model_cls, overrides = CASES[case]
+    hf_config = getattr(transformers, config_cls)(**{**TINY, **overrides})
+    hf_config._attn_implementation = "eager"
+    torch.manual_seed(0)
+    hf_model = getattr(transformers, model_cls)(hf_config).float().eval()
+    randomize_(hf_model)
+    config = ModelConfig.from_hf(hf_config.to_dict())
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)  # as the engine builds it: the default dtype, then the weights
+    try:
+        model = get_model_class(config.model_type)(config).eval()
+    finally:
+        torch.set_default_dtype(previous)
+    model.load_weights(hf_model.state_dict().items())
+    return hf_model, model, config
+
+
+def assert_logits_close(ours: torch.Tensor, ref: torch.Tensor, label: str, tol: float = 1e-4) -> None:
+    assert ours.dtype == torch.float32 and ours.shape == ref.shape
+    scale = ref.abs().max().item()
+    error = (ours - ref).abs().max().item() / scale
+    LARGEST_ERRORS[label] = max(error, LARGEST_ERRORS.get(label, 0.0))
+    torch.testing.assert_close(ours, ref, rtol=tol, atol=tol * scale)
