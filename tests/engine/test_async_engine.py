@@ -1,0 +1,52 @@
+"""The asyncio client: concurrent streams, early exit aborts, invariants checked on the engine thread."""
+
+import asyncio
+
+import pytest
+
+from ember import SamplingParams
+from ember.engine.engine import AsyncEngine
+from ember.errors import ContextLengthExceeded
+
+
+def test_streams_match_offline_and_early_exit_frees_blocks(llm):
+    prompts = [llm.tokenizer.encode(p) for p in ("One, two, three,", "The ocean is", "Rust and Go are")]
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    expected = [o.token_ids for o in llm.generate(prompts, params)]
+
+    async def main():
+        engine = AsyncEngine(llm.engine, llm.tokenizer)
+        engine.start()
+
+        async def collect(ids):
+            tokens, text = [], ""
+            async for out in engine.generate(ids, params):
+                tokens += out.new_token_ids
+                text += out.text_delta
+            return tokens, text, out
+
+        async def leave_early(ids):
+            async for out in engine.generate(ids, SamplingParams(temperature=0.0, max_tokens=500, ignore_eos=True)):
+                if len(out.token_ids) >= 3:
+                    return len(out.token_ids)
+
+        results = await asyncio.gather(*(collect(ids) for ids in prompts), leave_early(prompts[0]))
+        with pytest.raises(ContextLengthExceeded):
+            async for _ in engine.generate([1] * 5000, params):
+                pass
+        # The abort travels through the inbox; give the engine a moment, then check on its thread.
+        for _ in range(100):
+            if await engine.call(lambda core: not core.has_unfinished()):
+                break
+            await asyncio.sleep(0.02)
+        await engine.call(lambda core: core.check_invariants())
+        used = await engine.call(lambda core: core.kv_manager.num_used_blocks)
+        engine.shutdown()
+        return results, used
+
+    results, used = asyncio.run(main())
+    for (tokens, text, last), want in zip(results[:3], expected):
+        assert tokens == want
+        assert last.finished and text == llm.tokenizer.decode(want)
+    assert results[3] == 3
+    assert used == 0
