@@ -1,4 +1,4 @@
-"""The `ember` command: generate, chat (and later serve, bench)."""
+"""The `ember` command: serve, generate, chat."""
 
 from __future__ import annotations
 
@@ -42,6 +42,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(chat)
     _add_sampling_args(chat)
     chat.add_argument("--system", default=None, help="a system message")
+    from ember.server.cli import add_serve_parser
+    add_serve_parser(commands)
     return parser
 
 
@@ -100,7 +102,12 @@ def _chat(args, cache_dir) -> int:
         messages.append({"role": "assistant", "content": "".join(reply)})
 
 
-_COMMANDS = {"generate": _generate, "chat": _chat}
+def _serve(args, cache_dir) -> int:
+    from ember.server.cli import run_serve
+    return run_serve(args)
+
+
+_COMMANDS = {"generate": _generate, "chat": _chat, "serve": _serve}
 
 if __name__ == "__main__":
     sys.exit(main())

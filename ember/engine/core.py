@@ -148,9 +148,9 @@ class EngineCore:
                           priority=priority, cache_salt=cache_salt)
         self.scheduler.add_request(request)
 
-    def abort(self, request_ids: list[str]) -> None:
-        for request in self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED):
-            self._scheduled_at.pop(request.request_id, None)
+    def abort(self, request_ids: list[str]) -> list[StepOutput]:
+        """Abort live requests (unknown ids are ignored); returns a final output for each aborted one."""
+        return self._finish_all(request_ids, FinishReason.ABORT)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -182,7 +182,7 @@ class EngineCore:
                 logprobs=result.logprobs.get(request.request_id),
                 finish_reason=request.finish_reason if finished else None,
                 num_prompt_tokens=request.num_prompt_tokens,
-                num_cached_tokens=request.num_cached_tokens,
+                num_cached_tokens=max(request.num_cached_tokens, 0),
                 scheduled_time=self._scheduled_at[request.request_id],
                 stop_token_id=request.stop_reason if finished else None,
             ))
@@ -192,11 +192,13 @@ class EngineCore:
 
     def fail_all(self, message: str) -> list[StepOutput]:
         """End every live request with an error (after an engine fault)."""
-        live = list(self.scheduler.requests)
-        finished = self.scheduler.finish_requests(live, RequestStatus.FINISHED_ABORTED)
-        self._scheduled_at.clear()
-        return [StepOutput(r.request_id, [], None, FinishReason.ERROR, r.num_prompt_tokens,
-                           max(r.num_cached_tokens, 0), error=message) for r in finished]
+        return self._finish_all(list(self.scheduler.requests), FinishReason.ERROR, message)
+
+    def _finish_all(self, request_ids: list[str], reason: FinishReason, error: str | None = None) -> list[StepOutput]:
+        finished = self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+        return [StepOutput(r.request_id, [], None, reason, r.num_prompt_tokens, max(r.num_cached_tokens, 0),
+                           scheduled_time=self._scheduled_at.pop(r.request_id, None), error=error)
+                for r in finished]
 
     def stats(self) -> EngineStats:
         kv = self.kv_manager

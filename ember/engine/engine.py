@@ -153,7 +153,7 @@ class AsyncEngine:
                 message = None
             while message is not None:
                 if isinstance(message, Shutdown):
-                    core.abort(list(core.scheduler.requests))
+                    self._send(core.abort(list(core.scheduler.requests)))
                     return
                 self._handlers[type(message)](message)
                 try:
@@ -168,8 +168,11 @@ class AsyncEngine:
                 logger.exception("engine step failed")
                 self.failed = f"{type(exc).__name__}: {exc}"
                 outputs = core.fail_all(self.failed)
-            if outputs:
-                self._loop.call_soon_threadsafe(self._deliver, outputs)
+            self._send(outputs)
+
+    def _send(self, outputs: list[StepOutput]) -> None:
+        if outputs:
+            self._loop.call_soon_threadsafe(self._deliver, outputs)
 
     def _handle_add(self, message: AddRequest) -> None:
         if self.failed:
@@ -182,12 +185,12 @@ class AsyncEngine:
             self._reject(message, exc.message)
 
     def _reject(self, message: AddRequest, error: str) -> None:
-        rejected = StepOutput(message.request_id, [], None, FinishReason.ERROR, len(message.prompt_token_ids), 0,
-                              error=error)
-        self._loop.call_soon_threadsafe(self._deliver, [rejected])
+        self._send([StepOutput(message.request_id, [], None, FinishReason.ERROR, len(message.prompt_token_ids), 0,
+                               error=error)])
 
     def _handle_abort(self, message: AbortRequest) -> None:
-        self.core.abort(message.request_ids)
+        # A stream that left already is gone; one aborted from elsewhere learns it ended.
+        self._send(self.core.abort(message.request_ids))
 
     def _handle_call(self, message: CallInEngine) -> None:
         try:

@@ -1,0 +1,130 @@
+"""Refusals of the HTTP layer and the OpenAI error body every OpenAI route answers with.
+
+All of them are `EmberError`s (status, type, code, param, message); a dialect only chooses the
+JSON shape. `retry_after` (seconds) becomes a Retry-After header where it is set.
+"""
+
+from __future__ import annotations
+
+from ember.errors import EmberError, InvalidRequest
+
+
+class ModelNotFound(EmberError):
+    status = 404
+    type = "invalid_request_error"
+
+    def __init__(self, model: str, served: str) -> None:
+        super().__init__(f"The model '{model}' does not exist on this server; it serves '{served}'.",
+                         param="model", code="model_not_found")
+
+
+class RouteNotFound(EmberError):
+    status = 404
+    type = "invalid_request_error"
+
+    def __init__(self, method: str, path: str) -> None:
+        super().__init__(f"There is no route {method} {path} on this server.", code="not_found")
+
+
+class MethodNotAllowed(EmberError):
+    status = 405
+    type = "invalid_request_error"
+
+    def __init__(self, method: str, path: str) -> None:
+        super().__init__(f"{path} does not answer {method}.", code="method_not_allowed")
+
+
+class Unauthorized(EmberError):
+    status = 401
+    type = "authentication_error"
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, code="invalid_api_key")
+
+
+class RequestTooLarge(EmberError):
+    status = 413
+    type = "invalid_request_error"
+
+    def __init__(self, limit_bytes: int) -> None:
+        super().__init__(f"The request body is larger than this server accepts "
+                         f"({_format_size(limit_bytes)}, set by --max-request-mb).", code="request_too_large")
+
+
+class UnsupportedMediaType(EmberError):
+    status = 415
+    type = "invalid_request_error"
+
+    def __init__(self, content_type: str) -> None:
+        super().__init__(f"The request body must be JSON (Content-Type: application/json), "
+                         f"not {content_type}.", code="unsupported_media_type")
+
+
+class ServerOverloaded(EmberError):
+    status = 429
+    type = "rate_limit_error"
+
+    def __init__(self, num_waiting: int, retry_after: int) -> None:
+        super().__init__(f"The server is busy: {num_waiting} requests are already waiting for a slot "
+                         f"(--max-pending). Retry in a few seconds.", code="server_overloaded")
+        self.retry_after = retry_after
+
+
+class QueueTimeout(EmberError):
+    status = 503
+    type = "server_error"
+
+    def __init__(self, waited: float, retry_after: int) -> None:
+        super().__init__(f"The request waited {waited:.1f} s for a free slot without getting one "
+                         f"(--pending-timeout). Retry later.", code="queue_timeout")
+        self.retry_after = retry_after
+
+
+class ModelLoading(EmberError):
+    status = 503
+    type = "server_error"
+
+    def __init__(self, retry_after: int = 5) -> None:
+        super().__init__("The model is still loading; retry in a few seconds.", code="model_loading")
+        self.retry_after = retry_after
+
+
+class ServerUnavailable(EmberError):
+    status = 503
+    type = "server_error"
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(f"The server cannot take requests: {reason}", code="unavailable")
+
+
+class GenerationFailed(EmberError):
+    status = 500
+    type = "server_error"
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(f"Generation failed: {reason}", code="generation_failed")
+
+
+def unsupported(param: str, message: str) -> InvalidRequest:
+    """A field ember understands but cannot honour: refused, never silently ignored."""
+    return InvalidRequest(message, param=param, code="unsupported_parameter")
+
+
+def openai_error_body(error: EmberError) -> dict:
+    return {"error": {"message": error.message, "type": error.type, "param": error.param, "code": error.code}}
+
+
+def error_headers(error: EmberError) -> dict[str, str]:
+    retry_after = getattr(error, "retry_after", None)
+    headers = {"Retry-After": str(retry_after)} if retry_after is not None else {}
+    if error.status == 401:
+        headers["WWW-Authenticate"] = "Bearer"
+    return headers
+
+
+def _format_size(num_bytes: int) -> str:
+    if num_bytes >= 1 << 20:
+        return f"{num_bytes / (1 << 20):g} MiB"
+    if num_bytes >= 1 << 10:
+        return f"{num_bytes / (1 << 10):g} KiB"
+    return f"{num_bytes} bytes"

@@ -1,0 +1,279 @@
+"""The neutral middle every dialect shares: one request type in, one result record out.
+
+A dialect validates its JSON into a `GenerationRequest`; the server turns the prompt into token
+ids (`encode_prompt`), fits max_tokens to the context window (`resolve_sampling`), runs the
+choices on the engine and feeds each output into a `RunResult`, which the dialect renders.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Protocol, Union
+
+from ember.errors import ContextLengthExceeded, EmberError, InvalidRequest
+from ember.protocols.sse import ServerEvent
+from ember.types import FinishReason, GenerationOutput, RequestTimings, SamplingParams, TokenLogprob
+
+
+@dataclass(slots=True)
+class ChatPrompt:
+    """Messages ready for the model's chat template."""
+
+    messages: list[dict[str, Any]]
+    template_kwargs: dict[str, Any] = field(default_factory=dict)
+    tools: list[dict[str, Any]] | None = None
+    add_generation_prompt: bool = True
+
+
+@dataclass(slots=True)
+class TextPrompt:
+    text: str
+
+
+@dataclass(slots=True)
+class TokenPrompt:
+    token_ids: list[int]
+
+
+Prompt = Union[ChatPrompt, TextPrompt, TokenPrompt]
+
+
+@dataclass(slots=True)
+class ModelInfo:
+    """What request validation needs to know of the served model: plain data, no engine."""
+
+    name: str  # the public id
+    max_model_len: int
+    vocab_size: int
+    aliases: tuple[str, ...] = ()  # other ids requests may use
+    default_max_tokens: int | None = None  # None: up to the end of the context window
+    kv_capacity_tokens: int | None = None  # the most tokens one request can hold in the KV cache
+    sampling_defaults: dict[str, Any] = field(default_factory=dict)  # from the model's generation config
+
+    def accepts(self, model: str) -> bool:
+        return model == self.name or model in self.aliases
+
+
+@dataclass(slots=True)
+class GenerationRequest:
+    """A validated request of any dialect, before its prompt is tokenized."""
+
+    prompt: Prompt
+    params: SamplingParams  # validated; max_tokens is the client's value (None: not given)
+    n: int = 1
+    stream: bool = False
+    include_usage: bool = False  # streams: a usage record at the end
+    return_token_ids: bool = False
+    echo: bool = False  # completions: the prompt text leads the output
+    prompt_param: str = "messages"  # the field blamed when the prompt does not fit
+
+
+@dataclass(slots=True)
+class ResponseMeta:
+    """What every rendered object repeats: its id, creation time, model id and fingerprint."""
+
+    response_id: str
+    created: int
+    model: str
+    system_fingerprint: str
+    decode: Callable[[list[int]], str]  # token ids -> text (echoed prompts, logprob tokens)
+
+    def token_text(self, token_id: int) -> str:
+        return self.decode([token_id])
+
+
+def encode_prompt(prompt: Prompt, tokenizer) -> list[int]:
+    """Prompt token ids, counted once: the same ids run on the engine and count for usage."""
+    if isinstance(prompt, TokenPrompt):
+        return list(prompt.token_ids)
+    if isinstance(prompt, TextPrompt):
+        return tokenizer.encode(prompt.text, add_special_tokens=True)
+    try:
+        return tokenizer.apply_chat_template(prompt.messages, add_generation_prompt=prompt.add_generation_prompt,
+                                             tools=prompt.tools, **prompt.template_kwargs)
+    except InvalidRequest:
+        raise
+    except Exception as exc:  # a template that fails on this conversation (TypeError, KeyError ...)
+        raise InvalidRequest(f"the chat template could not render these messages: {type(exc).__name__}: {exc}",
+                             param="messages") from None
+
+
+def resolve_sampling(request: GenerationRequest, num_prompt_tokens: int, model: ModelInfo) -> SamplingParams:
+    """The request's SamplingParams with max_tokens fitted to the room the prompt leaves.
+
+    A prompt that alone fills the window is refused; a max_tokens beyond the room is capped (the
+    reply then ends with `length`); no max_tokens runs to the window's end or the server default.
+    """
+    if num_prompt_tokens == 0:
+        raise InvalidRequest("the prompt is empty", param=request.prompt_param)
+    limit = model.max_model_len
+    if model.kv_capacity_tokens is not None:
+        limit = min(limit, model.kv_capacity_tokens)
+    if num_prompt_tokens >= limit:
+        error = ContextLengthExceeded(limit, num_prompt_tokens)
+        error.param = request.prompt_param
+        raise error
+    room = limit - num_prompt_tokens
+    params = request.params
+    max_tokens = params.max_tokens if params.max_tokens is not None else (model.default_max_tokens or room)
+    max_tokens = min(max_tokens, room)
+    if params.min_tokens > max_tokens:
+        raise InvalidRequest(f"min_tokens ({params.min_tokens}) is more than the {room} tokens the context "
+                             f"window leaves after the prompt", param="min_tokens")
+    return params if max_tokens == params.max_tokens else dataclasses.replace(params, max_tokens=max_tokens)
+
+
+def build_sampling_params(values: dict[str, Any], rename: dict[str, str] | None = None) -> SamplingParams:
+    """SamplingParams validates ranges itself; its refusals are renamed to the wire's field names."""
+    try:
+        return SamplingParams(**values)
+    except InvalidRequest as exc:
+        if rename and exc.param in rename:
+            exc.param = rename[exc.param]
+        raise
+
+
+def choice_seeds(params: SamplingParams, n: int) -> list[SamplingParams]:
+    """One SamplingParams per choice; seeded choices get distinct seeds so they differ."""
+    if n == 1:
+        return [params]
+    if params.seed is None:
+        return [params] * n
+    return [dataclasses.replace(params, seed=params.seed + i) for i in range(n)]
+
+
+# ---- results ----------------------------------------------------------------------------------
+
+@dataclass(slots=True)
+class ChoiceResult:
+    index: int
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""  # the whole text, known once finished
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: FinishReason | None = None
+    stop_reason: str | int | None = None
+    num_cached_tokens: int = 0
+    timings: RequestTimings | None = None
+    error: str | None = None
+
+
+class RunResult:
+    """The outputs of one request's choices, gathered as they arrive."""
+
+    def __init__(self, num_choices: int, prompt_token_ids: list[int], received: float | None = None) -> None:
+        self.prompt_token_ids = prompt_token_ids
+        self.received = received if received is not None else time.time()
+        self.choices = [ChoiceResult(i) for i in range(num_choices)]
+        self.num_finished = 0
+
+    def add(self, index: int, output: GenerationOutput) -> ChoiceResult:
+        choice = self.choices[index]
+        choice.token_ids = output.token_ids
+        choice.num_cached_tokens = output.num_cached_tokens
+        choice.timings = output.timings
+        if output.logprobs is not None:
+            choice.logprobs = output.logprobs
+        if output.finish_reason is not None and choice.finish_reason is None:
+            choice.finish_reason = output.finish_reason
+            choice.stop_reason = output.stop_reason
+            choice.text = output.text
+            choice.error = output.error
+            self.num_finished += 1
+        return choice
+
+    @property
+    def finished(self) -> bool:
+        return self.num_finished == len(self.choices)
+
+    @property
+    def error(self) -> str | None:
+        for choice in self.choices:
+            if choice.finish_reason in (FinishReason.ERROR, FinishReason.ABORT):
+                return choice.error or "the request was cancelled"
+        return None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_completion_tokens(self) -> int:
+        return sum(len(c.token_ids) for c in self.choices)
+
+    @property
+    def num_cached_tokens(self) -> int:
+        """Prompt tokens the first choice found in the prefix cache (later choices share its prompt)."""
+        return self.choices[0].num_cached_tokens
+
+    def first_token_time(self) -> float | None:
+        times = [c.timings.first_token for c in self.choices if c.timings and c.timings.first_token]
+        return min(times) if times else None
+
+    def timings(self) -> dict[str, float | int]:
+        """llama.cpp's timings block; every value is a finite number."""
+        stamps = [c.timings for c in self.choices if c.timings is not None]
+        scheduled = _earliest(t.scheduled for t in stamps)
+        first = _earliest(t.first_token for t in stamps)
+        finished = _latest(t.finished for t in stamps)
+        cache_n = self.num_cached_tokens
+        prompt_n = max(self.num_prompt_tokens - cache_n, 0)
+        predicted_n = self.num_completion_tokens
+        prompt_s = _span(scheduled, first)
+        predicted_s = _span(first, finished)
+        # The first token of each choice belongs to the prompt's time; decode speed counts the rest.
+        decoded = max(predicted_n - sum(1 for c in self.choices if c.token_ids), 0)
+        return {
+            "cache_n": cache_n,
+            "prompt_n": prompt_n,
+            "prompt_ms": prompt_s * 1000.0,
+            "prompt_per_second": prompt_n / prompt_s if prompt_s > 0 else 0.0,
+            "predicted_n": predicted_n,
+            "predicted_ms": predicted_s * 1000.0,
+            "predicted_per_second": decoded / predicted_s if predicted_s > 0 else 0.0,
+            "queue_ms": _span(self.received, scheduled) * 1000.0,
+        }
+
+
+def _earliest(values) -> float | None:
+    present = [v for v in values if v is not None]
+    return min(present) if present else None
+
+
+def _latest(values) -> float | None:
+    present = [v for v in values if v is not None]
+    return max(present) if present else None
+
+
+def _span(start: float | None, end: float | None) -> float:
+    if start is None or end is None:
+        return 0.0
+    return max(end - start, 0.0)
+
+
+# ---- dialects -----------------------------------------------------------------------------------
+
+class Renderer(Protocol):
+    """Turns one request's results into a dialect's JSON: whole, or as a stream of events."""
+
+    def stream_start(self) -> list[ServerEvent]: ...
+
+    def stream_output(self, choice: ChoiceResult, output: GenerationOutput) -> list[ServerEvent]: ...
+
+    def stream_end(self) -> list[ServerEvent]: ...
+
+    def stream_error(self, error: EmberError) -> list[ServerEvent]: ...
+
+    def response(self) -> dict[str, Any]: ...
+
+
+@dataclass(frozen=True, slots=True)
+class Dialect:
+    """One API dialect: how to validate its requests and render its results and errors."""
+
+    name: str  # in logs and metrics
+    id_prefix: str  # of response ids
+    parse: Callable[[Any, ModelInfo], GenerationRequest]
+    renderer: Callable[[GenerationRequest, RunResult, ResponseMeta], Renderer]
+    error_body: Callable[[EmberError], dict[str, Any]]

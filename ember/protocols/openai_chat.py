@@ -1,0 +1,236 @@
+"""OpenAI Chat Completions: validate a request into the neutral form; render results and chunks."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from ember.errors import InvalidRequest
+from ember.protocols.errors import openai_error_body, unsupported
+from ember.protocols.fields import Fields, as_string, json_type
+from ember.protocols.neutral import ChatPrompt, ChoiceResult, Dialect, GenerationRequest, ModelInfo
+from ember.protocols.openai_common import (
+    MAX_TOP_LOGPROBS, OpenAIRenderer, chat_logprobs, check_model, finish_reason, read_accepted, read_choices,
+    read_sampling, read_stream, refuse_unsupported, usage_body,
+)
+from ember.protocols.sse import ServerEvent
+from ember.types import GenerationOutput
+
+# Wire role -> the role the chat template sees. Templates rarely know `developer`; it is a system turn.
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant",
+         "tool": "tool", "function": "tool"}
+# Content parts a text-only model cannot read.
+MEDIA_PARTS = ("image_url", "input_image", "input_audio", "audio_url", "video_url", "file", "input_file")
+# Template arguments a request may not override: they belong to the server.
+RESERVED_TEMPLATE_KWARGS = ("messages", "conversation", "tools", "documents", "tokenize", "chat_template",
+                            "return_dict", "return_tensors", "tokenizer_kwargs")
+
+
+def parse_chat(body: Any, model: ModelInfo) -> GenerationRequest:
+    f = Fields(body)
+    check_model(f, model)
+    messages = read_messages(f)
+    refuse_unsupported(f)
+    refuse_tools(f)
+    template_kwargs, add_generation_prompt = read_template_options(f)
+    logprobs = read_logprobs(f)
+    params = read_sampling(f, model, logprobs=logprobs, rename={"logprobs": "top_logprobs"})
+    n = read_choices(f)
+    stream, include_usage = read_stream(f)
+    return_token_ids = f.boolean("return_token_ids", False)
+    read_accepted(f)
+    prompt = ChatPrompt(messages, template_kwargs, None, add_generation_prompt)
+    return GenerationRequest(prompt, params, n=n, stream=stream, include_usage=include_usage,
+                             return_token_ids=return_token_ids, prompt_param="messages")
+
+
+def read_messages(f: Fields) -> list[dict[str, Any]]:
+    items = f.array("messages", non_empty=True)
+    if items is None:
+        raise InvalidRequest("messages is required: a non-empty array of messages", param="messages")
+    return [read_message(Fields(item, f"messages[{i}]")) for i, item in enumerate(items)]
+
+
+def read_message(m: Fields) -> dict[str, Any]:
+    role = m.string("role")
+    if role is None:
+        raise InvalidRequest(f"{m.at('role')} is required", param=m.at("role"))
+    if role not in ROLES:
+        raise InvalidRequest(f"{m.at('role')} must be one of {', '.join(ROLES)}; got '{role}'", param=m.at("role"))
+    message: dict[str, Any] = {"role": ROLES[role], "content": read_content(m, role)}
+    name = m.string("name")
+    if name is not None:
+        message["name"] = name
+    if role == "assistant":
+        tool_calls = read_tool_calls(m)
+        if tool_calls:
+            message["tool_calls"] = tool_calls
+    if message["role"] == "tool":
+        call_id = m.string("tool_call_id")
+        if call_id is not None:
+            message["tool_call_id"] = call_id
+    return message
+
+
+def read_content(m: Fields, role: str) -> str:
+    """A string, or text parts joined in order with nothing added between them."""
+    content = m.raw("content")
+    path = m.at("content")
+    if content is None:
+        if role == "assistant":
+            return ""
+        raise InvalidRequest(f"{path} is required for a {role} message", param=path)
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise InvalidRequest(f"{path} must be a string or an array of content parts, not {json_type(content)}",
+                             param=path)
+    texts = []
+    for j, raw in enumerate(content):
+        part = Fields(raw, f"{path}[{j}]")
+        kind = part.string("type")
+        if kind in MEDIA_PARTS:
+            raise InvalidRequest(f"{part.path}: {kind} parts cannot be read; this model takes text only",
+                                 param=part.path, code="unsupported_content")
+        if kind == "text":
+            texts.append(as_string(part.raw("text"), part.at("text")))
+        elif kind == "refusal" and role == "assistant":
+            texts.append(as_string(part.raw("refusal"), part.at("refusal")))
+        else:
+            raise InvalidRequest(f"{part.path} has type {kind!r}; only text parts are accepted", param=part.path)
+    return "".join(texts)
+
+
+def read_tool_calls(m: Fields) -> list[dict[str, Any]]:
+    """Tool calls in the history go to the template; arguments that are a JSON object become a dict,
+    the form most templates expect."""
+    calls = m.array("tool_calls")
+    if not calls:
+        return []
+    result = []
+    for k, raw in enumerate(calls):
+        call = Fields(raw, m.at("tool_calls") + f"[{k}]")
+        function = call.object("function")
+        if function is None:
+            raise InvalidRequest(f"{call.at('function')} is required", param=call.at("function"))
+        name = function.string("name", non_empty=True)
+        if name is None:
+            raise InvalidRequest(f"{function.at('name')} is required", param=function.at("name"))
+        arguments = function.raw("arguments", "{}")
+        if isinstance(arguments, str):
+            try:
+                decoded = json.loads(arguments)
+            except ValueError:
+                decoded = None
+            if isinstance(decoded, dict):
+                arguments = decoded
+        elif not isinstance(arguments, dict):
+            raise InvalidRequest(f"{function.at('arguments')} must be a JSON string", param=function.at("arguments"))
+        entry = {"type": "function", "function": {"name": name, "arguments": arguments}}
+        call_id = call.string("id")
+        if call_id is not None:
+            entry["id"] = call_id
+        result.append(entry)
+    return result
+
+
+def refuse_tools(f: Fields) -> None:
+    """Tool calling needs output parsing this server does not have yet: refused, not ignored."""
+    if f.array("tools"):
+        raise unsupported("tools", "tool calling is not supported by this server yet; send the request "
+                                   "without tools")
+    if f.array("functions"):
+        raise unsupported("functions", "function calling is not supported by this server yet")
+    for name in ("tool_choice", "function_call"):
+        choice = f.raw(name)
+        if choice is not None and choice not in ("none", "auto"):
+            raise unsupported(name, f"{name} can only be 'none' or 'auto' on this server")
+    if f.has("audio"):
+        raise unsupported("audio", "audio output is not supported: this model produces text only")
+    modalities = f.array("modalities")
+    if modalities and any(m != "text" for m in modalities):
+        raise unsupported("modalities", "this model produces text only; modalities must be ['text']")
+    if f.has("web_search_options"):
+        raise unsupported("web_search_options", "web search is not available on this server")
+
+
+def read_template_options(f: Fields) -> tuple[dict[str, Any], bool]:
+    """chat_template_kwargs reach the template; continue_final_message extends the last assistant turn."""
+    kwargs: dict[str, Any] = {}
+    options = f.object("chat_template_kwargs")
+    if options is not None:
+        for key, value in options.obj.items():
+            if key in RESERVED_TEMPLATE_KWARGS:
+                raise InvalidRequest(f"chat_template_kwargs may not set '{key}'", param=options.at(key))
+            kwargs[key] = value
+    add_generation_prompt = f.boolean("add_generation_prompt", kwargs.pop("add_generation_prompt", True))
+    if not isinstance(add_generation_prompt, bool):
+        raise InvalidRequest("add_generation_prompt must be true or false",
+                             param="chat_template_kwargs.add_generation_prompt")
+    if f.boolean("continue_final_message", False):
+        if f.boolean("add_generation_prompt", False):
+            raise InvalidRequest("continue_final_message and add_generation_prompt cannot both be true",
+                                 param="continue_final_message")
+        kwargs["continue_final_message"] = True
+        add_generation_prompt = False
+    return kwargs, add_generation_prompt
+
+
+def read_logprobs(f: Fields) -> int | None:
+    """None: off; k: the chosen token's logprob plus k alternatives."""
+    wanted = f.boolean("logprobs", False)
+    top = f.integer("top_logprobs", low=0, high=MAX_TOP_LOGPROBS)
+    if top and not wanted:
+        raise InvalidRequest("top_logprobs needs logprobs set to true", param="top_logprobs")
+    return (top or 0) if wanted else None
+
+
+class ChatRenderer(OpenAIRenderer):
+    chunk_object = "chat.completion.chunk"
+
+    def stream_start(self) -> list[ServerEvent]:
+        extra = {"prompt_token_ids": self.result.prompt_token_ids} if self.request.return_token_ids else {}
+        return [self.chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                             "finish_reason": None}], **(extra if i == 0 else {}))
+                for i in range(self.request.n)]
+
+    def stream_output(self, choice: ChoiceResult, output: GenerationOutput) -> list[ServerEvent]:
+        events = []
+        want_logprobs = self.request.params.logprobs is not None and output.new_logprobs
+        want_ids = self.request.return_token_ids and output.new_token_ids
+        if output.text_delta or want_logprobs or want_ids:
+            delta = {"index": choice.index, "delta": {"content": output.text_delta},
+                     "logprobs": {"content": chat_logprobs(output.new_logprobs, self.meta.token_text)}
+                     if want_logprobs else None,
+                     "finish_reason": None}
+            if self.request.return_token_ids:
+                delta["token_ids"] = output.new_token_ids
+            events.append(self.chunk([delta]))
+        if choice.finish_reason is not None and output.finish_reason is not None:
+            events.append(self.chunk([{"index": choice.index, "delta": {}, "logprobs": None,
+                                       "finish_reason": finish_reason(choice.finish_reason)}],
+                                     **self.closing_extra()))
+        return events
+
+    def response(self) -> dict[str, Any]:
+        choices = []
+        for choice in self.result.choices:
+            entry: dict[str, Any] = {
+                "index": choice.index,
+                "message": {"role": "assistant", "content": choice.text, "refusal": None},
+                "logprobs": {"content": chat_logprobs(choice.logprobs, self.meta.token_text)}
+                if self.request.params.logprobs is not None else None,
+                "finish_reason": finish_reason(choice.finish_reason),
+            }
+            if self.request.return_token_ids:
+                entry["token_ids"] = choice.token_ids
+            choices.append(entry)
+        body = {**self.envelope("chat.completion"), "choices": choices, "usage": usage_body(self.result),
+                "timings": self.result.timings()}
+        if self.request.return_token_ids:
+            body["prompt_token_ids"] = self.result.prompt_token_ids
+        return body
+
+
+CHAT = Dialect(name="chat", id_prefix="chatcmpl-", parse=parse_chat, renderer=ChatRenderer,
+               error_body=openai_error_body)

@@ -1,0 +1,205 @@
+"""What Chat Completions and Completions share: sampling fields, the model check, refusals of
+features ember cannot honour, usage, timings and finish reasons."""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable
+
+from ember.errors import EmberError, InvalidRequest
+from ember.protocols.errors import ModelNotFound, openai_error_body, unsupported
+from ember.protocols.fields import Fields, as_integer, as_number, as_string, json_type
+from ember.protocols.neutral import GenerationRequest, ModelInfo, ResponseMeta, RunResult, build_sampling_params
+from ember.protocols.sse import DONE, ServerEvent
+from ember.types import FinishReason, SamplingParams, TokenLogprob
+
+MAX_CHOICES = 8
+MAX_STOP_STRINGS = 16
+MAX_TOP_LOGPROBS = 20
+_SEED_RANGE = (-(1 << 63), (1 << 64) - 1)
+
+FINISH_REASONS = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length"}
+
+# Constrained decoding under its various names: refused by name until grammars exist.
+_CONSTRAINT_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs",
+                      "grammar", "json_schema")
+
+
+def check_model(f: Fields, model: ModelInfo) -> None:
+    """`model` may be left out (the served model); any other id than the served one is a 404."""
+    name = f.string("model")
+    if name and not model.accepts(name):
+        raise ModelNotFound(name, model.name)
+
+
+def read_sampling(f: Fields, model: ModelInfo, *, logprobs: int | None,
+                  rename: dict[str, str] | None = None) -> SamplingParams:
+    """The sampling fields both endpoints honour, validated into SamplingParams."""
+    values: dict[str, Any] = dict(model.sampling_defaults)
+    max_tokens = f.integer("max_completion_tokens", low=1)
+    max_tokens_param = "max_completion_tokens"
+    if max_tokens is None:
+        max_tokens, max_tokens_param = f.integer("max_tokens", low=1), "max_tokens"
+    values["max_tokens"] = max_tokens
+    for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
+        if f.has(name):
+            values[name] = f.number(name)
+    if f.has("top_k"):
+        values["top_k"] = f.integer("top_k")
+    values["seed"] = f.integer("seed", low=_SEED_RANGE[0], high=_SEED_RANGE[1])
+    values["stop"] = read_stop(f)
+    values["stop_token_ids"] = read_token_ids(f, "stop_token_ids", model.vocab_size)
+    values["logit_bias"] = read_logit_bias(f, model.vocab_size)
+    values["ignore_eos"] = f.boolean("ignore_eos", False)
+    values["min_tokens"] = f.integer("min_tokens", 0, low=0)
+    values["skip_special_tokens"] = f.boolean("skip_special_tokens", True)
+    values["logprobs"] = logprobs
+    names = {"max_tokens": max_tokens_param, **(rename or {})}
+    return build_sampling_params(values, names)
+
+
+def read_stop(f: Fields) -> list[str]:
+    stop = f.raw("stop")
+    if stop is None:
+        return []
+    if isinstance(stop, str):
+        stop = [stop]
+    elif not isinstance(stop, list):
+        raise InvalidRequest(f"stop must be a string or an array of strings, not {json_type(stop)}", param="stop")
+    if len(stop) > MAX_STOP_STRINGS:
+        raise InvalidRequest(f"stop holds {len(stop)} strings; at most {MAX_STOP_STRINGS} are allowed", param="stop")
+    for i, item in enumerate(stop):
+        as_string(item, f"stop[{i}]", non_empty=True)
+    return list(stop)
+
+
+def read_token_ids(f: Fields, name: str, vocab_size: int) -> list[int]:
+    items = f.array(name)
+    if items is None:
+        return []
+    return [as_integer(t, f"{name}[{i}]", low=0, high=vocab_size - 1) for i, t in enumerate(items)]
+
+
+def read_logit_bias(f: Fields, vocab_size: int) -> dict[int, float] | None:
+    bias = f.object("logit_bias")
+    if bias is None or not bias.obj:
+        return None
+    result = {}
+    for key, value in bias.obj.items():
+        try:
+            token_id = int(key)
+        except ValueError:
+            raise InvalidRequest(f"logit_bias keys must be token ids; '{key}' is not", param="logit_bias") from None
+        if not 0 <= token_id < vocab_size:
+            raise InvalidRequest(f"logit_bias names token {token_id}, outside the vocabulary (0..{vocab_size - 1})",
+                                 param="logit_bias")
+        result[token_id] = as_number(value, f"logit_bias.{key}", low=-100, high=100)
+    return result
+
+
+def read_choices(f: Fields) -> int:
+    return f.integer("n", 1, low=1, high=MAX_CHOICES)
+
+
+def read_stream(f: Fields) -> tuple[bool, bool]:
+    """(stream, include_usage)."""
+    stream = f.boolean("stream", False)
+    options = f.object("stream_options")
+    include_usage = options.boolean("include_usage", False) if options is not None else False
+    return stream, bool(stream and include_usage)
+
+
+def read_accepted(f: Fields) -> None:
+    """Fields taken for compatibility that change nothing here; still type-checked."""
+    f.string("user")
+    f.object("metadata")
+
+
+def refuse_unsupported(f: Fields) -> None:
+    """Features ember cannot honour yet are refused by name rather than silently ignored."""
+    response_format = f.object("response_format")
+    if response_format is not None:
+        kind = response_format.string("type", "text")
+        if kind != "text":
+            raise unsupported("response_format", f"response_format '{kind}' needs constrained decoding, which this "
+                                                 "server does not have yet; only 'text' is accepted")
+    for name in _CONSTRAINT_FIELDS:
+        if f.has(name):
+            raise unsupported(name, f"{name} (constrained decoding) is not supported by this server")
+
+
+def usage_body(result: RunResult) -> dict[str, Any]:
+    prompt, completion = result.num_prompt_tokens, result.num_completion_tokens
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": result.num_cached_tokens}}
+
+
+def finish_reason(reason: FinishReason | None) -> str | None:
+    return None if reason is None else FINISH_REASONS.get(reason, "stop")
+
+
+def finite_logprob(value: float) -> float:
+    """JSON has no -Infinity; a token of zero probability is reported as -9999."""
+    return value if math.isfinite(value) else -9999.0
+
+
+def chat_logprobs(entries: list[TokenLogprob], token_text: Callable[[int], str]) -> list[dict[str, Any]]:
+    """Chat Completions' `logprobs.content` entries."""
+    content = []
+    for entry in entries:
+        text = token_text(entry.token_id)
+        content.append({
+            "token": text, "logprob": finite_logprob(entry.logprob), "bytes": list(text.encode()),
+            "top_logprobs": [{"token": (t := token_text(tid)), "logprob": finite_logprob(lp), "bytes": list(t.encode())}
+                             for tid, lp in entry.top],
+        })
+    return content
+
+
+def completion_logprobs(entries: list[TokenLogprob], token_text: Callable[[int], str],
+                        offset: int = 0) -> dict[str, Any]:
+    """Completions' logprobs object; `offset` is where this run of tokens starts in the text."""
+    tokens, token_logprobs, top, offsets = [], [], [], []
+    for entry in entries:
+        text = token_text(entry.token_id)
+        tokens.append(text)
+        token_logprobs.append(finite_logprob(entry.logprob))
+        top.append({token_text(tid): finite_logprob(lp) for tid, lp in entry.top})
+        offsets.append(offset)
+        offset += len(text)
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
+
+
+class OpenAIRenderer:
+    """The streaming bookkeeping both OpenAI dialects share."""
+
+    chunk_object = ""
+
+    def __init__(self, request: GenerationRequest, result: RunResult, meta: ResponseMeta) -> None:
+        self.request = request
+        self.result = result
+        self.meta = meta
+
+    def envelope(self, obj: str) -> dict[str, Any]:
+        meta = self.meta
+        return {"id": meta.response_id, "object": obj, "created": meta.created, "model": meta.model,
+                "system_fingerprint": meta.system_fingerprint}
+
+    def chunk(self, choices: list[dict[str, Any]], **extra: Any) -> ServerEvent:
+        return ServerEvent({**self.envelope(self.chunk_object), "choices": choices, **extra})
+
+    def closing_extra(self) -> dict[str, Any]:
+        """timings ride on the last JSON chunk: the last finish chunk, unless a usage chunk follows."""
+        if self.result.finished and not self.request.include_usage:
+            return {"timings": self.result.timings()}
+        return {}
+
+    def stream_end(self) -> list[ServerEvent]:
+        events = []
+        if self.request.include_usage:
+            events.append(self.chunk([], usage=usage_body(self.result), timings=self.result.timings()))
+        events.append(ServerEvent(DONE))
+        return events
+
+    def stream_error(self, error: EmberError) -> list[ServerEvent]:
+        return [ServerEvent(openai_error_body(error)), ServerEvent(DONE)]

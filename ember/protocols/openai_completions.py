@@ -1,0 +1,123 @@
+"""OpenAI Completions: a plain prompt continued, no chat template."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ember.errors import InvalidRequest
+from ember.protocols.errors import openai_error_body, unsupported
+from ember.protocols.fields import Fields, as_integer, json_type
+from ember.protocols.neutral import ChoiceResult, Dialect, GenerationRequest, ModelInfo, TextPrompt, TokenPrompt
+from ember.protocols.openai_common import (
+    MAX_TOP_LOGPROBS, OpenAIRenderer, check_model, completion_logprobs, finish_reason, read_accepted,
+    read_choices, read_sampling, read_stream, refuse_unsupported, usage_body,
+)
+from ember.protocols.sse import ServerEvent
+from ember.types import GenerationOutput
+
+
+def parse_completion(body: Any, model: ModelInfo) -> GenerationRequest:
+    f = Fields(body)
+    check_model(f, model)
+    prompt = read_prompt(f, model.vocab_size)
+    refuse_unsupported(f)
+    n = read_choices(f)
+    logprobs = f.integer("logprobs", low=0, high=MAX_TOP_LOGPROBS)
+    echo = f.boolean("echo", False)
+    if echo and logprobs is not None:
+        raise unsupported("echo", "echo together with logprobs needs the prompt's log probabilities, which this "
+                                  "server does not compute")
+    if f.string("suffix"):
+        raise unsupported("suffix", "suffix (fill in the middle) is not supported by this server")
+    best_of = f.integer("best_of", low=1)
+    if best_of is not None and best_of != n:
+        raise unsupported("best_of", "best_of is not supported; use n to get several completions")
+    params = read_sampling(f, model, logprobs=logprobs)
+    stream, include_usage = read_stream(f)
+    return_token_ids = f.boolean("return_token_ids", False)
+    read_accepted(f)
+    return GenerationRequest(prompt, params, n=n, stream=stream, include_usage=include_usage,
+                             return_token_ids=return_token_ids, echo=echo, prompt_param="prompt")
+
+
+def read_prompt(f: Fields, vocab_size: int) -> TextPrompt | TokenPrompt:
+    """A string, an array of one string, or an array of token ids (also wrapped in one array)."""
+    prompt = f.raw("prompt")
+    if prompt is None:
+        raise InvalidRequest("prompt is required", param="prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        if not prompt:
+            raise InvalidRequest("prompt must not be empty", param="prompt")
+        return TextPrompt(prompt)
+    if not isinstance(prompt, list):
+        raise InvalidRequest(f"prompt must be a string or an array of token ids, not {json_type(prompt)}",
+                             param="prompt")
+    if not prompt:
+        raise InvalidRequest("prompt must not be empty", param="prompt")
+    if all(isinstance(p, (str, list)) for p in prompt):
+        raise InvalidRequest(f"prompt holds {len(prompt)} prompts; send one prompt per request", param="prompt")
+    return TokenPrompt([as_integer(t, f"prompt[{i}]", low=0, high=vocab_size - 1) for i, t in enumerate(prompt)])
+
+
+class CompletionRenderer(OpenAIRenderer):
+    chunk_object = "text_completion"
+
+    def __init__(self, request, result, meta) -> None:
+        super().__init__(request, result, meta)
+        self.prompt_text = self._prompt_text() if request.echo else ""
+        self.offsets = [len(self.prompt_text)] * request.n  # where each choice's next text starts
+
+    def _prompt_text(self) -> str:
+        prompt = self.request.prompt
+        return prompt.text if isinstance(prompt, TextPrompt) else self.meta.decode(self.result.prompt_token_ids)
+
+    def stream_start(self) -> list[ServerEvent]:
+        if not self.prompt_text:
+            return []
+        return [self.chunk([{"index": i, "text": self.prompt_text, "logprobs": None, "finish_reason": None}])
+                for i in range(self.request.n)]
+
+    def stream_output(self, choice: ChoiceResult, output: GenerationOutput) -> list[ServerEvent]:
+        events = []
+        want_logprobs = self.request.params.logprobs is not None and output.new_logprobs
+        want_ids = self.request.return_token_ids and output.new_token_ids
+        if output.text_delta or want_logprobs or want_ids:
+            entry = {"index": choice.index, "text": output.text_delta,
+                     "logprobs": completion_logprobs(output.new_logprobs, self.meta.token_text,
+                                                   self.offsets[choice.index])
+                     if want_logprobs else None,
+                     "finish_reason": None}
+            if self.request.return_token_ids:
+                entry["token_ids"] = output.new_token_ids
+            self.offsets[choice.index] += len(output.text_delta)
+            events.append(self.chunk([entry]))
+        if choice.finish_reason is not None and output.finish_reason is not None:
+            events.append(self.chunk([{"index": choice.index, "text": "", "logprobs": None,
+                                       "finish_reason": finish_reason(choice.finish_reason)}],
+                                     **self.closing_extra()))
+        return events
+
+    def response(self) -> dict[str, Any]:
+        choices = []
+        for choice in self.result.choices:
+            entry: dict[str, Any] = {
+                "index": choice.index,
+                "text": self.prompt_text + choice.text,
+                "logprobs": completion_logprobs(choice.logprobs, self.meta.token_text, len(self.prompt_text))
+                if self.request.params.logprobs is not None else None,
+                "finish_reason": finish_reason(choice.finish_reason),
+            }
+            if self.request.return_token_ids:
+                entry["token_ids"] = choice.token_ids
+            choices.append(entry)
+        body = {**self.envelope("text_completion"), "choices": choices, "usage": usage_body(self.result),
+                "timings": self.result.timings()}
+        if self.request.return_token_ids:
+            body["prompt_token_ids"] = self.result.prompt_token_ids
+        return body
+
+
+COMPLETIONS = Dialect(name="completions", id_prefix="cmpl-", parse=parse_completion, renderer=CompletionRenderer,
+                      error_body=openai_error_body)

@@ -1,0 +1,123 @@
+"""The FastAPI application: routes, error rendering and middleware, around one ServerState."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import Callable
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException
+from starlette.middleware.cors import CORSMiddleware
+
+from ember.errors import EmberError
+from ember.protocols.errors import MethodNotAllowed, ModelNotFound, RouteNotFound
+from ember.protocols.openai_chat import CHAT
+from ember.protocols.openai_completions import COMPLETIONS
+from ember.server.config import ServerConfig
+from ember.server.metrics import Metrics
+from ember.server.middleware import GuardMiddleware, RequestContextMiddleware, error_response
+from ember.server.openapi import build_document, generation_route_docs
+from ember.server.pipeline import serve_generation
+from ember.server.state import LoadedModel, ServerState, load_model
+
+logger = logging.getLogger("ember.server")
+
+
+def create_app(config: ServerConfig, loader: Callable[[ServerConfig], LoadedModel] = load_model) -> FastAPI:
+    state = ServerState(config, loader)
+    metrics = Metrics()
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        state.start_loading()
+        yield
+        await state.shutdown()
+
+    app = FastAPI(title="ember", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.ember = state
+    app.state.metrics = metrics
+    _add_routes(app, state, metrics)
+    _add_error_handlers(app)
+    app.add_middleware(GuardMiddleware, api_key=config.api_key, max_body_bytes=config.max_request_bytes)
+    if config.cors_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=config.cors_origins, allow_methods=["GET", "POST", "OPTIONS"],
+                           allow_headers=["*"], expose_headers=["x-request-id"], max_age=600)
+    app.add_middleware(RequestContextMiddleware, state=state, metrics=metrics)
+    return app
+
+
+def _add_routes(app: FastAPI, state: ServerState, metrics: Metrics) -> None:
+    health_docs = {"responses": {200: {"description": "Ready.", "content": {"application/json": {
+        "schema": {"$ref": "#/components/schemas/Health"}}}}, 503: {"description": "Loading or unavailable."}}}
+
+    async def health() -> JSONResponse:
+        status_code, status = state.health()
+        body: dict = {"status": status}
+        if status == "ok":
+            body["model"] = state.model.name
+            body["requests_running"] = state.admission.num_running
+            body["requests_waiting"] = state.admission.num_waiting
+            stats = await state.engine_stats()
+            if stats is not None:
+                body["engine"] = stats
+        elif state.failure:
+            body["reason"] = state.failure
+        return JSONResponse(body, status_code=status_code)
+
+    app.add_api_route("/health", health, methods=["GET"], summary="Readiness and counters", **health_docs)
+    app.add_api_route("/v1/health", health, methods=["GET"], summary="Readiness (same as /health)",
+                      include_in_schema=False)
+
+    def model_card() -> dict:
+        return {"id": state.model.name, "object": "model", "created": state.started, "owned_by": "ember",
+                "max_model_len": state.model.max_model_len}
+
+    @app.get("/v1/models", summary="The served model")
+    async def list_models() -> dict:
+        state.require_ready()
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model_id:path}", summary="One model, by id",
+             responses={404: {"description": "Another id (model_not_found)."}})
+    async def get_model(model_id: str) -> dict:
+        state.require_ready()
+        if not state.model.accepts(model_id):
+            raise ModelNotFound(model_id, state.model.name)
+        return model_card()
+
+    @app.post("/v1/chat/completions", summary="Chat completion", **generation_route_docs("ChatCompletionRequest"))
+    async def chat_completions(request: Request) -> Response:
+        return await serve_generation(request, CHAT)
+
+    @app.post("/v1/completions", summary="Text completion", **generation_route_docs("CompletionRequest"))
+    async def completions(request: Request) -> Response:
+        return await serve_generation(request, COMPLETIONS)
+
+    @app.get("/openapi.json", include_in_schema=False)
+    async def openapi() -> dict:
+        if app.openapi_schema is None:
+            app.openapi_schema = build_document(app)
+        return app.openapi_schema
+
+    @app.get("/metrics", summary="Prometheus metrics", response_class=Response)
+    async def prometheus() -> Response:
+        body = metrics.render(state.admission, await state.engine_stats())
+        return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(EmberError)
+    async def ember_error(request: Request, error: EmberError) -> Response:
+        return error_response(error, request.scope.get("ember.record"))
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, error: HTTPException) -> Response:
+        if error.status_code == 405:
+            ember = MethodNotAllowed(request.method, request.url.path)
+        elif error.status_code == 404:
+            ember = RouteNotFound(request.method, request.url.path)
+        else:
+            ember = EmberError(str(error.detail), status=error.status_code, type="invalid_request_error")
+        return error_response(ember, request.scope.get("ember.record"))

@@ -1,0 +1,198 @@
+"""`ember serve`: its flags, the settings they make, and running the server until Ctrl-C.
+
+ember/cli.py wires this in with `add_serve_parser(subcommands)` and `run_serve(args)`.
+Environment variables read here: EMBER_API_KEY (the key, when --api-key is not given) and
+EMBER_CACHE_DIR (where downloaded models are kept).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import socket
+import sys
+import time
+
+from ember.config import EngineConfig
+from ember.server.config import ServerConfig, is_loopback
+
+_ALLOW_OPEN_FLAG = "--allow-no-api-key"
+_ENGINE_DEFAULTS = EngineConfig()
+
+
+def add_serve_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(
+        "serve", help="serve a model over HTTP (OpenAI Chat Completions and Completions)",
+        description="Serve one model over HTTP. Clients use http://HOST:PORT/v1 as their OpenAI base URL. "
+                    "The server listens at once, answers /health with 503 while the model loads, and prints "
+                    "its URL when ready. Ctrl-C stops it: running requests are cancelled.")
+    p.add_argument("model", nargs="?", default=None,
+                   help="a Hugging Face model folder or a .gguf file (default: SmolLM2-135M-Instruct)")
+    net = p.add_argument_group("network")
+    net.add_argument("--host", default="127.0.0.1",
+                     help="address to listen on (default 127.0.0.1). Any other than loopback needs --api-key, "
+                          f"or {_ALLOW_OPEN_FLAG} to serve without one on purpose")
+    net.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000; 0 picks a free one)")
+    net.add_argument("--api-key", default=None,
+                     help="require this key as 'Authorization: Bearer KEY' or 'x-api-key: KEY' on every route "
+                          "but /health (default: $EMBER_API_KEY, else no key)")
+    net.add_argument(_ALLOW_OPEN_FLAG, action="store_true",
+                     help="allow listening on a non-loopback address without an API key")
+    net.add_argument("--cors-origins", action="append", default=[], metavar="ORIGIN[,ORIGIN...]",
+                     help="browser origins allowed to call the API, comma-separated or repeated (e.g. "
+                          "http://localhost:3000; '*' allows any). Default: none, no CORS headers")
+    net.add_argument("--max-request-mb", type=float, default=16.0,
+                     help="largest request body in MiB; larger ones get 413 (default 16)")
+    model = p.add_argument_group("model")
+    model.add_argument("--served-model-name", action="append", default=[], metavar="NAME[,ALIAS...]",
+                       help="the model id clients see and send (default: the model's own name); further names, "
+                            "comma-separated or repeated, are accepted as aliases")
+    model.add_argument("--chat-template", default=None, metavar="FILE",
+                       help="a Jinja chat template file to use instead of the model's own")
+    model.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
+                       help="weights and KV cache type (auto: bfloat16)")
+    model.add_argument("--device", default="auto", help="cpu, cuda, cuda:1 ... (auto: cuda when available)")
+    model.add_argument("--seed", type=int, default=0,
+                       help="seed of the engine's sampler, for requests without their own seed (default 0)")
+    engine = p.add_argument_group("engine and limits")
+    engine.add_argument("--max-model-len", type=int, default=None,
+                        help="context window in tokens, prompt and output together (default: the model's "
+                             "trained length; a larger value is allowed with a warning)")
+    engine.add_argument("--max-num-seqs", type=int, default=_ENGINE_DEFAULTS.max_num_seqs,
+                        help=f"most sequences running at once; further requests wait "
+                             f"(default {_ENGINE_DEFAULTS.max_num_seqs})")
+    engine.add_argument("--max-num-batched-tokens", type=int, default=_ENGINE_DEFAULTS.max_num_batched_tokens,
+                        help=f"most tokens computed in one engine step; long prompts are prefilled in chunks "
+                             f"of this size (default {_ENGINE_DEFAULTS.max_num_batched_tokens})")
+    engine.add_argument("--max-pending", type=int, default=128,
+                        help="most requests waiting for a slot; one more gets 429 with Retry-After (default 128)")
+    engine.add_argument("--pending-timeout", type=float, default=120.0,
+                        help="seconds a request may wait for a slot before it gets 503 (default 120; 0: no limit)")
+    engine.add_argument("--no-prefix-caching", action="store_true",
+                        help="do not reuse the KV cache of prompt prefixes seen before")
+    engine.add_argument("--default-max-tokens", type=int, default=None,
+                        help="output limit for requests that set no max_tokens (default: the rest of the window)")
+    other = p.add_argument_group("other")
+    other.add_argument("--sse-keepalive", type=float, default=5.0,
+                       help="seconds without an event before a stream sends a ': keep-alive' comment (default 5)")
+    other.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
+                       help="stderr verbosity; info logs one line per request (default info)")
+    return p
+
+
+def build_config(args: argparse.Namespace, environ=os.environ) -> ServerConfig:
+    """Settings from the flags; raises ValueError with a message for the user."""
+    api_key = args.api_key or environ.get("EMBER_API_KEY") or None
+    if not is_loopback(args.host) and not api_key and not args.allow_no_api_key:
+        raise ValueError(f"refusing to listen on {args.host} without an API key: anyone who can reach it could "
+                         f"use the model. Set --api-key (or EMBER_API_KEY), or pass {_ALLOW_OPEN_FLAG} to serve "
+                         f"openly on purpose")
+    chat_template = None
+    if args.chat_template:
+        try:
+            with open(args.chat_template, encoding="utf-8") as f:
+                chat_template = f.read()
+        except OSError as exc:
+            raise ValueError(f"cannot read the chat template {args.chat_template}: {exc.strerror}") from None
+    origins = _split(args.cors_origins)
+    engine = EngineConfig(max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+                          max_num_batched_tokens=args.max_num_batched_tokens,
+                          enable_prefix_caching=not args.no_prefix_caching, dtype=args.dtype, device=args.device,
+                          seed=args.seed)
+    if args.max_request_mb <= 0:
+        raise ValueError("--max-request-mb must be positive")
+    return ServerConfig(
+        model=args.model, cache_dir=environ.get("EMBER_CACHE_DIR") or None, host=args.host, port=args.port,
+        served_model_names=_split(args.served_model_name), api_key=api_key, max_pending=args.max_pending,
+        pending_timeout=args.pending_timeout, max_request_bytes=max(1, int(args.max_request_mb * (1 << 20))),
+        cors_origins=origins, default_max_tokens=args.default_max_tokens, chat_template=chat_template,
+        sse_keepalive=args.sse_keepalive, engine=engine)
+
+
+def _split(values: list[str]) -> list[str]:
+    return [item.strip() for value in values for item in value.split(",") if item.strip()]
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    _setup_logging(args.log_level)
+    try:
+        config = build_config(args)
+    except ValueError as exc:
+        print(f"ember serve: {exc}", file=sys.stderr)
+        return 2
+    try:
+        sock = _bind(config.host, config.port)
+    except OSError as exc:
+        print(f"ember serve: cannot listen on {config.host}:{config.port}: {exc.strerror or exc}", file=sys.stderr)
+        return 1
+    import uvicorn
+
+    from ember.server.app import create_app
+
+    host, port = sock.getsockname()[:2]
+    url = f"http://{'[' + host + ']' if ':' in host else host}:{port}"
+    app = create_app(config)
+    state = app.state.ember
+    began = time.monotonic()
+    state.on_ready = lambda loaded: print(
+        f"ember: model {loaded.name} loaded in {time.monotonic() - began:.1f} s; serving it as "
+        f"'{state.model.name}' at {url}/v1 (Ctrl-C stops)", file=sys.stderr, flush=True)
+    print(f"ember: listening on {url}; loading {config.model or 'the default model'} ...", file=sys.stderr, flush=True)
+    server = _make_server(uvicorn.Config(app, log_config=None, access_log=False, lifespan="on",
+                                    timeout_graceful_shutdown=5), state)
+    try:
+        server.run(sockets=[sock])
+    except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C it handled; stopping is what was asked
+        pass
+    print("ember: stopped", file=sys.stderr, flush=True)
+    if state.status == "loading":  # stopped mid-load: do not wait for (or trip over) the loading thread
+        os._exit(0)
+    return 0
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host.strip("[]"), port))
+    except OSError:
+        sock.close()
+        raise
+    sock.set_inheritable(True)
+    return sock
+
+
+def _setup_logging(level: str) -> None:
+    logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+                        stream=sys.stderr)
+    if level != "debug":
+        for noisy in ("uvicorn", "torch", "transformers"):
+            logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+def _make_server(config, state):
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        """uvicorn's server, which also cancels running requests as soon as Ctrl-C arrives."""
+
+        def handle_exit(self, sig, frame) -> None:
+            loop = getattr(state, "loop", None)
+            if not self.should_exit and loop is not None:
+                print("ember: stopping; running requests are cancelled", file=sys.stderr, flush=True)
+                loop.call_soon_threadsafe(state.begin_shutdown)
+            super().handle_exit(sig, frame)
+
+    return Server(config)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="ember")
+    add_serve_parser(parser.add_subparsers(dest="command", required=True))
+    return run_serve(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,51 @@
+"""The server's settings, built once by the command line and passed in explicitly."""
+
+from __future__ import annotations
+
+import ipaddress
+from dataclasses import dataclass, field
+
+from ember.config import EngineConfig
+
+
+@dataclass(slots=True)
+class ServerConfig:
+    model: str | None = None  # a model folder or GGUF file; None: the default model
+    cache_dir: str | None = None
+    host: str = "127.0.0.1"
+    port: int = 8000
+    served_model_names: list[str] = field(default_factory=list)  # first: the public id; others: aliases
+    api_key: str | None = None
+    max_pending: int = 128  # requests allowed to wait for a slot
+    pending_timeout: float = 120.0  # seconds a request may wait for a slot; 0: no limit
+    max_request_bytes: int = 16 << 20
+    cors_origins: list[str] = field(default_factory=list)
+    default_max_tokens: int | None = None
+    chat_template: str | None = None  # template text replacing the model's own
+    sse_keepalive: float = 5.0  # seconds without an event before a keep-alive comment
+    engine: EngineConfig = field(default_factory=EngineConfig)
+
+    def __post_init__(self) -> None:
+        if self.max_pending < 0:
+            raise ValueError(f"max_pending must be 0 or more, got {self.max_pending}")
+        if self.pending_timeout < 0:
+            raise ValueError(f"pending_timeout must be 0 or more seconds, got {self.pending_timeout}")
+        if self.max_request_bytes < 1:
+            raise ValueError("the request size limit must be positive")
+        if self.default_max_tokens is not None and self.default_max_tokens < 1:
+            raise ValueError(f"default_max_tokens must be positive, got {self.default_max_tokens}")
+        if self.sse_keepalive <= 0:
+            raise ValueError(f"the keep-alive interval must be positive, got {self.sse_keepalive}")
+
+    @property
+    def max_running(self) -> int:
+        return self.engine.max_num_seqs
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False

@@ -1,0 +1,164 @@
+"""ASGI middleware, outermost first:
+
+- RequestContext: a request id on every response (x-request-id), HEAD answered with the health
+  status, a last-resort 500 in the route's error shape, one log line per request.
+- (Starlette's CORSMiddleware, for the listed origins only, when --cors-origins is given.)
+- Guard: the API key (constant-time), then POST bodies: JSON only (415), at most the size limit (413).
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+from typing import Callable
+
+from starlette.datastructures import Headers, MutableHeaders
+from starlette.responses import JSONResponse, Response
+
+from ember.errors import EmberError
+from ember.protocols.errors import (
+    GenerationFailed, RequestTooLarge, Unauthorized, UnsupportedMediaType, error_headers, openai_error_body,
+)
+from ember.server.reqlog import RequestRecord
+
+logger = logging.getLogger("ember.server")
+
+OPEN_PATHS = ("/health", "/v1/health")  # answer without an API key
+
+
+def error_response(error: EmberError, record: RequestRecord | None) -> Response:
+    render = record.error_body if record is not None else openai_error_body
+    if record is not None:
+        record.note_error(error)
+    return JSONResponse(render(error), status_code=error.status, headers=error_headers(error))
+
+
+class RequestContextMiddleware:
+    """`error_shapes` maps a path prefix to its dialect's error body (OpenAI's by default), so even
+    refusals made before routing (401, 413, 415) answer in the shape the client expects."""
+
+    def __init__(self, app, state, metrics=None, error_shapes: dict[str, Callable] | None = None) -> None:
+        self.app = app
+        self.state = state
+        self.metrics = metrics
+        self.error_shapes = error_shapes or {}
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        record = RequestRecord.from_scope(scope)
+        for prefix, shape in self.error_shapes.items():
+            if record.path.startswith(prefix):
+                record.error_body = shape
+        scope["ember.record"] = record
+        started = False
+
+        async def send_with_id(message) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+                record.status = message["status"]
+                MutableHeaders(scope=message).append("x-request-id", record.request_id)
+            await send(message)
+
+        try:
+            if scope["method"] == "HEAD":
+                status, _ = self.state.health()
+                await Response(status_code=status)(scope, receive, send_with_id)
+            else:
+                await self.app(scope, receive, send_with_id)
+        except Exception as exc:  # a bug; the client still gets a JSON error with its request id
+            logger.exception("request %s failed", record.request_id)
+            if not started:
+                error = GenerationFailed(f"internal error ({type(exc).__name__})")
+                error.code = "internal_error"
+                await error_response(error, record)(scope, receive, send_with_id)
+        finally:
+            record.log()
+            if self.metrics is not None:
+                self.metrics.observe(record)
+
+
+class GuardMiddleware:
+    def __init__(self, app, api_key: str | None, max_body_bytes: int) -> None:
+        self.app = app
+        self.api_key = api_key.encode() if api_key else None
+        self.max_body_bytes = max_body_bytes
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or scope["method"] == "OPTIONS":
+            await self.app(scope, receive, send)
+            return
+        record = scope.get("ember.record")
+        headers = Headers(scope=scope)
+        try:
+            if self.api_key is not None and scope["path"] not in OPEN_PATHS:
+                self._check_key(headers)
+            if scope["method"] == "POST":
+                body = await self._read_body(headers, receive)
+                receive = _replay(body, receive)
+        except EmberError as error:
+            await error_response(error, record)(scope, receive, send)
+            return
+        except _ClientGone:
+            return
+        await self.app(scope, receive, send)
+
+    def _check_key(self, headers: Headers) -> None:
+        offered = []
+        authorization = headers.get("authorization", "")
+        scheme, _, token = authorization.partition(" ")
+        if scheme.lower() == "bearer" and token.strip():
+            offered.append(token.strip())
+        if headers.get("x-api-key"):
+            offered.append(headers["x-api-key"].strip())
+        if not offered:
+            raise Unauthorized("This server needs an API key: send 'Authorization: Bearer KEY' or 'x-api-key: KEY'.")
+        # Every offered key is compared, in constant time, whatever the outcome of the others.
+        matches = [hmac.compare_digest(key.encode(), self.api_key) for key in offered]
+        if not any(matches):
+            raise Unauthorized("The API key is not valid for this server.")
+
+    async def _read_body(self, headers: Headers, receive: Callable) -> bytes:
+        content_type = headers.get("content-type")
+        if content_type is not None and not _is_json(content_type):
+            raise UnsupportedMediaType(content_type.split(";")[0].strip() or "an empty content type")
+        declared = headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_body_bytes:
+            raise RequestTooLarge(self.max_body_bytes)
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                raise _ClientGone()
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.max_body_bytes:
+                raise RequestTooLarge(self.max_body_bytes)
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                return b"".join(chunks)
+
+
+class _ClientGone(Exception):
+    pass
+
+
+def _is_json(content_type: str) -> bool:
+    media = content_type.split(";")[0].strip().lower()
+    return media == "application/json" or media.endswith("+json")
+
+
+def _replay(body: bytes, receive: Callable) -> Callable:
+    """A receive that hands the app the body already read, then passes through (disconnects)."""
+    delivered = False
+
+    async def replay():
+        nonlocal delivered
+        if not delivered:
+            delivered = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replay

@@ -1,0 +1,132 @@
+"""The OpenAPI document at /openapi.json: the routes FastAPI knows, plus request and error schemas.
+
+Requests are validated by ember's own code (protocols/), so these schemas document the fields;
+they are not what enforces them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi.openapi.utils import get_openapi
+
+import ember
+
+DESCRIPTION = (
+    "ember serves one model in the OpenAI Chat Completions and Completions dialects. With --api-key, "
+    "every route except /health needs 'Authorization: Bearer KEY' or 'x-api-key: KEY'. POST bodies are "
+    "JSON (415 otherwise) and at most --max-request-mb (413). Unknown fields are ignored; a field ember "
+    "cannot honour is refused with a 400 naming it in error.param. Every response carries x-request-id."
+)
+
+_NUMBER = {"type": "number"}
+_INTEGER = {"type": "integer"}
+_BOOLEAN = {"type": "boolean"}
+_STOP = {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}, "maxItems": 16}],
+         "description": "Text that ends the output (not included in it)."}
+
+SAMPLING_FIELDS: dict[str, Any] = {
+    "model": {"type": "string", "description": "The served model id or an alias; omit it for the served model."},
+    "max_tokens": {**_INTEGER, "minimum": 1, "description": "Most tokens to generate; capped to the room the "
+                   "context window leaves. Omitted: to the end of the window (or --default-max-tokens)."},
+    "max_completion_tokens": {**_INTEGER, "minimum": 1, "description": "Same as max_tokens; wins when both are set."},
+    "temperature": {**_NUMBER, "minimum": 0, "description": "0 is greedy."},
+    "top_p": {**_NUMBER, "exclusiveMinimum": 0, "maximum": 1},
+    "top_k": {**_INTEGER, "minimum": -1, "description": "0 or -1: off."},
+    "min_p": {**_NUMBER, "minimum": 0, "maximum": 1},
+    "presence_penalty": {**_NUMBER, "minimum": -2, "maximum": 2},
+    "frequency_penalty": {**_NUMBER, "minimum": -2, "maximum": 2},
+    "repetition_penalty": {**_NUMBER, "exclusiveMinimum": 0, "description": "1 is off."},
+    "logit_bias": {"type": "object", "additionalProperties": {**_NUMBER, "minimum": -100, "maximum": 100},
+                   "description": "Token id (as a string) -> bias added to its logit."},
+    "seed": {**_INTEGER, "description": "Makes sampling reproducible."},
+    "stop": _STOP,
+    "stop_token_ids": {"type": "array", "items": _INTEGER},
+    "ignore_eos": {**_BOOLEAN, "description": "Keep generating past the end-of-sequence token."},
+    "min_tokens": {**_INTEGER, "minimum": 0, "description": "End tokens are held back until this many tokens."},
+    "n": {**_INTEGER, "minimum": 1, "maximum": 8, "description": "Choices, sharing the prompt's KV cache."},
+    "stream": _BOOLEAN,
+    "stream_options": {"type": "object", "properties": {"include_usage": _BOOLEAN}},
+    "return_token_ids": {**_BOOLEAN, "description": "Add the prompt's and each choice's token ids."},
+    "user": {"type": "string", "description": "Accepted; not used."},
+    "metadata": {"type": "object", "description": "Accepted; not used."},
+}
+
+CHAT_REQUEST = {
+    "type": "object", "required": ["messages"],
+    "properties": {
+        "messages": {"type": "array", "minItems": 1, "items": {
+            "type": "object", "required": ["role"],
+            "properties": {
+                "role": {"enum": ["system", "developer", "user", "assistant", "tool"]},
+                "content": {"oneOf": [{"type": "string"}, {"type": "array", "items": {
+                    "type": "object", "properties": {"type": {"const": "text"}, "text": {"type": "string"}}}}],
+                    "description": "Text, or text parts joined in order. The model takes text only."},
+                "name": {"type": "string"}, "tool_calls": {"type": "array"}, "tool_call_id": {"type": "string"},
+            }}},
+        **SAMPLING_FIELDS,
+        "logprobs": _BOOLEAN,
+        "top_logprobs": {**_INTEGER, "minimum": 0, "maximum": 20},
+        "chat_template_kwargs": {"type": "object", "description": "Extra variables for the chat template."},
+        "response_format": {"type": "object", "description": "Only {\"type\": \"text\"} is accepted."},
+    },
+}
+
+COMPLETION_REQUEST = {
+    "type": "object", "required": ["prompt"],
+    "properties": {
+        "prompt": {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}, "maxItems": 1},
+                             {"type": "array", "items": _INTEGER}],
+                   "description": "A string, an array of one string, or token ids."},
+        **SAMPLING_FIELDS,
+        "logprobs": {**_INTEGER, "minimum": 0, "maximum": 20},
+        "echo": {**_BOOLEAN, "description": "Put the prompt before the output."},
+    },
+}
+
+ERROR = {
+    "type": "object", "required": ["error"],
+    "properties": {"error": {"type": "object", "required": ["message", "type"], "properties": {
+        "message": {"type": "string"}, "type": {"type": "string"},
+        "param": {"type": ["string", "null"], "description": "The request field at fault."},
+        "code": {"type": ["string", "null"]}}}},
+}
+
+HEALTH = {
+    "type": "object", "required": ["status"],
+    "properties": {"status": {"enum": ["ok", "loading", "unavailable"]},
+                   "requests_running": _INTEGER, "requests_waiting": _INTEGER,
+                   "engine": {"type": "object", "description": "The engine's counters (KV blocks, sequences, tokens)."}},
+}
+
+
+def _error(description: str) -> dict[str, Any]:
+    return {"description": description, "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}}
+
+
+def generation_route_docs(request_schema: str) -> dict[str, Any]:
+    """Keyword arguments for a generation route's decorator."""
+    return {
+        "openapi_extra": {"requestBody": {"required": True, "content": {"application/json": {
+            "schema": {"$ref": f"#/components/schemas/{request_schema}"}}}}},
+        "responses": {
+            200: {"description": "The result, or with stream: true server-sent events ending with data: [DONE].",
+                  "content": {"application/json": {}, "text/event-stream": {}}},
+            400: _error("A malformed request, with error.param naming the field; a prompt beyond the context "
+                        "window has code context_length_exceeded."),
+            401: _error("A missing or wrong API key."),
+            404: _error("Another model id than the served one (code model_not_found)."),
+            413: _error("The body is larger than --max-request-mb."),
+            415: _error("The body is not JSON."),
+            429: _error("Too many requests are waiting (--max-pending); see Retry-After."),
+            503: _error("Loading, shutting down, an engine fault, or a wait beyond --pending-timeout."),
+        },
+    }
+
+
+def build_document(app) -> dict[str, Any]:
+    document = get_openapi(title="ember", version=ember.__version__, description=DESCRIPTION, routes=app.routes)
+    schemas = document.setdefault("components", {}).setdefault("schemas", {})
+    schemas.update({"Error": ERROR, "Health": HEALTH, "ChatCompletionRequest": CHAT_REQUEST,
+                    "CompletionRequest": COMPLETION_REQUEST})
+    return document

@@ -1,0 +1,230 @@
+"""The one template every generation endpoint follows:
+
+    JSON body -> dialect.parse (validate; 400 naming the field) -> prompt token ids (off the loop)
+    -> max_tokens fitted to the window -> admission (429 / 503) -> the engine -> a JSON body or SSE.
+
+Nothing reaches the engine before it has passed every check. The stream opens only once the
+request is admitted, so every refusal is a plain HTTP status; after that, failures are events.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from typing import Any, AsyncIterator
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from ember.errors import EmberError, InvalidRequest
+from ember.protocols.errors import GenerationFailed
+from ember.protocols.neutral import Dialect, ResponseMeta, RunResult, choice_seeds, resolve_sampling
+from ember.protocols.sse import ServerEvent, encode, with_keep_alive
+from ember.server.reqlog import RequestRecord
+from ember.server.state import ServerState
+from ember.types import FinishReason, GenerationOutput, SamplingParams
+
+logger = logging.getLogger("ember.server")
+
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+class ClientGone(Exception):
+    """The client closed the connection before its answer was ready."""
+
+
+class ChoiceRun:
+    """Runs a request's choices on the engine and merges their outputs in arrival order.
+
+    Choice 0 starts first; the others start once it has produced a token, when its prompt is in
+    the prefix cache for them to share. `stop` ends the run from outside (server shutdown).
+    """
+
+    def __init__(self, engine, prompt_token_ids: list[int], params: list[SamplingParams], request_id: str) -> None:
+        self.engine = engine
+        self.prompt_token_ids = prompt_token_ids
+        self.params = params
+        self.request_id = request_id
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self._tasks: list[asyncio.Task] = []
+
+    async def _pump(self, index: int) -> None:
+        request_id = self.request_id if len(self.params) == 1 else f"{self.request_id}-{index}"
+        try:
+            async for output in self.engine.generate(self.prompt_token_ids, self.params[index], request_id=request_id):
+                self._queue.put_nowait((index, output, None))
+        except Exception as exc:
+            self._queue.put_nowait((index, None, exc))
+
+    def _start(self, index: int) -> None:
+        self._tasks.append(asyncio.get_running_loop().create_task(self._pump(index)))
+
+    def stop(self, error: EmberError) -> None:
+        for task in self._tasks:
+            task.cancel()
+        self._queue.put_nowait((None, None, error))
+
+    async def outputs(self) -> AsyncIterator[tuple[int, GenerationOutput]]:
+        self._start(0)
+        unfinished = len(self.params)
+        while unfinished:
+            index, output, error = await self._queue.get()
+            if error is not None:
+                raise error
+            if len(self._tasks) < len(self.params):
+                for i in range(1, len(self.params)):
+                    self._start(i)
+            if output.finish_reason is not None:
+                unfinished -= 1
+            yield index, output
+
+    async def close(self) -> None:
+        """Cancel whatever still runs; leaving `generate` early aborts it in the engine."""
+        for task in self._tasks:
+            task.cancel()
+        if self._tasks:
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+
+
+async def serve_generation(request: Request, dialect: Dialect) -> Response:
+    state: ServerState = request.app.state.ember
+    record: RequestRecord = request.scope["ember.record"]
+    record.route, record.error_body = dialect.name, dialect.error_body
+    state.require_ready()
+    job = dialect.parse(parse_json(await request.body()), state.model)
+    prompt_token_ids = await state.encode(job.prompt)
+    record.prompt_tokens = len(prompt_token_ids)
+    params = resolve_sampling(job, len(prompt_token_ids), state.model)
+    ticket = await state.admission.acquire(job.n)
+    try:
+        result = RunResult(job.n, prompt_token_ids, record.received)
+        record.result = result
+        meta = ResponseMeta(f"{dialect.id_prefix}{record.internal_id}", int(record.received), state.model.name,
+                            state.fingerprint, state.decode)
+        renderer = dialect.renderer(job, result, meta)
+        run = ChoiceRun(state.engine, prompt_token_ids, choice_seeds(params, job.n), record.internal_id)
+        if job.stream:
+            frames = stream_frames(renderer, result, run, state, record)
+            response = EventStreamResponse(with_keep_alive(frames, state.config.sse_keepalive), ticket.release)
+            ticket = None  # the stream releases it when it ends
+            return response
+        await collect_unless_gone(request, run, result, state)
+        if result.error is not None:
+            raise GenerationFailed(result.error)
+        return JSONResponse(renderer.response())
+    except ClientGone:
+        record.client_gone = True
+        return Response(status_code=499)
+    finally:
+        if ticket is not None:
+            ticket.release()
+
+
+def parse_json(body: bytes) -> Any:
+    if not body.strip():
+        raise InvalidRequest("The request body is empty; send a JSON object.", code="invalid_json")
+    try:
+        return json.loads(body)
+    except (ValueError, RecursionError) as exc:
+        raise InvalidRequest(f"The request body is not valid JSON: {exc}", code="invalid_json") from None
+
+
+async def collect_unless_gone(request: Request, run: ChoiceRun, result: RunResult, state: ServerState) -> None:
+    """Gather every output; if the client disconnects first, abort the run and raise ClientGone."""
+
+    async def collect() -> None:
+        async for index, output in run.outputs():
+            result.add(index, output)
+
+    state.runs.add(run)
+    work = asyncio.ensure_future(collect())
+    watch = asyncio.ensure_future(wait_for_disconnect(request.receive))
+    try:
+        await asyncio.wait((work, watch), return_when=asyncio.FIRST_COMPLETED)
+        if not work.done():
+            raise ClientGone()
+        work.result()
+    finally:
+        state.runs.discard(run)
+        for task in (work, watch):
+            task.cancel()
+        await asyncio.gather(work, watch, return_exceptions=True)
+        await run.close()
+
+
+async def wait_for_disconnect(receive) -> None:
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def stream_frames(renderer, result: RunResult, run: ChoiceRun, state: ServerState,
+                        record: RequestRecord) -> AsyncIterator[bytes]:
+    """SSE frames of one request: opening chunks, deltas, closing chunks; errors become events."""
+    state.runs.add(run)
+    error: EmberError | None = None
+    try:
+        yield _frames(renderer.stream_start())
+        async for index, output in run.outputs():
+            choice = result.add(index, output)
+            if output.finish_reason in (FinishReason.ERROR, FinishReason.ABORT):
+                error = GenerationFailed(output.error or "the request was cancelled")
+                break
+            frame = _frames(renderer.stream_output(choice, output))
+            if frame:
+                yield frame
+    except EmberError as exc:
+        error = exc
+    except Exception as exc:
+        logger.exception("a stream failed")
+        error = GenerationFailed(f"{type(exc).__name__}: {exc}")
+    except (GeneratorExit, asyncio.CancelledError):
+        record.client_gone = True
+        raise
+    finally:
+        state.runs.discard(run)
+        await run.close()
+    if error is not None:
+        record.note_error(error)
+        yield _frames(renderer.stream_error(error))
+    else:
+        yield _frames(renderer.stream_end())
+
+
+def _frames(events: list[ServerEvent]) -> bytes:
+    return b"".join(encode(event) for event in events)
+
+
+class EventStreamResponse(StreamingResponse):
+    """An SSE response that watches for the client leaving while it streams (whatever the ASGI
+    server's version), and always cleans up: its frames are closed, which aborts the engine run,
+    and its admission ticket is released, however the stream ends."""
+
+    def __init__(self, frames: AsyncIterator[bytes], on_close) -> None:
+        super().__init__(frames, media_type="text/event-stream", headers=SSE_HEADERS)
+        self.frames = frames
+        self._on_close = on_close
+
+    async def __call__(self, scope, receive, send) -> None:
+        async def stream() -> None:
+            await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+            async for frame in self.frames:
+                await send({"type": "http.response.body", "body": frame, "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+        writer = asyncio.ensure_future(stream())
+        watcher = asyncio.ensure_future(wait_for_disconnect(receive))
+        try:
+            await asyncio.wait((writer, watcher), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (writer, watcher):
+                task.cancel()
+            await asyncio.gather(writer, watcher, return_exceptions=True)
+            try:
+                await self.frames.aclose()
+            finally:
+                self._on_close()
+        if writer.done() and not writer.cancelled() and writer.exception() is not None:
+            raise writer.exception()

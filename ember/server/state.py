@@ -1,0 +1,183 @@
+"""What one server process holds: the model (once loaded), the engine, admission, live runs."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import hashlib
+import logging
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import ember
+from ember.protocols.errors import ModelLoading, ServerUnavailable
+from ember.protocols.neutral import ModelInfo, Prompt, encode_prompt
+from ember.server.admission import Admission
+from ember.server.config import ServerConfig
+
+logger = logging.getLogger("ember.server")
+
+_SAMPLING_DEFAULTS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+_STATS_TIMEOUT_S = 2.0
+
+
+@dataclass(slots=True)
+class LoadedModel:
+    """A model ready to serve: its engine (an AsyncEngine or anything with the same methods)."""
+
+    engine: Any
+    tokenizer: Any
+    name: str
+    max_model_len: int
+    vocab_size: int
+    kv_capacity_tokens: int | None = None
+    sampling_defaults: dict[str, Any] = field(default_factory=dict)
+    dtype: str = ""
+
+
+def load_model(config: ServerConfig) -> LoadedModel:
+    """Load weights and tokenizer and build the engine (runs in a worker thread)."""
+    from ember.engine.core import EngineCore
+    from ember.engine.engine import AsyncEngine
+    from ember.loaders import load_model_source
+
+    source = load_model_source(config.model, Path(config.cache_dir) if config.cache_dir else None)
+    tokenizer = source.tokenizer
+    if config.chat_template is not None:
+        tokenizer.chat_template = config.chat_template
+    core = EngineCore.from_source(source, config.engine)
+    _warm_up(core, tokenizer)
+    generation_config = getattr(source, "generation_config", None) or {}
+    defaults = {k: generation_config[k] for k in _SAMPLING_DEFAULTS
+                if isinstance(generation_config.get(k), (int, float)) and not isinstance(generation_config[k], bool)}
+    return LoadedModel(
+        engine=AsyncEngine(core, tokenizer), tokenizer=tokenizer, name=source.name,
+        max_model_len=core.max_model_len, vocab_size=core.model_config.vocab_size,
+        kv_capacity_tokens=getattr(core, "kv_capacity_tokens", None), sampling_defaults=defaults,
+        dtype=str(getattr(core, "dtype", "")).replace("torch.", ""))
+
+
+def _warm_up(core, tokenizer) -> None:
+    """One tiny request before the engine thread starts, so the first client does not pay for
+    the kernels' first run."""
+    from ember.types import SamplingParams
+
+    prompt = tokenizer.encode("Hello", add_special_tokens=False) or [0]
+    core.add_request("ember-warm-up", prompt, SamplingParams(max_tokens=2, temperature=0.0))
+    while core.has_unfinished():
+        core.step()
+
+
+class ServerState:
+    def __init__(self, config: ServerConfig, loader: Callable[[ServerConfig], LoadedModel] = load_model) -> None:
+        self.config = config
+        self.loader = loader
+        self.status = "loading"  # loading -> ok; or unavailable (a load failure, an engine fault)
+        self.failure: str | None = None
+        self.loaded: LoadedModel | None = None
+        self.model: ModelInfo | None = None
+        self.fingerprint = ""
+        self.started = int(time.time())
+        self.admission = Admission(config.max_running, config.max_pending, config.pending_timeout)
+        self.runs: set = set()  # live ChoiceRuns, stopped when the server stops
+        self.on_ready: Callable[[LoadedModel], None] | None = None
+        self._prompt_pool = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="ember-prompt")
+        self._load_task: asyncio.Task | None = None
+        self.loop: asyncio.AbstractEventLoop | None = None
+
+    # ---- lifecycle ---------------------------------------------------------------------------
+
+    def start_loading(self) -> None:
+        self.loop = asyncio.get_running_loop()
+        self._load_task = self.loop.create_task(self._load())
+
+    async def _load(self) -> None:
+        future: concurrent.futures.Future = concurrent.futures.Future()
+
+        def work() -> None:  # a daemon thread: Ctrl-C during loading does not wait for it
+            try:
+                future.set_result(self.loader(self.config))
+            except BaseException as exc:
+                future.set_exception(exc)
+
+        threading.Thread(target=work, name="ember-load", daemon=True).start()
+        try:
+            loaded = await asyncio.wrap_future(future)
+        except Exception as exc:
+            logger.error("loading the model failed: %s", exc)
+            self.status, self.failure = "unavailable", f"the model failed to load: {exc}"
+            return
+        self._install(loaded)
+
+    def _install(self, loaded: LoadedModel) -> None:
+        names = self.config.served_model_names or [loaded.name]
+        self.loaded = loaded
+        self.model = ModelInfo(
+            name=names[0], aliases=tuple(names[1:]), max_model_len=loaded.max_model_len,
+            vocab_size=loaded.vocab_size, default_max_tokens=self.config.default_max_tokens,
+            kv_capacity_tokens=loaded.kv_capacity_tokens, sampling_defaults=loaded.sampling_defaults)
+        digest = hashlib.sha256(f"{ember.__version__}|{loaded.name}|{loaded.dtype}|{loaded.max_model_len}".encode())
+        self.fingerprint = f"fp_{digest.hexdigest()[:10]}"
+        loaded.engine.start()
+        self.status = "ok"
+        if self.on_ready is not None:
+            self.on_ready(loaded)
+
+    def begin_shutdown(self) -> None:
+        """Stop taking requests and end the running ones (their KV blocks go back to the pool)."""
+        stopping = ServerUnavailable("the server is shutting down")
+        self.admission.close(stopping)
+        for run in list(self.runs):
+            run.stop(stopping)
+
+    async def shutdown(self) -> None:
+        self.begin_shutdown()
+        if self._load_task is not None and not self._load_task.done():
+            self._load_task.cancel()
+        if self.loaded is not None:
+            await asyncio.to_thread(self.loaded.engine.shutdown)
+        self._prompt_pool.shutdown(wait=False, cancel_futures=True)
+
+    # ---- readiness ---------------------------------------------------------------------------
+
+    def health(self) -> tuple[int, str]:
+        if self.status == "ok" and self.engine_failure():
+            self.status, self.failure = "unavailable", f"the engine stopped after a fault: {self.engine_failure()}"
+        return (200 if self.status == "ok" else 503), self.status
+
+    def engine_failure(self) -> str | None:
+        return getattr(self.loaded.engine, "failed", None) if self.loaded is not None else None
+
+    def require_ready(self) -> None:
+        _, status = self.health()
+        if status == "loading":
+            raise ModelLoading()
+        if status != "ok":
+            raise ServerUnavailable(self.failure or "the engine is not running")
+
+    # ---- work --------------------------------------------------------------------------------
+
+    @property
+    def engine(self):
+        return self.loaded.engine
+
+    async def encode(self, prompt: Prompt) -> list[int]:
+        """Prompt token ids, rendered and tokenized off the event loop."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._prompt_pool, encode_prompt, prompt, self.loaded.tokenizer)
+
+    def decode(self, token_ids: list[int]) -> str:
+        return self.loaded.tokenizer.decode(token_ids)
+
+    async def engine_stats(self) -> dict[str, Any] | None:
+        """The engine's counters (read between steps), or None when it does not answer in time."""
+        if self.status != "ok":
+            return None
+        try:
+            stats = await asyncio.wait_for(self.engine.call(lambda core: core.stats()), _STATS_TIMEOUT_S)
+        except Exception:
+            return None
+        return asdict(stats) if hasattr(stats, "__dataclass_fields__") else dict(stats)

@@ -1,0 +1,134 @@
+"""Real `ember serve` processes on the default model, and clients for them.
+
+`server` is the main one (default limits, shared by most tests). Tests that need tight limits
+(auth, CORS, 413/429/503) start their own small instance with `ServerProcess`.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+
+MAIN_FLAGS = ["--max-model-len", "1024", "--max-num-seqs", "24", "--log-level", "info"]
+START_TIMEOUT_S = 300
+
+
+def serve_command() -> list[str]:
+    return [sys.executable, "-m", "ember.cli", "serve"]
+
+
+class ServerProcess:
+    """One `ember serve` subprocess on a free port; its stderr is kept for the log tests."""
+
+    def __init__(self, *flags: str, env: dict[str, str] | None = None) -> None:
+        self.flags = list(flags)
+        self.env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", **(env or {})}
+        self.lines: list[str] = []
+        self.proc: subprocess.Popen | None = None
+        self.port: int | None = None
+        self.health_seen: list[tuple[int, dict]] = []
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> "ServerProcess":
+        self.proc = subprocess.Popen([*serve_command(), "--port", "0", *self.flags], stdout=subprocess.DEVNULL,
+                                     stderr=subprocess.PIPE, text=True, env=self.env)
+        listening = threading.Event()
+
+        def drain() -> None:
+            for line in self.proc.stderr:
+                self.lines.append(line.rstrip("\n"))
+                found = re.search(r"listening on http://[^:]+:(\d+)", line)
+                if found:
+                    self.port = int(found.group(1))
+                    listening.set()
+            listening.set()
+
+        threading.Thread(target=drain, daemon=True).start()
+        if not listening.wait(START_TIMEOUT_S) or self.port is None:
+            self.stop()
+            raise RuntimeError("ember serve did not start:\n" + "\n".join(self.lines[-30:]))
+        self._wait_ready()
+        return self
+
+    def _wait_ready(self) -> None:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError("ember serve exited:\n" + "\n".join(self.lines[-30:]))
+            try:
+                reply = httpx.get(self.url + "/health", timeout=5)
+                self.health_seen.append((reply.status_code, reply.json()))
+                if reply.status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        raise RuntimeError("ember serve never became healthy:\n" + "\n".join(self.lines[-30:]))
+
+    def log_since(self, mark: int) -> list[str]:
+        return self.lines[mark:]
+
+    def interrupt(self, timeout: float = 60) -> int:
+        """Ctrl-C; returns the exit code."""
+        self.proc.send_signal(signal.SIGINT)
+        return self.proc.wait(timeout)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+@pytest.fixture(scope="session")
+def server():
+    process = ServerProcess(*MAIN_FLAGS).start()
+    yield process
+    process.stop()
+
+
+@pytest.fixture(scope="session")
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="not-checked", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="session")
+def http(server):
+    with httpx.Client(base_url=server.url, timeout=120) as session:
+        yield session
+
+
+@pytest.fixture(scope="session")
+def model_id(http) -> str:
+    return http.get("/v1/models").json()["data"][0]["id"]
+
+
+def wait_idle(http: httpx.Client, timeout: float = 60) -> dict:
+    """Poll /health until no request runs and the engine holds no KV blocks; return its body.
+
+    A liveness wait, not a timing check: the deadline is only there so a leak fails the test."""
+    deadline = time.monotonic() + timeout
+    body: dict = {}
+    while time.monotonic() < deadline:
+        body = http.get("/health").json()
+        engine = body.get("engine", {})
+        if (body.get("requests_running") == 0 and engine.get("num_running") == 0
+                and engine.get("num_waiting") == 0 and engine.get("kv_blocks_used") == 0):
+            return body
+        time.sleep(0.1)
+    raise AssertionError(f"the server did not become idle: {body}")

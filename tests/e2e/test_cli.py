@@ -1,0 +1,60 @@
+"""`ember serve` on the command line: help text, settings from flags and environment, refusals at start."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import pytest
+
+from conftest import serve_command
+from ember.server.cli import add_serve_parser, build_config
+
+FLAGS = ["--host", "--port", "--served-model-name", "--api-key", "--max-model-len", "--max-num-seqs",
+         "--max-num-batched-tokens", "--max-pending", "--pending-timeout", "--max-request-mb", "--cors-origins",
+         "--no-prefix-caching", "--dtype", "--seed", "--chat-template", "--default-max-tokens", "--log-level"]
+
+
+def parse(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="ember")
+    add_serve_parser(parser.add_subparsers(dest="command"))
+    return parser.parse_args(["serve", *argv])
+
+
+def test_help_explains_every_flag():
+    text = subprocess.run([*serve_command(), "--help"], capture_output=True, text=True, timeout=120).stdout
+    for flag in FLAGS:
+        assert flag in text, flag
+
+
+def test_a_public_address_without_a_key_is_refused_at_start():
+    env = {k: v for k, v in os.environ.items() if k != "EMBER_API_KEY"}
+    done = subprocess.run([*serve_command(), "--host", "0.0.0.0"], capture_output=True, text=True, timeout=120,
+                          env=env)
+    assert done.returncode != 0
+    assert "--allow-no-api-key" in done.stderr and "--api-key" in done.stderr
+
+
+def test_settings_from_flags_and_environment(tmp_path):
+    template = tmp_path / "template.jinja"
+    template.write_text("{{ messages[0]['content'] }}")
+    args = parse("some/model", "--served-model-name", "pub,alias1", "--served-model-name", "alias2",
+                 "--cors-origins", "http://a.example,http://b.example", "--max-request-mb", "0.5",
+                 "--max-num-seqs", "3", "--no-prefix-caching", "--chat-template", str(template),
+                 "--pending-timeout", "2.5")
+    config = build_config(args, environ={"EMBER_API_KEY": "from-env", "EMBER_CACHE_DIR": "/tmp/cache"})
+    assert config.model == "some/model" and config.served_model_names == ["pub", "alias1", "alias2"]
+    assert config.cors_origins == ["http://a.example", "http://b.example"]
+    assert config.max_request_bytes == 512 * 1024 and config.pending_timeout == 2.5
+    assert config.api_key == "from-env" and config.cache_dir == "/tmp/cache"
+    assert config.engine.max_num_seqs == 3 and config.engine.enable_prefix_caching is False
+    assert config.chat_template == "{{ messages[0]['content'] }}"
+    assert build_config(parse("--host", "0.0.0.0", "--allow-no-api-key"), environ={}).api_key is None
+    assert build_config(parse("--host", "::1"), environ={}).host == "::1"
+
+
+@pytest.mark.parametrize("argv", [["--host", "192.168.1.5"], ["--chat-template", "/no/such/file"],
+                                  ["--max-request-mb", "0"]])
+def test_bad_settings_are_refused_with_a_message(argv):
+    with pytest.raises(ValueError):
+        build_config(parse(*argv), environ={})

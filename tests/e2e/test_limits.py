@@ -1,0 +1,169 @@
+"""A small server with tight limits: API key, CORS, 413, 429 and 503 admission, keep-alive, Ctrl-C."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+
+from conftest import ServerProcess, wait_idle
+
+KEY = "tight-secret-key-1234"
+ALLOWED = "http://allowed.example"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+HI = [{"role": "user", "content": "Hi"}]
+
+
+@pytest.fixture(scope="module")
+def tight():
+    process = ServerProcess(
+        "--api-key", KEY, "--cors-origins", ALLOWED, "--max-num-seqs", "1", "--max-pending", "1",
+        "--pending-timeout", "1", "--max-request-mb", "0.01", "--max-model-len", "1024",
+        "--max-num-batched-tokens", "32", "--sse-keepalive", "0.05",
+        "--served-model-name", "tight-model,tight-alias").start()
+    yield process
+    process.stop()
+
+
+@pytest.fixture(scope="module")
+def session(tight):
+    with httpx.Client(base_url=tight.url, timeout=120, headers=AUTH) as s:
+        yield s
+
+
+def test_api_key_is_required_except_for_health(tight):
+    open_client = httpx.Client(base_url=tight.url, timeout=60)
+    for path in ("/v1/models", "/openapi.json", "/metrics"):
+        reply = open_client.get(path)
+        assert reply.status_code == 401, path
+        assert reply.json()["error"]["type"] == "authentication_error"
+        assert reply.headers["x-request-id"]
+    assert open_client.post("/v1/chat/completions", json={"messages": HI}).status_code == 401
+    assert open_client.get("/health").status_code == 200
+    assert open_client.get("/v1/models", headers={"x-api-key": KEY}).status_code == 200
+    assert open_client.get("/v1/models", headers={"Authorization": f"bearer {KEY}"}).status_code == 200
+    assert open_client.get("/v1/models", headers={"Authorization": "Bearer wrong"}).status_code == 401
+    assert open_client.get("/v1/models", headers={"x-api-key": KEY[:-1]}).status_code == 401
+    good = openai.OpenAI(base_url=tight.url + "/v1", api_key=KEY, max_retries=0)
+    assert good.chat.completions.create(model="tight-model", messages=HI, max_tokens=2).choices
+    bad = openai.OpenAI(base_url=tight.url + "/v1", api_key="nope", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        bad.models.list()
+    assert all(KEY not in line for line in tight.lines)
+
+
+def test_served_model_name_and_alias(session):
+    assert [m["id"] for m in session.get("/v1/models").json()["data"]] == ["tight-model"]
+    assert session.get("/v1/models/tight-alias").status_code == 200
+    reply = session.post("/v1/chat/completions", json={"model": "tight-alias", "messages": HI, "max_tokens": 2})
+    assert reply.status_code == 200 and reply.json()["model"] == "tight-model"
+    reply = session.post("/v1/chat/completions", json={"model": "SmolLM2-135M-Instruct", "messages": HI})
+    assert reply.status_code == 404 and reply.json()["error"]["code"] == "model_not_found"
+
+
+def test_cors_only_for_listed_origins(tight, session):
+    preflight = {"Origin": ALLOWED, "Access-Control-Request-Method": "POST",
+                 "Access-Control-Request-Headers": "authorization, content-type"}
+    reply = httpx.options(tight.url + "/v1/chat/completions", headers=preflight)  # no key: preflight is open
+    assert reply.status_code == 200 and reply.headers["access-control-allow-origin"] == ALLOWED
+    reply = httpx.options(tight.url + "/v1/chat/completions", headers={**preflight, "Origin": "http://evil.example"})
+    assert reply.headers.get("access-control-allow-origin") != "http://evil.example"
+    reply = session.get("/v1/models", headers={"Origin": ALLOWED})
+    assert reply.headers["access-control-allow-origin"] == ALLOWED
+    assert "x-request-id" in reply.headers["access-control-expose-headers"].lower()
+    reply = session.get("/v1/models", headers={"Origin": "http://evil.example"})
+    assert "access-control-allow-origin" not in reply.headers
+
+
+def test_no_cors_headers_by_default(http):
+    reply = http.get("/v1/models", headers={"Origin": ALLOWED})
+    assert "access-control-allow-origin" not in reply.headers
+
+
+def test_body_over_the_limit_is_413(session):
+    big = {"messages": [{"role": "user", "content": "x" * 20_000}]}
+    reply = session.post("/v1/chat/completions", json=big)
+    assert reply.status_code == 413 and reply.json()["error"]["code"] == "request_too_large"
+
+    def chunks():  # no Content-Length: the limit is enforced while reading
+        yield b'{"messages": [{"role": "user", "content": "'
+        for _ in range(40):
+            yield b"y" * 1000
+        yield b'"}]}'
+
+    reply = session.post("/v1/completions", content=chunks(), headers={"content-type": "application/json"})
+    assert reply.status_code == 413
+
+
+def test_keep_alive_comments_while_the_stream_is_idle(session):
+    long_prompt = "Summarise this: " + "the quick brown fox jumps over the lazy dog. " * 80
+    body = {"messages": [{"role": "user", "content": long_prompt}], "max_tokens": 2, "stream": True}
+    with session.stream("POST", "/v1/chat/completions", json=body) as reply:
+        lines = list(reply.iter_lines())
+    assert ": keep-alive" in lines
+    assert lines[-1] == "data: [DONE]" or "data: [DONE]" in lines
+
+
+def test_full_queue_is_429_and_a_long_wait_is_503(tight, session):
+    wait_idle(session)
+    hold = {"messages": HI, "max_tokens": 1000, "ignore_eos": True, "stream": True}
+    waited: dict = {}
+
+    def waiter() -> None:
+        reply = httpx.post(tight.url + "/v1/chat/completions", headers=AUTH, timeout=120,
+                           json={"messages": HI, "max_tokens": 2})
+        waited["status"], waited["body"], waited["headers"] = reply.status_code, reply.json(), reply.headers
+
+    with httpx.Client(base_url=tight.url, timeout=120, headers=AUTH) as holder:
+        with holder.stream("POST", "/v1/chat/completions", json=hold) as stream:
+            lines = stream.iter_lines()
+            next(line for line in lines if line.startswith("data: "))  # admitted and running
+            thread = threading.Thread(target=waiter)
+            thread.start()
+            _wait_for(lambda: session.get("/health").json()["requests_waiting"] == 1)
+            full = session.post("/v1/chat/completions", json={"messages": HI, "max_tokens": 2})
+            assert full.status_code == 429, full.text
+            assert full.json()["error"]["code"] == "server_overloaded"
+            assert int(full.headers["retry-after"]) > 0
+            thread.join(60)
+    assert waited["status"] == 503 and waited["body"]["error"]["code"] == "queue_timeout"
+    assert int(waited["headers"]["retry-after"]) > 0
+    wait_idle(session)
+    assert session.post("/v1/chat/completions", json={"messages": HI, "max_tokens": 2}).status_code == 200
+
+
+def test_ctrl_c_cancels_running_requests_and_frees_the_port(tight):
+    """Runs last in this module: it stops the server."""
+    body = {"messages": HI, "max_tokens": 1000, "ignore_eos": True, "stream": True}
+    with httpx.Client(base_url=tight.url, timeout=120, headers=AUTH) as client:
+        with client.stream("POST", "/v1/chat/completions", json=body) as stream:
+            lines = stream.iter_lines()
+            next(line for line in lines if line.startswith("data: "))
+            code = tight.interrupt()
+            rest = list(_safe_lines(lines))
+    assert code == 0
+    assert not any("finish_reason\":\"length" in line for line in rest)
+    assert any("stopped" in line for line in tight.lines)
+    with socket.socket() as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        probe.bind(("127.0.0.1", tight.port))
+
+
+def _safe_lines(lines):
+    try:
+        yield from lines
+    except httpx.HTTPError:
+        return
+
+
+def _wait_for(condition, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return
+        time.sleep(0.05)
+    raise AssertionError("condition not reached")

@@ -1,0 +1,144 @@
+"""Chat Completions validation: pure logic, no model."""
+
+from __future__ import annotations
+
+import pytest
+
+from ember.errors import InvalidRequest
+from ember.protocols.errors import ModelNotFound
+from ember.protocols.neutral import ChatPrompt, ModelInfo
+from ember.protocols.openai_chat import parse_chat
+
+MODEL = ModelInfo(name="served", aliases=("alias",), max_model_len=512, vocab_size=1000)
+HI = [{"role": "user", "content": "Hi"}]
+
+
+def parse(**fields):
+    return parse_chat({"messages": HI, **fields}, MODEL)
+
+
+def refused(body: dict) -> InvalidRequest:
+    with pytest.raises(InvalidRequest) as caught:
+        parse_chat(body, MODEL)
+    return caught.value
+
+
+def test_defaults():
+    request = parse()
+    assert isinstance(request.prompt, ChatPrompt)
+    assert request.prompt.messages == [{"role": "user", "content": "Hi"}]
+    assert request.prompt.add_generation_prompt is True
+    assert request.n == 1 and not request.stream and not request.include_usage
+    assert request.params.max_tokens is None and request.params.logprobs is None
+    assert request.prompt_param == "messages"
+
+
+def test_sampling_fields_reach_sampling_params():
+    request = parse(max_tokens=10, temperature=0.5, top_p=0.9, top_k=40, min_p=0.05, presence_penalty=0.5,
+                    frequency_penalty=-0.5, repetition_penalty=1.1, seed=7, stop="END", ignore_eos=True,
+                    min_tokens=2, logit_bias={"5": -100, "6": 2.5}, stop_token_ids=[3])
+    p = request.params
+    assert (p.max_tokens, p.temperature, p.top_p, p.top_k, p.min_p) == (10, 0.5, 0.9, 40, 0.05)
+    assert (p.presence_penalty, p.frequency_penalty, p.repetition_penalty, p.seed) == (0.5, -0.5, 1.1, 7)
+    assert p.stop == ["END"] and p.ignore_eos and p.min_tokens == 2 and p.stop_token_ids == [3]
+    assert p.logit_bias == {5: -100.0, 6: 2.5}
+
+
+def test_max_completion_tokens_wins_and_integral_floats_count_as_integers():
+    assert parse(max_tokens=5, max_completion_tokens=9).params.max_tokens == 9
+    assert parse(max_tokens=12.0).params.max_tokens == 12
+    assert refused({"messages": HI, "max_tokens": 12.5}).param == "max_tokens"
+
+
+def test_model_field():
+    assert parse(model="served").n == 1
+    assert parse(model="alias").n == 1
+    assert parse(model=None).n == 1
+    with pytest.raises(ModelNotFound) as caught:
+        parse(model="other")
+    assert caught.value.status == 404 and caught.value.code == "model_not_found"
+
+
+def test_roles_parts_and_history():
+    messages = [
+        {"role": "developer", "content": "Be brief."},
+        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}], "name": "ann"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{\"x\": 1}"}}]},
+        {"role": "tool", "content": "42", "tool_call_id": "call_1"},
+        {"role": "assistant", "content": [{"type": "refusal", "refusal": "no"}]},
+    ]
+    out = parse_chat({"messages": messages}, MODEL).prompt.messages
+    assert out[0] == {"role": "system", "content": "Be brief."}
+    assert out[1] == {"role": "user", "content": "ab", "name": "ann"}
+    assert out[2]["content"] == "" and out[2]["tool_calls"][0]["function"] == {"name": "f", "arguments": {"x": 1}}
+    assert out[3] == {"role": "tool", "content": "42", "tool_call_id": "call_1"}
+    assert out[4]["content"] == "no"
+
+
+def test_media_parts_are_refused_by_position():
+    for kind in ("image_url", "input_audio", "file"):
+        error = refused({"messages": [HI[0], {"role": "user", "content": [{"type": "text", "text": "x"},
+                                                                          {"type": kind}]}]})
+        assert error.param == "messages[1].content[1]" and "text only" in error.message
+
+
+def test_logprobs_fields():
+    assert parse(logprobs=True).params.logprobs == 0
+    assert parse(logprobs=True, top_logprobs=5).params.logprobs == 5
+    assert parse(logprobs=False, top_logprobs=0).params.logprobs is None
+    assert refused({"messages": HI, "top_logprobs": 2}).param == "top_logprobs"
+
+
+def test_stream_options():
+    assert parse(stream=True, stream_options={"include_usage": True}).include_usage
+    assert not parse(stream=False, stream_options={"include_usage": True}).include_usage
+
+
+def test_template_options():
+    request = parse(chat_template_kwargs={"enable_thinking": False, "add_generation_prompt": False})
+    assert request.prompt.template_kwargs == {"enable_thinking": False}
+    assert request.prompt.add_generation_prompt is False
+    request = parse(continue_final_message=True)
+    assert request.prompt.template_kwargs == {"continue_final_message": True}
+    assert request.prompt.add_generation_prompt is False
+    assert refused({"messages": HI, "continue_final_message": True, "add_generation_prompt": True}).param == \
+        "continue_final_message"
+    assert refused({"messages": HI, "chat_template_kwargs": {"chat_template": "x"}}).param == \
+        "chat_template_kwargs.chat_template"
+
+
+def test_unknown_fields_are_ignored_and_neutral_values_accepted():
+    request = parse(frobnicate=True, response_format={"type": "text"}, tools=[], tool_choice="none",
+                    modalities=["text"], user="u1", metadata={"k": "v"}, parallel_tool_calls=False)
+    assert request.n == 1
+
+
+@pytest.mark.parametrize("fields, param", [
+    ({"response_format": {"type": "json_schema"}}, "response_format"),
+    ({"tools": [{"type": "function"}]}, "tools"),
+    ({"functions": [{"name": "f"}]}, "functions"),
+    ({"tool_choice": {"type": "function"}}, "tool_choice"),
+    ({"audio": {"voice": "x"}}, "audio"),
+    ({"modalities": ["text", "audio"]}, "modalities"),
+    ({"guided_regex": "a+"}, "guided_regex"),
+    ({"temperature": float("nan")}, "temperature"),
+    ({"temperature": float("inf")}, "temperature"),
+    ({"top_p": False}, "top_p"),
+    ({"seed": 1 << 70}, "seed"),
+    ({"n": 2.5}, "n"),
+    ({"stop": [None]}, "stop[0]"),
+    ({"logit_bias": {"-1": 1}}, "logit_bias"),
+    ({"logit_bias": {"1": "high"}}, "logit_bias.1"),
+    ({"stop_token_ids": [5000]}, "stop_token_ids[0]"),
+    ({"return_token_ids": "yes"}, "return_token_ids"),
+])
+def test_refusals_name_the_field(fields, param):
+    error = refused({"messages": HI, **fields})
+    assert error.param == param and error.status == 400
+
+
+def test_body_must_be_an_object():
+    with pytest.raises(InvalidRequest) as caught:
+        parse_chat(["not", "an", "object"], MODEL)
+    assert caught.value.param is None
