@@ -1,10 +1,4 @@
 import os
 
-import pytest
-
-# Keep the CPU test run predictable on small machines.
+# Tokenizers may not fork-spawn threads in the server subprocesses the end-to-end tests start.
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-
-
-def pytest_configure(config):
-    config.addinivalue_line("markers", "slow: a test that takes more than a few seconds")

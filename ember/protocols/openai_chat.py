@@ -11,7 +11,7 @@ from ember.protocols.fields import Fields, as_string, json_type
 from ember.protocols.neutral import ChatPrompt, ChoiceResult, Dialect, GenerationRequest, ModelInfo
 from ember.protocols.openai_common import (
     MAX_TOP_LOGPROBS, OpenAIRenderer, chat_logprobs, check_model, finish_reason, read_accepted, read_choices,
-    read_sampling, read_stream, refuse_unsupported, usage_body,
+    read_sampling, read_stream, refuse_unsupported,
 )
 from ember.protocols.sse import ServerEvent
 from ember.types import GenerationOutput
@@ -212,24 +212,13 @@ class ChatRenderer(OpenAIRenderer):
                                      **self.closing_extra()))
         return events
 
+    def choice_body(self, choice) -> dict[str, Any]:
+        logprobs = self.request.params.logprobs is not None
+        return {"message": {"role": "assistant", "content": choice.text, "refusal": None},
+                "logprobs": {"content": chat_logprobs(choice.logprobs, self.meta.token_text)} if logprobs else None}
+
     def response(self) -> dict[str, Any]:
-        choices = []
-        for choice in self.result.choices:
-            entry: dict[str, Any] = {
-                "index": choice.index,
-                "message": {"role": "assistant", "content": choice.text, "refusal": None},
-                "logprobs": {"content": chat_logprobs(choice.logprobs, self.meta.token_text)}
-                if self.request.params.logprobs is not None else None,
-                "finish_reason": finish_reason(choice.finish_reason),
-            }
-            if self.request.return_token_ids:
-                entry["token_ids"] = choice.token_ids
-            choices.append(entry)
-        body = {**self.envelope("chat.completion"), "choices": choices, "usage": usage_body(self.result),
-                "timings": self.result.timings()}
-        if self.request.return_token_ids:
-            body["prompt_token_ids"] = self.result.prompt_token_ids
-        return body
+        return self.whole_response("chat.completion")
 
 
 CHAT = Dialect(name="chat", id_prefix="chatcmpl-", parse=parse_chat, renderer=ChatRenderer,

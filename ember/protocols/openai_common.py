@@ -185,6 +185,25 @@ class OpenAIRenderer:
         return {"id": meta.response_id, "object": obj, "created": meta.created, "model": meta.model,
                 "system_fingerprint": meta.system_fingerprint}
 
+    def choice_body(self, choice) -> dict[str, Any]:
+        """The dialect's fields of one finished choice (message or text, logprobs)."""
+        raise NotImplementedError
+
+    def whole_response(self, obj: str) -> dict[str, Any]:
+        """The non-streamed body: every choice, usage and timings."""
+        choices = []
+        for choice in self.result.choices:
+            entry = {"index": choice.index, **self.choice_body(choice),
+                     "finish_reason": finish_reason(choice.finish_reason)}
+            if self.request.return_token_ids:
+                entry["token_ids"] = choice.token_ids
+            choices.append(entry)
+        body = {**self.envelope(obj), "choices": choices, "usage": usage_body(self.result),
+                "timings": self.result.timings()}
+        if self.request.return_token_ids:
+            body["prompt_token_ids"] = self.result.prompt_token_ids
+        return body
+
     def chunk(self, choices: list[dict[str, Any]], **extra: Any) -> ServerEvent:
         return ServerEvent({**self.envelope(self.chunk_object), "choices": choices, **extra})
 

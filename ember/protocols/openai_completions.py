@@ -10,7 +10,7 @@ from ember.protocols.fields import Fields, as_integer, json_type
 from ember.protocols.neutral import ChoiceResult, Dialect, GenerationRequest, ModelInfo, TextPrompt, TokenPrompt
 from ember.protocols.openai_common import (
     MAX_TOP_LOGPROBS, OpenAIRenderer, check_model, completion_logprobs, finish_reason, read_accepted,
-    read_choices, read_sampling, read_stream, refuse_unsupported, usage_body,
+    read_choices, read_sampling, read_stream, refuse_unsupported,
 )
 from ember.protocols.sse import ServerEvent
 from ember.types import GenerationOutput
@@ -99,24 +99,14 @@ class CompletionRenderer(OpenAIRenderer):
                                      **self.closing_extra()))
         return events
 
-    def response(self) -> dict[str, Any]:
-        choices = []
-        for choice in self.result.choices:
-            entry: dict[str, Any] = {
-                "index": choice.index,
-                "text": self.prompt_text + choice.text,
+    def choice_body(self, choice) -> dict[str, Any]:
+        logprobs = self.request.params.logprobs is not None
+        return {"text": self.prompt_text + choice.text,
                 "logprobs": completion_logprobs(choice.logprobs, self.meta.token_text, len(self.prompt_text))
-                if self.request.params.logprobs is not None else None,
-                "finish_reason": finish_reason(choice.finish_reason),
-            }
-            if self.request.return_token_ids:
-                entry["token_ids"] = choice.token_ids
-            choices.append(entry)
-        body = {**self.envelope("text_completion"), "choices": choices, "usage": usage_body(self.result),
-                "timings": self.result.timings()}
-        if self.request.return_token_ids:
-            body["prompt_token_ids"] = self.result.prompt_token_ids
-        return body
+                if logprobs else None}
+
+    def response(self) -> dict[str, Any]:
+        return self.whole_response("text_completion")
 
 
 COMPLETIONS = Dialect(name="completions", id_prefix="cmpl-", parse=parse_completion, renderer=CompletionRenderer,

@@ -8,7 +8,6 @@ import json
 import threading
 
 import httpx
-import pytest
 
 from ember.config import EngineConfig
 from ember.server.app import create_app
