@@ -24,7 +24,7 @@ class DecodeGroup:
 
     token_index: torch.Tensor  # (B,) rows of the step's flat token batch
     block_table: torch.Tensor  # (B, max_blocks) block ids, padded with the null block 0
-    key_mask: torch.Tensor  # (B, 1, 1, max_blocks * block_size) True where a key exists
+    key_mask: torch.Tensor  # (1, B, 1, max_blocks * block_size) True where a key exists
 
 
 @dataclass(slots=True)
@@ -38,14 +38,18 @@ class PrefillSeq:
 
 
 class KVCache:
-    """The paged K/V tensors of every layer. Slot s of a layer is block s // block_size."""
+    """The paged K/V tensors of every layer. Slot s of a layer is block s // block_size.
+
+    Heads come before slots, so a gathered run of blocks is already (kv_heads, keys, head_dim),
+    the layout the attention matmuls read without a copy.
+    """
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
                  head_dim: int, dtype: torch.dtype, device: torch.device) -> None:
         self.block_size = block_size
         self.num_blocks = num_blocks
-        # (layers, k/v, slots, kv_heads, head_dim)
-        self.tensor = torch.zeros(num_layers, 2, num_blocks * block_size, num_kv_heads, head_dim,
+        # (layers, k/v, kv_heads, slots, head_dim)
+        self.tensor = torch.zeros(num_layers, 2, num_kv_heads, num_blocks * block_size, head_dim,
                                   dtype=dtype, device=device)
 
     @staticmethod
@@ -66,47 +70,49 @@ class PagedAttention:
 
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q: (T, H, D); k, v: (T, KVH, D) -> (T, H, D)."""
-        k_cache, v_cache = self.cache.tensor[layer_idx]
-        k_cache.index_copy_(0, self.slot_mapping, k)
-        v_cache.index_copy_(0, self.slot_mapping, v)
+        k_cache, v_cache = self.cache.tensor[layer_idx]  # (KVH, slots, D) each
+        k_cache.index_copy_(1, self.slot_mapping, k.transpose(0, 1))
+        v_cache.index_copy_(1, self.slot_mapping, v.transpose(0, 1))
         if self.decode is not None and not self.prefills:
             return self._decode(q, k_cache, v_cache)
         out = torch.empty_like(q)
         if self.decode is not None:
             out[self.decode.token_index] = self._decode(q[self.decode.token_index], k_cache, v_cache)
         for seq in self.prefills:
-            out[seq.begin:seq.end] = _prefill(q[seq.begin:seq.end], k_cache[seq.key_slots],
-                                              v_cache[seq.key_slots], seq.start_pos)
+            out[seq.begin:seq.end] = _prefill(q[seq.begin:seq.end], k_cache[:, seq.key_slots],
+                                              v_cache[:, seq.key_slots], seq.start_pos)
         return out
 
     def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
         group = self.decode
         batch, heads, head_dim = q.shape
-        kv_heads = k_cache.shape[1]
+        kv_heads = k_cache.shape[0]
         block_size = self.cache.block_size
-        # (B, max_blocks * block_size, KVH, D) -> (B, KVH, keys, D)
-        keys = k_cache.view(-1, block_size, kv_heads, head_dim)[group.block_table]
-        values = v_cache.view(-1, block_size, kv_heads, head_dim)[group.block_table]
-        keys = keys.view(batch, -1, kv_heads, head_dim).transpose(1, 2)
-        values = values.view(batch, -1, kv_heads, head_dim).transpose(1, 2)
-        grouped_q = q.view(batch, kv_heads, heads // kv_heads, head_dim)  # (B, KVH, G, D)
-        scores = torch.matmul(grouped_q, keys.transpose(-1, -2)).float() * head_dim ** -0.5
-        scores.masked_fill_(~group.key_mask, float("-inf"))
+        blocks = group.block_table.flatten()
+        # (KVH, B * max_blocks, block_size, D) -> (KVH * B, keys, D): one batch entry per (head, sequence)
+        keys = k_cache.view(kv_heads, -1, block_size, head_dim).index_select(1, blocks)
+        values = v_cache.view(kv_heads, -1, block_size, head_dim).index_select(1, blocks)
+        keys = keys.view(kv_heads * batch, -1, head_dim)
+        values = values.view(kv_heads * batch, -1, head_dim)
+        grouped_q = q.view(batch, kv_heads, heads // kv_heads, head_dim).transpose(0, 1)  # (KVH, B, G, D)
+        grouped_q = grouped_q.reshape(kv_heads * batch, heads // kv_heads, head_dim)
+        scores = torch.bmm(grouped_q, keys.transpose(1, 2)).float() * head_dim ** -0.5  # (KVH * B, G, keys)
+        scores.view(kv_heads, batch, -1, scores.shape[-1]).masked_fill_(~group.key_mask, float("-inf"))
         probs = torch.softmax(scores, dim=-1).to(q.dtype)
-        return torch.matmul(probs, values).view(batch, heads, head_dim)
+        out = torch.bmm(probs, values)  # (KVH * B, G, D)
+        return out.view(kv_heads, batch, -1, head_dim).transpose(0, 1).reshape(batch, heads, head_dim)
 
 
 def _prefill(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start_pos: int) -> torch.Tensor:
     """Causal attention of n new tokens over all L = start_pos + n keys of one sequence.
 
-    q: (n, H, D); keys, values: (L, KVH, D) -> (n, H, D).
+    q: (n, H, D); keys, values: (KVH, L, D) -> (n, H, D).
     """
     n, heads, head_dim = q.shape
-    kv_heads = keys.shape[1]
+    kv_heads, total = keys.shape[0], keys.shape[1]
     group = heads // kv_heads
-    total = keys.shape[0]
-    k = keys.permute(1, 2, 0)  # (KVH, D, L)
-    v = values.transpose(0, 1)  # (KVH, L, D)
+    k = keys.transpose(1, 2)  # (KVH, D, L)
+    v = values
     grouped_q = q.view(n, kv_heads, group, head_dim).permute(1, 0, 2, 3)  # (KVH, n, G, D)
     out = torch.empty(kv_heads, n, group, head_dim, dtype=q.dtype, device=q.device)
     key_pos = torch.arange(total, device=q.device)

@@ -84,7 +84,7 @@ class ModelRunner:
         return DecodeGroup(
             token_index=torch.tensor(rows, dtype=torch.long).to(self.device, non_blocking=True),
             block_table=block_table.to(self.device, non_blocking=True),
-            key_mask=key_mask[:, None, None, :].to(self.device, non_blocking=True),
+            key_mask=key_mask[None, :, None, :].to(self.device, non_blocking=True),
         )
 
 
