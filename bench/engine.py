@@ -59,12 +59,16 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--skip-transformers", action="store_true")
+    parser.add_argument("--no-batch-invariant", action="store_true",
+                        help="whole-batch matmuls: faster prefill, results may vary in the last bits with the batch")
     args = parser.parse_args()
 
     llm = LLM(args.model, dtype=args.dtype, max_num_seqs=max(64, args.concurrency),
+              batch_invariant=not args.no_batch_invariant,
               max_model_len=args.input_len + args.output_len + 16)
     prompts = _prompts(llm, args.concurrency, args.input_len)
-    print(f"model {llm.source.name}, dtype {llm.engine.dtype}, torch threads {torch.get_num_threads()}, "
+    print(f"model {llm.source.name}, dtype {llm.engine.dtype}, batch invariant {not args.no_batch_invariant}, "
+          f"torch threads {torch.get_num_threads()}, "
           f"{args.input_len} prompt + {args.output_len} output tokens")
     results = {}
     if not args.skip_transformers:

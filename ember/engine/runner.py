@@ -32,7 +32,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledRequest]) -> RunnerOutput:
-        input_ids, positions, slots, sample_rows, attn = self._prepare(scheduled)
+        input_ids, positions, sample_rows, attn = self._prepare(scheduled)
         hidden = self.model(input_ids, positions, attn)
         sampling = [s for s in scheduled if s.samples]
         if not sampling:
@@ -72,9 +72,8 @@ class ModelRunner:
                 sample_rows.append(begin + count - 1)
         decode = self._decode_group(decode_rows, decode_tables, decode_lengths) if decode_rows else None
         to_device = lambda values: torch.tensor(values, dtype=torch.long).to(self.device, non_blocking=True)
-        slot_mapping = to_device(slots)
-        attn = PagedAttention(self.cache, slot_mapping, decode, prefills)
-        return to_device(token_ids), to_device(positions), slot_mapping, sample_rows, attn
+        attn = PagedAttention(self.cache, to_device(slots), decode, prefills)
+        return to_device(token_ids), to_device(positions), sample_rows, attn
 
     def _decode_group(self, rows: list[int], tables: list[list[int]], lengths: list[int]) -> DecodeGroup:
         width = -(-max(len(t) for t in tables) // _BLOCK_TABLE_BUCKET) * _BLOCK_TABLE_BUCKET

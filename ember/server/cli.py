@@ -69,6 +69,9 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                         help="most requests waiting for a slot; one more gets 429 with Retry-After (default 128)")
     engine.add_argument("--pending-timeout", type=float, default=120.0,
                         help="seconds a request may wait for a slot before it gets 503 (default 120; 0: no limit)")
+    engine.add_argument("--no-batch-invariant", action="store_true",
+                        help="on CPU, run whole-batch matmuls: faster prefill, but a request's tokens may then "
+                             "differ in the last bits with what shares its batch (default: batch-invariant)")
     engine.add_argument("--no-prefix-caching", action="store_true",
                         help="do not reuse the KV cache of prompt prefixes seen before")
     engine.add_argument("--default-max-tokens", type=int, default=None,
@@ -98,7 +101,8 @@ def build_config(args: argparse.Namespace, environ=os.environ) -> ServerConfig:
     origins = _split(args.cors_origins)
     engine = EngineConfig(max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                           max_num_batched_tokens=args.max_num_batched_tokens,
-                          enable_prefix_caching=not args.no_prefix_caching, dtype=args.dtype, device=args.device,
+                          enable_prefix_caching=not args.no_prefix_caching,
+                          batch_invariant=not args.no_batch_invariant, dtype=args.dtype, device=args.device,
                           seed=args.seed)
     if args.max_request_mb <= 0:
         raise ValueError("--max-request-mb must be positive")
