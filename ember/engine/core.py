@@ -18,7 +18,7 @@ from ember.engine.sampler import Sampler
 from ember.engine.scheduler import Scheduler, SchedulerConfig
 from ember.errors import ContextLengthExceeded, InvalidRequest
 from ember.models import get_model_class
-from ember.models.layers import set_batch_invariant
+from ember.models.layers import pack_for_cpu, set_batch_invariant
 from ember.types import FinishReason, SamplingParams, StepOutput
 
 logger = logging.getLogger("ember.engine")
@@ -85,6 +85,8 @@ class EngineCore:
         model_config = ModelConfig.from_hf(source.hf_config)
         model = build_model(model_config, dtype, device, config.max_model_len)
         model.load_weights(source.weights())
+        if device.type == "cpu" and dtype == torch.bfloat16:
+            pack_for_cpu(model, head=model.lm_head if model_config.tie_word_embeddings else None)
         eos = set(model_config.eos_token_ids) | set(source.tokenizer.eos_token_ids)
         generation_eos = source.generation_config.get("eos_token_id")
         if generation_eos is not None:

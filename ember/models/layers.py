@@ -34,12 +34,44 @@ def row_tile() -> int | None:
     return _row_tile
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear over (T, in), row-tiled when batch invariance is on."""
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           packed: torch.Tensor | None = None) -> torch.Tensor:
+    """x W^T (+ b) over (T, in), row-tiled when batch invariance is on.
+
+    `packed` is the weight prepacked by `pack_for_cpu`; it gives the same bits as `weight`.
+    """
+    if packed is not None:
+        def matmul(part: torch.Tensor) -> torch.Tensor:
+            return torch.ops.mkldnn._linear_pointwise(part, packed, bias, "none", [], "")
+    else:
+        def matmul(part: torch.Tensor) -> torch.Tensor:
+            return F.linear(part, weight, bias)
     tile = _row_tile
     if tile is None or x.shape[0] <= tile:
-        return F.linear(x, weight, bias)
-    return torch.cat([F.linear(part, weight, bias) for part in x.split(tile)])
+        return matmul(x)
+    return torch.cat([matmul(part) for part in x.split(tile)])
+
+
+def pack_for_cpu(model: nn.Module, head: nn.Module | None = None) -> bool:
+    """Prepack bfloat16 weights into oneDNN's blocked layout, once, instead of on every call.
+
+    Unpacked, oneDNN reorders the whole weight at each matmul, which dominates at one to a few
+    rows (decode). Packed for one row, the results are bit-identical to the unpacked ones and
+    rows stay independent of their batch up to the row tile. `head` is an embedding used as the
+    LM head (tied weights): it keeps its plain weight for lookups and gains a packed copy.
+    Returns False (and changes nothing) where the packing ops are missing.
+    """
+    ops = torch.ops.mkldnn
+    if not (torch.backends.mkldnn.is_available() and hasattr(ops, "_reorder_linear_weight")
+            and hasattr(ops, "_linear_pointwise")):
+        return False
+    for module in model.modules():
+        if isinstance(module, Linear) and module.weight.dtype == torch.bfloat16 and module.weight.device.type == "cpu":
+            module.packed = ops._reorder_linear_weight(module.weight.data, 1)
+            module.weight.data = torch.empty(0, dtype=module.weight.dtype)  # the packed copy replaces it
+    if head is not None and head.weight.dtype == torch.bfloat16 and head.weight.device.type == "cpu":
+        head.packed = ops._reorder_linear_weight(head.weight.data, 1)
+    return True
 
 
 def _param(*shape: int) -> nn.Parameter:
@@ -53,9 +85,10 @@ class Linear(nn.Module):
         super().__init__()
         self.weight = _param(out_features, in_features)
         self.bias = _param(out_features) if bias else None
+        self.packed: torch.Tensor | None = None  # set by pack_for_cpu
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias, self.packed)
 
 
 class MergedLinear(Linear):
@@ -73,7 +106,7 @@ class MergedLinear(Linear):
         return param.data.narrow(0, self.offsets[index], self.out_sizes[index])
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return linear(x, self.weight, self.bias).split(self.out_sizes, dim=-1)
+        return linear(x, self.weight, self.bias, self.packed).split(self.out_sizes, dim=-1)
 
 
 class QKVLinear(MergedLinear):
@@ -109,6 +142,7 @@ class Embedding(nn.Module):
     def __init__(self, num_embeddings: int, dim: int) -> None:
         super().__init__()
         self.weight = _param(num_embeddings, dim)
+        self.packed: torch.Tensor | None = None  # a packed copy, when it also serves as the LM head
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return F.embedding(ids, self.weight)
