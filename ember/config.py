@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Any
 
 from ember.errors import ModelLoadError
+
+logger = logging.getLogger("ember.config")
 
 
 @dataclass(slots=True)
@@ -50,6 +53,14 @@ class ModelConfig:
             if isinstance(rope_scaling, dict):
                 kind = rope_scaling.get("rope_type", rope_scaling.get("type", "default"))
                 rope_scaling = None if kind == "default" else {**rope_scaling, "rope_type": kind}
+            max_positions = hf.get("max_position_embeddings", 2048)
+            window = hf.get("sliding_window") if hf.get("use_sliding_window", True) else None
+            if isinstance(window, int) and 0 < window < max_positions:
+                # Within the window, sliding-window attention is plain causal attention: serve exactly
+                # that much context rather than silently attending past the window.
+                logger.warning("the model uses sliding-window attention (window %d); ember serves at most "
+                               "%d tokens of context for it", window, window)
+                max_positions = window
             return cls(
                 model_type=hf["model_type"],
                 vocab_size=hf["vocab_size"],
@@ -62,7 +73,7 @@ class ModelConfig:
                 rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
                 rope_theta=rope_theta if rope_theta is not None else 10000.0,
                 rope_scaling=rope_scaling,
-                max_position_embeddings=hf.get("max_position_embeddings", 2048),
+                max_position_embeddings=max_positions,
                 tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
                 attention_bias=bool(hf.get("attention_bias", hf["model_type"] == "qwen2")),
                 bos_token_id=hf.get("bos_token_id"),
