@@ -2,7 +2,7 @@
 
 ember/cli.py wires this in with `add_serve_parser(subcommands)` and `run_serve(args)`.
 Environment variables read here: EMBER_API_KEY (the key, when --api-key is not given) and
-EMBER_CACHE_DIR (where downloaded models are kept).
+EMBER_CACHE_DIR (where converted GGUF models are cached).
 """
 
 from __future__ import annotations
