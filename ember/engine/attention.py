@@ -1,9 +1,10 @@
 """Paged attention over the engine's KV cache: the reference backend, plain torch.
 
 Every sequence attends only to its own keys, and padding never changes a result: scores are
-masked to -inf, softmax runs in float32 and padded probabilities are exact zeros. In bfloat16
-(whose matmuls are bit-identical for any row count here) this makes a sequence's output the same
-alone or inside any batch, whichever kernel path its tokens take.
+masked to -inf, softmax runs in float32 and padded probabilities are exact zeros. With matmuls
+kept to the row tile (see models.layers), a sequence's output is the same alone or inside any
+batch. What still moves results in bfloat16 is the number of keys in one call: a prompt
+prefilled in other chunks can round differently in the last bits.
 """
 
 from __future__ import annotations
@@ -111,22 +112,21 @@ def _prefill(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start_po
     n, heads, head_dim = q.shape
     kv_heads, total = keys.shape[0], keys.shape[1]
     group = heads // kv_heads
-    k = keys.transpose(1, 2)  # (KVH, D, L)
-    v = values
-    grouped_q = q.view(n, kv_heads, group, head_dim).permute(1, 0, 2, 3)  # (KVH, n, G, D)
-    out = torch.empty(kv_heads, n, group, head_dim, dtype=q.dtype, device=q.device)
+    # One batch entry per query head, so a tile's rows are query positions (up to the row tile).
+    k = keys.repeat_interleave(group, dim=0).transpose(1, 2) if group > 1 else keys.transpose(1, 2)  # (H, D, L)
+    v = values.repeat_interleave(group, dim=0) if group > 1 else values  # (H, L, D)
+    q_by_head = q.transpose(0, 1)  # (H, n, D)
+    out = torch.empty(n, heads, head_dim, dtype=q.dtype, device=q.device)
     key_pos = torch.arange(total, device=q.device)
     rows_per_tile = max(1, _MAX_SCORE_ELEMENTS // (heads * total))
     tile = row_tile()
-    if tile is not None:  # keep each matmul at most `tile` rows (rows x group), as the linears do
-        rows_per_tile = min(rows_per_tile, max(1, tile // group))
+    if tile is not None:  # keep each matmul at most `tile` rows, as the linears do
+        rows_per_tile = min(rows_per_tile, tile)
     for lo in range(0, n, rows_per_tile):
         hi = min(n, lo + rows_per_tile)
-        tile = grouped_q[:, lo:hi].reshape(kv_heads, (hi - lo) * group, head_dim)
-        scores = torch.matmul(tile, k).float() * head_dim ** -0.5  # (KVH, rows * G, L)
+        scores = torch.bmm(q_by_head[:, lo:hi], k).float() * head_dim ** -0.5  # (H, rows, L)
         query_pos = torch.arange(start_pos + lo, start_pos + hi, device=q.device)
-        future = (key_pos[None, :] > query_pos[:, None]).repeat_interleave(group, dim=0)
-        scores.masked_fill_(future, float("-inf"))
+        scores.masked_fill_(key_pos[None, :] > query_pos[:, None], float("-inf"))
         probs = torch.softmax(scores, dim=-1).to(q.dtype)
-        out[:, lo:hi] = torch.matmul(probs, v).view(kv_heads, hi - lo, group, head_dim)
-    return out.permute(1, 0, 2, 3).reshape(n, heads, head_dim)
+        out[lo:hi] = torch.bmm(probs, v).transpose(0, 1)
+    return out
