@@ -68,7 +68,3 @@ class RequestTracker:
             stop_reason=self.stop_reason,
             error=step.error,
         )
-
-    @property
-    def text(self) -> str:
-        return "".join(self.text_parts)

@@ -10,7 +10,7 @@ from ember.protocols.errors import openai_error_body, unsupported
 from ember.protocols.fields import Fields, as_string, json_type
 from ember.protocols.neutral import ChatPrompt, ChoiceResult, Dialect, GenerationRequest, ModelInfo
 from ember.protocols.openai_common import (
-    MAX_TOP_LOGPROBS, OpenAIRenderer, chat_logprobs, check_model, finish_reason, read_accepted, read_choices,
+    MAX_TOP_LOGPROBS, OpenAIRenderer, chat_logprobs, check_model, read_accepted, read_choices,
     read_sampling, read_stream, refuse_unsupported,
 )
 from ember.protocols.sse import ServerEvent
@@ -194,23 +194,12 @@ class ChatRenderer(OpenAIRenderer):
                              "finish_reason": None}], **(extra if i == 0 else {}))
                 for i in range(self.request.n)]
 
-    def stream_output(self, choice: ChoiceResult, output: GenerationOutput) -> list[ServerEvent]:
-        events = []
-        want_logprobs = self.request.params.logprobs is not None and output.new_logprobs
-        want_ids = self.request.return_token_ids and output.new_token_ids
-        if output.text_delta or want_logprobs or want_ids:
-            delta = {"index": choice.index, "delta": {"content": output.text_delta},
-                     "logprobs": {"content": chat_logprobs(output.new_logprobs, self.meta.token_text)}
-                     if want_logprobs else None,
-                     "finish_reason": None}
-            if self.request.return_token_ids:
-                delta["token_ids"] = output.new_token_ids
-            events.append(self.chunk([delta]))
-        if choice.finish_reason is not None and output.finish_reason is not None:
-            events.append(self.chunk([{"index": choice.index, "delta": {}, "logprobs": None,
-                                       "finish_reason": finish_reason(choice.finish_reason)}],
-                                     **self.closing_extra()))
-        return events
+    empty_delta = {"delta": {}}
+
+    def delta_body(self, choice: ChoiceResult, output: GenerationOutput, with_logprobs: bool) -> dict[str, Any]:
+        return {"delta": {"content": output.text_delta},
+                "logprobs": {"content": chat_logprobs(output.new_logprobs, self.meta.token_text)}
+                if with_logprobs else None}
 
     def choice_body(self, choice) -> dict[str, Any]:
         logprobs = self.request.params.logprobs is not None

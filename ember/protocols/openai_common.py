@@ -11,7 +11,7 @@ from ember.protocols.errors import ModelNotFound, openai_error_body, unsupported
 from ember.protocols.fields import Fields, as_integer, as_number, as_string, json_type
 from ember.protocols.neutral import GenerationRequest, ModelInfo, ResponseMeta, RunResult, build_sampling_params
 from ember.protocols.sse import DONE, ServerEvent
-from ember.types import FinishReason, SamplingParams, TokenLogprob
+from ember.types import FinishReason, GenerationOutput, SamplingParams, TokenLogprob
 
 MAX_CHOICES = 8
 MAX_STOP_STRINGS = 16
@@ -188,6 +188,27 @@ class OpenAIRenderer:
     def choice_body(self, choice) -> dict[str, Any]:
         """The dialect's fields of one finished choice (message or text, logprobs)."""
         raise NotImplementedError
+
+    # Streaming: the dialect's fields of a chunk carrying new text, and of the closing chunk.
+    empty_delta: dict[str, Any] = {}
+
+    def delta_body(self, choice, output: GenerationOutput, with_logprobs: bool) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def stream_output(self, choice, output: GenerationOutput) -> list[ServerEvent]:
+        events = []
+        with_logprobs = bool(self.request.params.logprobs is not None and output.new_logprobs)
+        with_ids = self.request.return_token_ids and output.new_token_ids
+        if output.text_delta or with_logprobs or with_ids:
+            entry = {"index": choice.index, **self.delta_body(choice, output, with_logprobs), "finish_reason": None}
+            if self.request.return_token_ids:
+                entry["token_ids"] = output.new_token_ids
+            events.append(self.chunk([entry]))
+        if choice.finish_reason is not None and output.finish_reason is not None:
+            events.append(self.chunk([{"index": choice.index, **self.empty_delta, "logprobs": None,
+                                       "finish_reason": finish_reason(choice.finish_reason)}],
+                                     **self.closing_extra()))
+        return events
 
     def whole_response(self, obj: str) -> dict[str, Any]:
         """The non-streamed body: every choice, usage and timings."""

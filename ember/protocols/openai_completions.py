@@ -9,7 +9,7 @@ from ember.protocols.errors import openai_error_body, unsupported
 from ember.protocols.fields import Fields, as_integer, json_type
 from ember.protocols.neutral import ChoiceResult, Dialect, GenerationRequest, ModelInfo, TextPrompt, TokenPrompt
 from ember.protocols.openai_common import (
-    MAX_TOP_LOGPROBS, OpenAIRenderer, check_model, completion_logprobs, finish_reason, read_accepted,
+    MAX_TOP_LOGPROBS, OpenAIRenderer, check_model, completion_logprobs, read_accepted,
     read_choices, read_sampling, read_stream, refuse_unsupported,
 )
 from ember.protocols.sse import ServerEvent
@@ -79,25 +79,14 @@ class CompletionRenderer(OpenAIRenderer):
         return [self.chunk([{"index": i, "text": self.prompt_text, "logprobs": None, "finish_reason": None}])
                 for i in range(self.request.n)]
 
-    def stream_output(self, choice: ChoiceResult, output: GenerationOutput) -> list[ServerEvent]:
-        events = []
-        want_logprobs = self.request.params.logprobs is not None and output.new_logprobs
-        want_ids = self.request.return_token_ids and output.new_token_ids
-        if output.text_delta or want_logprobs or want_ids:
-            entry = {"index": choice.index, "text": output.text_delta,
-                     "logprobs": completion_logprobs(output.new_logprobs, self.meta.token_text,
-                                                   self.offsets[choice.index])
-                     if want_logprobs else None,
-                     "finish_reason": None}
-            if self.request.return_token_ids:
-                entry["token_ids"] = output.new_token_ids
-            self.offsets[choice.index] += len(output.text_delta)
-            events.append(self.chunk([entry]))
-        if choice.finish_reason is not None and output.finish_reason is not None:
-            events.append(self.chunk([{"index": choice.index, "text": "", "logprobs": None,
-                                       "finish_reason": finish_reason(choice.finish_reason)}],
-                                     **self.closing_extra()))
-        return events
+    empty_delta = {"text": ""}
+
+    def delta_body(self, choice: ChoiceResult, output: GenerationOutput, with_logprobs: bool) -> dict[str, Any]:
+        offset = self.offsets[choice.index]
+        self.offsets[choice.index] += len(output.text_delta)
+        return {"text": output.text_delta,
+                "logprobs": completion_logprobs(output.new_logprobs, self.meta.token_text, offset)
+                if with_logprobs else None}
 
     def choice_body(self, choice) -> dict[str, Any]:
         logprobs = self.request.params.logprobs is not None

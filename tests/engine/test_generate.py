@@ -79,9 +79,7 @@ def test_prefix_cache_serves_shared_prefix(llm):
     block = engine.config.block_size
     assert second.num_cached_tokens == 200 // block * block
 
-    uncached = EngineCore(engine.runner.model, engine.model_config,
-                          type(engine.config)(**{**_fields(engine.config), "enable_prefix_caching": False}),
-                          set(engine.eos_token_ids), engine.device, engine.dtype)
+    uncached = _sibling_engine(engine, enable_prefix_caching=False)
     uncached.add_request("x", prefix + suffix_b, _greedy(16))
     tokens = []
     while uncached.has_unfinished():
@@ -92,8 +90,12 @@ def test_prefix_cache_serves_shared_prefix(llm):
     uncached.check_invariants()
 
 
-def _fields(config):
-    return {name: getattr(config, name) for name in config.__slots__}
+def _sibling_engine(engine: EngineCore, **overrides) -> EngineCore:
+    """Another engine over the same loaded model, with some settings changed."""
+    settings = {name: getattr(engine.config, name) for name in engine.config.__slots__}
+    config = type(engine.config)(**{**settings, **overrides})
+    return EngineCore(engine.runner.model, engine.model_config, config, set(engine.eos_token_ids),
+                      engine.device, engine.dtype)
 
 
 def test_stop_string_across_token_boundary(llm):
@@ -185,15 +187,11 @@ def test_prompt_forms(llm):
 
 
 def test_chunked_prefill_gives_the_same_tokens_as_one_chunk(llm):
-    engine = llm.engine
     prompt = llm.tokenizer.encode(" ".join(PROMPTS) * 4)[:300]
     assert len(prompt) > 200
     params = SamplingParams(temperature=0.0, max_tokens=16, logprobs=0)
     whole = llm.generate([prompt], params)[0]
-    small_budget = EngineCore(engine.runner.model, engine.model_config,
-                              type(engine.config)(**{**_fields(engine.config), "max_num_batched_tokens": 48,
-                                                     "enable_prefix_caching": False}),
-                              set(engine.eos_token_ids), engine.device, engine.dtype)
+    small_budget = _sibling_engine(llm.engine, max_num_batched_tokens=48, enable_prefix_caching=False)
     small_budget.add_request("chunked", prompt, params)
     tokens, logprobs, steps = [], [], 0
     while small_budget.has_unfinished():
