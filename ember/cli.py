@@ -1,4 +1,4 @@
-"""The `ember` command: serve, generate, chat."""
+"""The `ember` command: serve, generate, chat, bench."""
 
 from __future__ import annotations
 
@@ -44,6 +44,8 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--system", default=None, help="a system message")
     from ember.server.cli import add_serve_parser
     add_serve_parser(commands)
+    from ember.bench.cli import add_bench_parser
+    add_bench_parser(commands)
     return parser
 
 
@@ -107,7 +109,12 @@ def _serve(args, cache_dir) -> int:
     return run_serve(args)
 
 
-_COMMANDS = {"generate": _generate, "chat": _chat, "serve": _serve}
+def _bench(args, cache_dir) -> int:
+    from ember.bench.cli import run_bench
+    return run_bench(args)
+
+
+_COMMANDS = {"generate": _generate, "chat": _chat, "serve": _serve, "bench": _bench}
 
 if __name__ == "__main__":
     sys.exit(main())
