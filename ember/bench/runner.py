@@ -11,7 +11,7 @@ import secrets
 import signal
 from typing import Awaitable, Callable, Protocol, TextIO
 
-from ember.bench.config import BenchConfig, BenchError, Level
+from ember.bench.config import BenchConfig, Level
 from ember.bench.loops import (Send, closed_loop, conversation_loop, open_loop, poisson_arrivals,
                                run_with_limits)
 from ember.bench.progress import ProgressBar
