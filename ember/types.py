@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import enum
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from ember.errors import InvalidRequest
 
@@ -79,6 +81,16 @@ class SamplingParams:
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
 
+class TokenConstraint(Protocol):
+    """Token-level control of one request's output (a thinking budget's close, a forced tool-call
+    opener, a name held to declared tools, a grammar). The front end builds it; the engine calls it
+    from its own thread inside the sampling step, with the request's output so far."""
+
+    def allowed_token_ids(self, output_token_ids: Sequence[int]) -> Sequence[int] | None:
+        """The ids the next token may take, or None for no restriction. One id forces that token."""
+        ...
+
+
 @dataclass(slots=True)
 class TokenLogprob:
     token_id: int
@@ -99,6 +111,8 @@ class StepOutput:
     scheduled_time: float | None = None  # when the engine first gave the request a step
     stop_token_id: int | None = None  # the stop token id that ended it, if one did
     error: str | None = None
+    # set only on prefill progress outputs (no new tokens), for requests that asked for them
+    num_computed_prompt_tokens: int | None = None
 
 
 @dataclass(slots=True)
@@ -132,6 +146,7 @@ class GenerationOutput:
     timings: RequestTimings
     stop_reason: str | int | None = None  # the stop string or stop token id that ended it
     error: str | None = None
+    num_computed_prompt_tokens: int | None = None  # prefill progress outputs only (see StepOutput)
 
     @property
     def finished(self) -> bool:

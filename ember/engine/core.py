@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import torch
 
@@ -16,30 +16,17 @@ from ember.engine.request import Request, RequestStatus
 from ember.engine.runner import ModelRunner
 from ember.engine.sampler import Sampler
 from ember.engine.scheduler import Scheduler, SchedulerConfig
+from ember.engine.stats import EngineCounters, EngineStats
 from ember.errors import ContextLengthExceeded, InvalidRequest
 from ember.models import get_model_class
 from ember.models.layers import pack_for_cpu, set_batch_invariant
-from ember.types import FinishReason, SamplingParams, StepOutput
+from ember.types import FinishReason, SamplingParams, StepOutput, TokenConstraint
 
 logger = logging.getLogger("ember.engine")
 
 _DEFAULT_CPU_KV_GIB = 2.0
 _CUDA_MEMORY_FRACTION = 0.85  # of the memory still free after the weights are loaded
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-@dataclass(slots=True)
-class EngineStats:
-    num_running: int
-    num_waiting: int
-    kv_blocks_total: int  # allocatable blocks (the null block excluded)
-    kv_blocks_used: int
-    kv_blocks_cached: int  # free blocks still holding reusable prefix KV
-    prefix_cache_queries: int  # prompt tokens looked up
-    prefix_cache_hits: int  # prompt tokens found
-    num_preemptions: int
-    prompt_tokens: int  # computed prompt tokens, cache hits excluded
-    generation_tokens: int
 
 
 class EngineCore:
@@ -68,12 +55,12 @@ class EngineCore:
         self.runner = ModelRunner(model, cache, sampler, device)
         self.kv_capacity_tokens = (num_blocks - 1) * config.block_size
         self._scheduled_at: dict[str, float] = {}
-        self._num_preemptions = 0
-        self._prompt_tokens = 0
-        self._generation_tokens = 0
+        self._progress_ids: set[str] = set()  # requests that asked for prefill progress outputs
+        self.counters = EngineCounters()
+        self.kv_cache_bytes = cache.tensor.numel() * cache.tensor.element_size()
         logger.info("KV cache: %d blocks of %d tokens (%d tokens, %.2f GiB, %s)", num_blocks - 1,
                     config.block_size, self.kv_capacity_tokens,
-                    cache.tensor.numel() * cache.tensor.element_size() / 2**30, dtype)
+                    self.kv_cache_bytes / 2**30, dtype)
 
     @classmethod
     def from_source(cls, source, config: EngineConfig) -> "EngineCore":
@@ -137,7 +124,9 @@ class EngineCore:
         return max_tokens
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    priority: int = 0, cache_salt: str | None = None, arrival_time: float | None = None) -> None:
+                    priority: int = 0, cache_salt: str | None = None, arrival_time: float | None = None,
+                    constraint: TokenConstraint | None = None,
+                    report_progress: bool = False) -> None:
         if self.scheduler.get_request(request_id) is not None:
             raise InvalidRequest(f"request id {request_id!r} is already in use", param="request_id")
         vocab = self.model_config.vocab_size
@@ -147,8 +136,10 @@ class EngineCore:
         max_tokens = self.resolve_max_tokens(len(prompt_token_ids), params.max_tokens)
         request = Request(request_id, list(prompt_token_ids), params, max_tokens=max_tokens,
                           eos_token_ids=self.eos_token_ids, arrival_time=arrival_time or time.time(),
-                          priority=priority, cache_salt=cache_salt)
+                          priority=priority, cache_salt=cache_salt, constraint=constraint)
         self.scheduler.add_request(request)
+        if report_progress:  # opt-in: an empty output after each prefill chunk, with num_computed_prompt_tokens
+            self._progress_ids.add(request_id)
 
     def abort(self, request_ids: list[str]) -> list[StepOutput]:
         """Abort live requests (unknown ids are ignored); returns a final output for each aborted one."""
@@ -160,23 +151,35 @@ class EngineCore:
     # ---- the step ------------------------------------------------------------------------------
 
     def step(self) -> list[StepOutput]:
+        began = time.perf_counter()
+        counters = self.counters
         plan = self.scheduler.schedule()
-        self._num_preemptions += len(plan.preempted)
+        counters.num_preemptions += len(plan.preempted)
         if not plan.scheduled:
             return []
         now = time.time()
         for item in plan.scheduled:
-            self._scheduled_at.setdefault(item.request.request_id, now)
+            request = item.request
+            if request.request_id not in self._scheduled_at:  # first admission
+                self._scheduled_at[request.request_id] = now
+                counters.admitted_prompt_tokens += request.num_prompt_tokens
+                counters.cached_prompt_tokens += max(request.num_cached_tokens, 0)
         result = self.runner.execute(plan.scheduled)
         self.scheduler.update_from_output(plan, result.sampled)
         outputs = []
+        num_decode_tokens = 0
         for item in plan.scheduled:
             request = item.request
-            self._prompt_tokens += max(0, min(item.start + item.num_new_tokens, request.num_prompt_tokens) - item.start)
+            counters.prompt_tokens += max(0, min(item.start + item.num_new_tokens, request.num_prompt_tokens)
+                                          - item.start)
+            if item.num_new_tokens == 1 and item.start >= request.num_prompt_tokens:
+                num_decode_tokens += 1
             new_tokens = result.sampled.get(request.request_id)
             if not new_tokens:
+                if request.request_id in self._progress_ids:
+                    outputs.append(self._progress_output(request))
                 continue
-            self._generation_tokens += len(new_tokens)
+            counters.generation_tokens += len(new_tokens)
             finished = request.status.is_finished
             outputs.append(StepOutput(
                 request_id=request.request_id,
@@ -190,7 +193,15 @@ class EngineCore:
             ))
             if finished:
                 del self._scheduled_at[request.request_id]
+                self._progress_ids.discard(request.request_id)
+        counters.add_step(time.perf_counter() - began, plan.num_scheduled_tokens - num_decode_tokens,
+                          num_decode_tokens)
         return outputs
+
+    def _progress_output(self, request: Request) -> StepOutput:
+        return StepOutput(request.request_id, [], None, None, request.num_prompt_tokens,
+                          max(request.num_cached_tokens, 0), scheduled_time=self._scheduled_at[request.request_id],
+                          num_computed_prompt_tokens=min(request.num_computed_tokens, request.num_prompt_tokens))
 
     def fail_all(self, message: str) -> list[StepOutput]:
         """End every live request with an error (after an engine fault)."""
@@ -198,13 +209,15 @@ class EngineCore:
 
     def _finish_all(self, request_ids: list[str], reason: FinishReason, error: str | None = None) -> list[StepOutput]:
         finished = self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+        self._progress_ids.difference_update(r.request_id for r in finished)
         return [StepOutput(r.request_id, [], None, reason, r.num_prompt_tokens, max(r.num_cached_tokens, 0),
                            scheduled_time=self._scheduled_at.pop(r.request_id, None), error=error)
                 for r in finished]
 
     def stats(self) -> EngineStats:
         kv = self.kv_manager
-        return EngineStats(
+        return EngineStats.build(
+            self.counters,
             num_running=self.scheduler.num_running,
             num_waiting=self.scheduler.num_waiting,
             kv_blocks_total=kv.num_blocks - 1,
@@ -212,10 +225,12 @@ class EngineCore:
             kv_blocks_cached=kv.num_cached_blocks,
             prefix_cache_queries=kv.prefix_cache_queries,
             prefix_cache_hits=kv.prefix_cache_hits,
-            num_preemptions=self._num_preemptions,
-            prompt_tokens=self._prompt_tokens,
-            generation_tokens=self._generation_tokens,
         )
+
+    def reset_counters(self) -> None:
+        """Zero the counters (after a warm-up, so statistics count clients' work only)."""
+        self.counters = EngineCounters()
+        self.kv_manager.prefix_cache_queries = self.kv_manager.prefix_cache_hits = 0
 
     def check_invariants(self) -> None:
         """Raise AssertionError if blocks leaked; meaningful when no request is live."""

@@ -20,7 +20,7 @@ from typing import Any, AsyncIterator, Callable
 from ember.engine.core import EngineCore
 from ember.engine.outputs import RequestTracker
 from ember.errors import EmberError
-from ember.types import FinishReason, GenerationOutput, SamplingParams, StepOutput
+from ember.types import FinishReason, GenerationOutput, SamplingParams, StepOutput, TokenConstraint
 
 logger = logging.getLogger("ember.engine")
 
@@ -33,6 +33,8 @@ class AddRequest:
     priority: int = 0
     cache_salt: str | None = None
     arrival_time: float = field(default_factory=time.time)
+    constraint: TokenConstraint | None = None
+    report_progress: bool = False
 
 
 @dataclass(slots=True)
@@ -86,11 +88,15 @@ class AsyncEngine:
 
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams, *,
                        request_id: str | None = None, priority: int = 0,
-                       cache_salt: str | None = None) -> AsyncIterator[GenerationOutput]:
+                       cache_salt: str | None = None,
+                       constraint: TokenConstraint | None = None,
+                       report_progress: bool = False) -> AsyncIterator[GenerationOutput]:
         """Submit a request and yield its outputs until it finishes.
 
         Refusals (context length, cache size) raise before the first output. Leaving the
         iteration early (a client gone, a cancelled task) aborts the request in the engine.
+        With `report_progress`, prefill chunks that produce no token also yield an output, with
+        no new tokens and `num_computed_prompt_tokens` set.
         """
         if self.failed:
             raise EngineUnavailable(f"the engine stopped after a fault: {self.failed}")
@@ -103,7 +109,7 @@ class AsyncEngine:
         self._streams[request_id] = stream
         tracker = RequestTracker(request_id, prompt_token_ids, params, self.tokenizer.hf.backend_tokenizer)
         self._inbox.put(AddRequest(request_id, prompt_token_ids, params, priority, cache_salt,
-                                   tracker.timings.arrival))
+                                   tracker.timings.arrival, constraint, report_progress))
         finished = False
         try:
             while not finished:
@@ -180,7 +186,8 @@ class AsyncEngine:
             return
         try:
             self.core.add_request(message.request_id, message.prompt_token_ids, message.params,
-                                  message.priority, message.cache_salt, message.arrival_time)
+                                  message.priority, message.cache_salt, message.arrival_time,
+                                  message.constraint, message.report_progress)
         except EmberError as exc:
             self._reject(message, exc.message)
 

@@ -67,4 +67,5 @@ class RequestTracker:
             timings=self.timings,
             stop_reason=self.stop_reason,
             error=step.error,
+            num_computed_prompt_tokens=step.num_computed_prompt_tokens,
         )

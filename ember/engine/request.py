@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Iterable
 
-from ember.types import FinishReason, SamplingParams
+from ember.types import FinishReason, SamplingParams, TokenConstraint
 
 
 class RequestStatus(enum.Enum):
@@ -43,12 +43,12 @@ class Request:
         "request_id", "token_ids", "num_prompt_tokens", "sampling_params", "max_tokens",
         "eos_token_ids", "arrival_time", "priority", "cache_salt", "num_computed_tokens",
         "num_cached_tokens", "block_ids", "block_hashes", "status", "finish_reason",
-        "stop_reason", "num_preemptions",
+        "stop_reason", "num_preemptions", "constraint",
     )
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams, *,
                  max_tokens: int, eos_token_ids: Iterable[int], arrival_time: float, priority: int = 0,
-                 cache_salt: str | None = None) -> None:
+                 cache_salt: str | None = None, constraint: TokenConstraint | None = None) -> None:
         self.request_id = request_id
         self.token_ids: list[int] = list(prompt_token_ids)
         self.num_prompt_tokens = len(self.token_ids)
@@ -66,6 +66,7 @@ class Request:
         self.finish_reason: FinishReason | None = None
         self.stop_reason: int | None = None  # the stop token id that ended it
         self.num_preemptions = 0
+        self.constraint = constraint
 
     @property
     def num_tokens(self) -> int:

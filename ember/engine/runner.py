@@ -102,4 +102,4 @@ def _sampling_row(item: ScheduledRequest) -> SamplingRow:
         if not params.ignore_eos:
             ends |= request.eos_token_ids
         suppressed = frozenset(ends)
-    return SamplingRow(params, request.token_ids, request.num_prompt_tokens, suppressed)
+    return SamplingRow(params, request.token_ids, request.num_prompt_tokens, suppressed, request.constraint)

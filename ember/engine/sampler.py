@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ember.types import SamplingParams, TokenLogprob
+from ember.types import SamplingParams, TokenConstraint, TokenLogprob
 
 _SEED_STRIDE = 1_000_003  # mixes the output position into a request's seed
 
@@ -24,6 +24,7 @@ class SamplingRow:
     token_ids: list[int]  # the request's prompt then output tokens (not copied)
     num_prompt_tokens: int
     suppressed_token_ids: frozenset[int]  # end tokens held back until min_tokens is reached
+    constraint: TokenConstraint | None = None
 
     @property
     def num_output_tokens(self) -> int:
@@ -58,9 +59,11 @@ class Sampler:
         return SamplerOutput(chosen, logprobs)
 
     def _adjust(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-        """Penalties, logit bias and suppressed end tokens; returns a new tensor if anything applies."""
+        """Penalties, logit bias, suppressed end tokens, then constraints; returns a new tensor if
+        anything applies."""
+        allowed = [_allowed_ids(row) for row in rows]
         needs_copy = any(r.params.uses_penalties or r.params.logit_bias or r.suppressed_token_ids for r in rows)
-        if not needs_copy:
+        if not needs_copy and all(a is None for a in allowed):
             return logits
         logits = logits.clone()
         if any(r.params.uses_penalties for r in rows):
@@ -74,6 +77,9 @@ class Sampler:
             if row.suppressed_token_ids:
                 ids = [t for t in row.suppressed_token_ids if t < self.vocab_size]
                 logits[i, ids] = float("-inf")
+        for i, ids in enumerate(allowed):
+            if ids is not None:
+                _keep_only(logits, i, ids)
         return logits
 
     def _choose(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
@@ -103,6 +109,24 @@ class Sampler:
                 self._row_generator.manual_seed((seed * _SEED_STRIDE + row.num_output_tokens) % (1 << 63))
                 noise[i].exponential_(generator=self._row_generator)
         return noise
+
+
+def _allowed_ids(row: SamplingRow) -> list[int] | None:
+    if row.constraint is None:
+        return None
+    ids = row.constraint.allowed_token_ids(row.token_ids[row.num_prompt_tokens:])
+    return None if ids is None else list(ids)
+
+
+def _keep_only(logits: torch.Tensor, row: int, ids: list[int]) -> None:
+    """Mask row to `ids`. If every allowed id was already at -inf (a penalty or suppression), the
+    constraint still wins: the allowed ids are made equally likely."""
+    index = torch.tensor(ids, dtype=torch.long, device=logits.device)
+    kept = logits[row, index]
+    if not torch.isfinite(kept).any():
+        kept = torch.zeros_like(kept)
+    logits[row] = float("-inf")
+    logits[row, index] = kept
 
 
 def _apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> None:

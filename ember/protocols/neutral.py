@@ -13,7 +13,11 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol, Union
 
 from ember.errors import ContextLengthExceeded, EmberError, InvalidRequest
+from ember.parsers.events import ContentText, ParsedReply, ReplyEvent
+from ember.parsers.reply import ReplyParser
+from ember.protocols.chat_reply import ChatFeatures, ChatOptions, ReplyPlan
 from ember.protocols.sse import ServerEvent
+from ember.tokenization.chat_prompt import prepare_conversation
 from ember.types import FinishReason, GenerationOutput, RequestTimings, SamplingParams, TokenLogprob
 
 
@@ -51,6 +55,7 @@ class ModelInfo:
     default_max_tokens: int | None = None  # None: up to the end of the context window
     kv_capacity_tokens: int | None = None  # the most tokens one request can hold in the KV cache
     sampling_defaults: dict[str, Any] = field(default_factory=dict)  # from the model's generation config
+    chat: ChatFeatures = field(default_factory=ChatFeatures)  # reasoning markers and tool-call format
 
     def accepts(self, model: str) -> bool:
         return model == self.name or model in self.aliases
@@ -68,6 +73,9 @@ class GenerationRequest:
     return_token_ids: bool = False
     echo: bool = False  # completions: the prompt text leads the output
     prompt_param: str = "messages"  # the field blamed when the prompt does not fit
+    return_progress: bool = False  # streams: prompt_progress chunks while the prompt is processed
+    timings_per_token: bool = False  # streams: running timings on every delta chunk
+    chat: ChatOptions | None = None  # chat dialects: tools and thinking
 
 
 @dataclass(slots=True)
@@ -84,15 +92,18 @@ class ResponseMeta:
         return self.decode([token_id])
 
 
-def encode_prompt(prompt: Prompt, tokenizer) -> list[int]:
-    """Prompt token ids, counted once: the same ids run on the engine and count for usage."""
+def encode_prompt(prompt: Prompt, tokenizer, tool_format=None) -> list[int]:
+    """Prompt token ids, counted once: the same ids run on the engine and count for usage.
+
+    A chat prompt is first fitted to what the template can take (see tokenization.chat_prompt)."""
     if isinstance(prompt, TokenPrompt):
         return list(prompt.token_ids)
     if isinstance(prompt, TextPrompt):
         return tokenizer.encode(prompt.text, add_special_tokens=True)
     try:
-        return tokenizer.apply_chat_template(prompt.messages, add_generation_prompt=prompt.add_generation_prompt,
-                                             tools=prompt.tools, **prompt.template_kwargs)
+        messages, tools = prepare_conversation(prompt.messages, prompt.tools, tokenizer.template_traits, tool_format)
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=prompt.add_generation_prompt,
+                                             tools=tools, **prompt.template_kwargs)
     except InvalidRequest:
         raise
     except Exception as exc:  # a template that fails on this conversation (TypeError, KeyError ...)
@@ -157,15 +168,24 @@ class ChoiceResult:
     num_cached_tokens: int = 0
     timings: RequestTimings | None = None
     error: str | None = None
+    parser: ReplyParser | None = None  # chat replies with reasoning or tools
+    events: list[ReplyEvent] = field(default_factory=list)  # what the latest output added
+
+    @property
+    def reply(self) -> ParsedReply:
+        """The reply split into reasoning, content and tool calls (content only, unparsed)."""
+        return self.parser.reply if self.parser is not None else ParsedReply(content=self.text)
 
 
 class RunResult:
     """The outputs of one request's choices, gathered as they arrive."""
 
-    def __init__(self, num_choices: int, prompt_token_ids: list[int], received: float | None = None) -> None:
+    def __init__(self, num_choices: int, prompt_token_ids: list[int], received: float | None = None,
+                 plan: ReplyPlan | None = None) -> None:
         self.prompt_token_ids = prompt_token_ids
         self.received = received if received is not None else time.time()
-        self.choices = [ChoiceResult(i) for i in range(num_choices)]
+        self.plan = plan
+        self.choices = [ChoiceResult(i, parser=plan.parser() if plan else None) for i in range(num_choices)]
         self.num_finished = 0
 
     def add(self, index: int, output: GenerationOutput) -> ChoiceResult:
@@ -175,11 +195,17 @@ class RunResult:
         choice.timings = output.timings
         if output.logprobs is not None:
             choice.logprobs = output.logprobs
+        if choice.parser is not None:
+            choice.events = choice.parser.feed(output.text_delta, output.new_token_ids)
+        else:
+            choice.events = [ContentText(output.text_delta)] if output.text_delta else []
         if output.finish_reason is not None and choice.finish_reason is None:
             choice.finish_reason = output.finish_reason
             choice.stop_reason = output.stop_reason
             choice.text = output.text
             choice.error = output.error
+            if choice.parser is not None:
+                choice.events += choice.parser.finish()
             self.num_finished += 1
         return choice
 
@@ -201,6 +227,13 @@ class RunResult:
     @property
     def num_completion_tokens(self) -> int:
         return sum(len(c.token_ids) for c in self.choices)
+
+    @property
+    def num_reasoning_tokens(self) -> int | None:
+        """None when the model has no reasoning parser."""
+        if self.plan is None or not self.plan.counts_reasoning:
+            return None
+        return sum(c.reply.num_reasoning_tokens for c in self.choices)
 
     @property
     def num_cached_tokens(self) -> int:

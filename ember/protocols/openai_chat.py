@@ -8,13 +8,17 @@ from typing import Any
 from ember.errors import InvalidRequest
 from ember.protocols.errors import openai_error_body, unsupported
 from ember.protocols.fields import Fields, as_string, json_type
+from ember.protocols.chat_reply import template_tools
 from ember.protocols.neutral import ChatPrompt, ChoiceResult, Dialect, GenerationRequest, ModelInfo
+from ember.protocols.openai_chat_options import read_chat_options
 from ember.protocols.openai_common import (
-    MAX_TOP_LOGPROBS, OpenAIRenderer, chat_logprobs, check_model, read_accepted, read_choices,
+    MAX_TOP_LOGPROBS, OpenAIRenderer, chat_logprobs, check_model, finish_reason, read_accepted, read_choices,
     read_sampling, read_stream, refuse_unsupported,
 )
+from ember.protocols.progress import read_stream_extras
+from ember.parsers.events import ContentText, ReasoningText
 from ember.protocols.sse import ServerEvent
-from ember.types import GenerationOutput
+from ember.types import FinishReason, GenerationOutput
 
 # Wire role -> the role the chat template sees. Templates rarely know `developer`; it is a system turn.
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant",
@@ -31,17 +35,21 @@ def parse_chat(body: Any, model: ModelInfo) -> GenerationRequest:
     check_model(f, model)
     messages = read_messages(f)
     refuse_unsupported(f)
-    refuse_tools(f)
+    refuse_unsupported_outputs(f)
     template_kwargs, add_generation_prompt = read_template_options(f)
+    options = read_chat_options(f, template_kwargs, model)
     logprobs = read_logprobs(f)
     params = read_sampling(f, model, logprobs=logprobs, rename={"logprobs": "top_logprobs"})
     n = read_choices(f)
     stream, include_usage = read_stream(f)
     return_token_ids = f.boolean("return_token_ids", False)
+    return_progress, timings_per_token = read_stream_extras(f)
     read_accepted(f)
-    prompt = ChatPrompt(messages, template_kwargs, None, add_generation_prompt)
+    tools = template_tools(options.tools) if options.calls_tools else None
+    prompt = ChatPrompt(messages, template_kwargs, tools, add_generation_prompt)
     return GenerationRequest(prompt, params, n=n, stream=stream, include_usage=include_usage,
-                             return_token_ids=return_token_ids, prompt_param="messages")
+                             return_token_ids=return_token_ids, return_progress=return_progress,
+                             timings_per_token=timings_per_token, prompt_param="messages", chat=options)
 
 
 def read_messages(f: Fields) -> list[dict[str, Any]]:
@@ -65,6 +73,10 @@ def read_message(m: Fields) -> dict[str, Any]:
         tool_calls = read_tool_calls(m)
         if tool_calls:
             message["tool_calls"] = tool_calls
+        reasoning = m.string("reasoning_content")
+        reasoning = reasoning if reasoning is not None else m.string("reasoning")
+        if reasoning:
+            message["reasoning_content"] = reasoning
     if message["role"] == "tool":
         call_id = m.string("tool_call_id")
         if call_id is not None:
@@ -134,17 +146,14 @@ def read_tool_calls(m: Fields) -> list[dict[str, Any]]:
     return result
 
 
-def refuse_tools(f: Fields) -> None:
-    """Tool calling needs output parsing this server does not have yet: refused, not ignored."""
-    if f.array("tools"):
-        raise unsupported("tools", "tool calling is not supported by this server yet; send the request "
-                                   "without tools")
+def refuse_unsupported_outputs(f: Fields) -> None:
+    """Outputs this server cannot give: refused by name, not ignored."""
     if f.array("functions"):
-        raise unsupported("functions", "function calling is not supported by this server yet")
-    for name in ("tool_choice", "function_call"):
-        choice = f.raw(name)
-        if choice is not None and choice not in ("none", "auto"):
-            raise unsupported(name, f"{name} can only be 'none' or 'auto' on this server")
+        raise unsupported("functions", "the legacy functions field is not supported; declare the same "
+                                       "functions in tools instead")
+    choice = f.raw("function_call")
+    if choice is not None and choice not in ("none", "auto"):
+        raise unsupported("function_call", "the legacy function_call field is not supported; use tool_choice")
     if f.has("audio"):
         raise unsupported("audio", "audio output is not supported: this model produces text only")
     modalities = f.array("modalities")
@@ -196,14 +205,45 @@ class ChatRenderer(OpenAIRenderer):
 
     empty_delta = {"delta": {}}
 
-    def delta_body(self, choice: ChoiceResult, output: GenerationOutput, with_logprobs: bool) -> dict[str, Any]:
-        return {"delta": {"content": output.text_delta},
-                "logprobs": {"content": chat_logprobs(output.new_logprobs, self.meta.token_text)}
-                if with_logprobs else None}
+    def delta_bodies(self, choice: ChoiceResult, output: GenerationOutput, with_logprobs: bool,
+                     with_ids: bool) -> list[dict[str, Any]]:
+        """One chunk per reply event: reasoning and content deltas, and for a tool call, one chunk with
+        its id and name, then one with its arguments."""
+        deltas: list[dict[str, Any]] = []
+        for event in choice.events:
+            if isinstance(event, ContentText):
+                deltas.append({"content": event.text})
+            elif isinstance(event, ReasoningText):
+                deltas.append({"reasoning_content": event.text})
+            else:
+                deltas.append({"tool_calls": [{"index": event.index, "id": event.id, "type": "function",
+                                               "function": {"name": event.name, "arguments": ""}}]})
+                deltas.append({"tool_calls": [{"index": event.index, "function": {"arguments": event.arguments}}]})
+        if not deltas and (with_logprobs or with_ids):
+            deltas.append({"content": ""})
+        bodies = [{"delta": delta, "logprobs": None} for delta in deltas]
+        if bodies and with_logprobs:
+            bodies[0]["logprobs"] = {"content": chat_logprobs(output.new_logprobs, self.meta.token_text)}
+        return bodies
+
+    def finish_reason(self, choice: ChoiceResult) -> str | None:
+        # A complete call counts even when text after it ran into max_tokens: the client can run it.
+        if choice.finish_reason in (FinishReason.STOP, FinishReason.LENGTH) and choice.reply.tool_calls:
+            return "tool_calls"
+        return finish_reason(choice.finish_reason)
 
     def choice_body(self, choice) -> dict[str, Any]:
         logprobs = self.request.params.logprobs is not None
-        return {"message": {"role": "assistant", "content": choice.text, "refusal": None},
+        reply = choice.reply
+        message: dict[str, Any] = {"role": "assistant", "content": reply.content, "refusal": None}
+        if self.result.plan is not None and self.result.plan.counts_reasoning:
+            message["reasoning_content"] = reply.reasoning or None
+        if reply.tool_calls:
+            message["content"] = reply.content or None
+            message["tool_calls"] = [{"id": c.id, "type": "function",
+                                      "function": {"name": c.name, "arguments": c.arguments}}
+                                     for c in reply.tool_calls]
+        return {"message": message,
                 "logprobs": {"content": chat_logprobs(choice.logprobs, self.meta.token_text)} if logprobs else None}
 
     def response(self) -> dict[str, Any]:

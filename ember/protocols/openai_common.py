@@ -10,6 +10,7 @@ from ember.errors import EmberError, InvalidRequest
 from ember.protocols.errors import ModelNotFound, openai_error_body, unsupported
 from ember.protocols.fields import Fields, as_integer, as_number, as_string, json_type
 from ember.protocols.neutral import GenerationRequest, ModelInfo, ResponseMeta, RunResult, build_sampling_params
+from ember.protocols.progress import PromptProgress, running_timings
 from ember.protocols.sse import DONE, ServerEvent
 from ember.types import FinishReason, GenerationOutput, SamplingParams, TokenLogprob
 
@@ -130,8 +131,12 @@ def refuse_unsupported(f: Fields) -> None:
 
 def usage_body(result: RunResult) -> dict[str, Any]:
     prompt, completion = result.num_prompt_tokens, result.num_completion_tokens
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+    body = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
             "prompt_tokens_details": {"cached_tokens": result.num_cached_tokens}}
+    reasoning = result.num_reasoning_tokens
+    if reasoning is not None:
+        body["completion_tokens_details"] = {"reasoning_tokens": reasoning}
+    return body
 
 
 def finish_reason(reason: FinishReason | None) -> str | None:
@@ -179,6 +184,7 @@ class OpenAIRenderer:
         self.request = request
         self.result = result
         self.meta = meta
+        self.progress = PromptProgress(result.num_prompt_tokens) if request.return_progress else None
 
     def envelope(self, obj: str) -> dict[str, Any]:
         meta = self.meta
@@ -196,26 +202,35 @@ class OpenAIRenderer:
         raise NotImplementedError
 
     def stream_output(self, choice, output: GenerationOutput) -> list[ServerEvent]:
-        events = []
+        events = self.progress_chunks(choice, output)
         with_logprobs = bool(self.request.params.logprobs is not None and output.new_logprobs)
-        with_ids = self.request.return_token_ids and output.new_token_ids
-        if output.text_delta or with_logprobs or with_ids:
-            entry = {"index": choice.index, **self.delta_body(choice, output, with_logprobs), "finish_reason": None}
+        with_ids = bool(self.request.return_token_ids and output.new_token_ids)
+        for k, body in enumerate(self.delta_bodies(choice, output, with_logprobs, with_ids)):
+            entry = {"index": choice.index, **body, "finish_reason": None}
             if self.request.return_token_ids:
-                entry["token_ids"] = output.new_token_ids
-            events.append(self.chunk([entry]))
+                entry["token_ids"] = output.new_token_ids if k == 0 else []
+            events.append(self.chunk([entry], **self.delta_extra()))
         if choice.finish_reason is not None and output.finish_reason is not None:
             events.append(self.chunk([{"index": choice.index, **self.empty_delta, "logprobs": None,
-                                       "finish_reason": finish_reason(choice.finish_reason)}],
+                                       "finish_reason": self.finish_reason(choice)}],
                                      **self.closing_extra()))
         return events
+
+    def delta_bodies(self, choice, output: GenerationOutput, with_logprobs: bool,
+                     with_ids: bool) -> list[dict[str, Any]]:
+        """The bodies of the chunks one output makes (logprobs on the first)."""
+        if output.text_delta or with_logprobs or with_ids:
+            return [self.delta_body(choice, output, with_logprobs)]
+        return []
+
+    def finish_reason(self, choice) -> str | None:
+        return finish_reason(choice.finish_reason)
 
     def whole_response(self, obj: str) -> dict[str, Any]:
         """The non-streamed body: every choice, usage and timings."""
         choices = []
         for choice in self.result.choices:
-            entry = {"index": choice.index, **self.choice_body(choice),
-                     "finish_reason": finish_reason(choice.finish_reason)}
+            entry = {"index": choice.index, **self.choice_body(choice), "finish_reason": self.finish_reason(choice)}
             if self.request.return_token_ids:
                 entry["token_ids"] = choice.token_ids
             choices.append(entry)
@@ -224,6 +239,16 @@ class OpenAIRenderer:
         if self.request.return_token_ids:
             body["prompt_token_ids"] = self.result.prompt_token_ids
         return body
+
+    def progress_chunks(self, choice, output: GenerationOutput) -> list[ServerEvent]:
+        """return_progress: prompt_progress chunks (no choices), from choice 0, whose prompt the others share."""
+        if self.progress is None or choice.index != 0:
+            return []
+        return [self.chunk([], prompt_progress=report) for report in self.progress.update(output)]
+
+    def delta_extra(self) -> dict[str, Any]:
+        """timings_per_token: the running timings ride on every delta chunk."""
+        return {"timings": running_timings(self.result)} if self.request.timings_per_token else {}
 
     def chunk(self, choices: list[dict[str, Any]], **extra: Any) -> ServerEvent:
         return ServerEvent({**self.envelope(self.chunk_object), "choices": choices, **extra})

@@ -12,6 +12,7 @@ from ember.protocols.openai_common import (
     MAX_TOP_LOGPROBS, OpenAIRenderer, check_model, completion_logprobs, read_accepted,
     read_choices, read_sampling, read_stream, refuse_unsupported,
 )
+from ember.protocols.progress import read_stream_extras
 from ember.protocols.sse import ServerEvent
 from ember.types import GenerationOutput
 
@@ -35,9 +36,11 @@ def parse_completion(body: Any, model: ModelInfo) -> GenerationRequest:
     params = read_sampling(f, model, logprobs=logprobs)
     stream, include_usage = read_stream(f)
     return_token_ids = f.boolean("return_token_ids", False)
+    return_progress, timings_per_token = read_stream_extras(f)
     read_accepted(f)
     return GenerationRequest(prompt, params, n=n, stream=stream, include_usage=include_usage,
-                             return_token_ids=return_token_ids, echo=echo, prompt_param="prompt")
+                             return_token_ids=return_token_ids, echo=echo, prompt_param="prompt",
+                             return_progress=return_progress, timings_per_token=timings_per_token)
 
 
 def read_prompt(f: Fields, vocab_size: int) -> TextPrompt | TokenPrompt:

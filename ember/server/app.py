@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
-from typing import Callable
+from typing import Any, Callable
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -18,37 +19,54 @@ from ember.protocols.openai_completions import COMPLETIONS
 from ember.server.config import ServerConfig
 from ember.server.metrics import Metrics
 from ember.server.middleware import GuardMiddleware, RequestContextMiddleware, error_response
+from ember.server.observability import Observability
 from ember.server.openapi import build_document, generation_route_docs
 from ember.server.pipeline import serve_generation
+from ember.server.request_log import RequestLog
 from ember.server.state import LoadedModel, ServerState, load_model
+from ember.server.stats_logger import ThroughputReporter
 
 logger = logging.getLogger("ember.server")
 
 
-def create_app(config: ServerConfig, loader: Callable[[ServerConfig], LoadedModel] = load_model) -> FastAPI:
+def create_app(config: ServerConfig, loader: Callable[[ServerConfig], LoadedModel] = load_model, *,
+               request_log: RequestLog | None = None, argv: list[str] | None = None) -> FastAPI:
+    """The app. `request_log`: the opened --request-log file (opened here from the config when not
+    given); `argv`: the command line, recorded (key redacted) in the log's server_start event."""
     state = ServerState(config, loader)
     metrics = Metrics()
+    if request_log is None and config.request_log:
+        request_log = RequestLog.open(config.request_log)
+    observability = Observability(state, metrics, request_log, argv)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         state.start_loading()
+        reporter = None
+        if config.log_stats_interval > 0:
+            reporter = asyncio.get_running_loop().create_task(
+                ThroughputReporter(state, config.log_stats_interval, request_log).run())
         yield
+        if reporter is not None:
+            reporter.cancel()
         await state.shutdown()
+        observability.close()
 
     app = FastAPI(title="ember", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.ember = state
     app.state.metrics = metrics
-    _add_routes(app, state, metrics)
+    app.state.observability = observability
+    _add_routes(app, state, observability)
     _add_error_handlers(app)
     app.add_middleware(GuardMiddleware, api_key=config.api_key, max_body_bytes=config.max_request_bytes)
     if config.cors_origins:
         app.add_middleware(CORSMiddleware, allow_origins=config.cors_origins, allow_methods=["GET", "POST", "OPTIONS"],
                            allow_headers=["*"], expose_headers=["x-request-id"], max_age=600)
-    app.add_middleware(RequestContextMiddleware, state=state, metrics=metrics)
+    app.add_middleware(RequestContextMiddleware, state=state, observer=observability)
     return app
 
 
-def _add_routes(app: FastAPI, state: ServerState, metrics: Metrics) -> None:
+def _add_routes(app: FastAPI, state: ServerState, observability: Observability) -> None:
     health_docs = {"responses": {200: {"description": "Ready.", "content": {"application/json": {
         "schema": {"$ref": "#/components/schemas/Health"}}}}, 503: {"description": "Loading or unavailable."}}}
 
@@ -56,12 +74,7 @@ def _add_routes(app: FastAPI, state: ServerState, metrics: Metrics) -> None:
         status_code, status = state.health()
         body: dict = {"status": status}
         if status == "ok":
-            body["model"] = state.model.name
-            body["requests_running"] = state.admission.num_running
-            body["requests_waiting"] = state.admission.num_waiting
-            stats = await state.engine_stats()
-            if stats is not None:
-                body["engine"] = stats
+            body.update(health_counters(state, observability, await state.engine_stats()))
         elif state.failure:
             body["reason"] = state.failure
         return JSONResponse(body, status_code=status_code)
@@ -103,8 +116,31 @@ def _add_routes(app: FastAPI, state: ServerState, metrics: Metrics) -> None:
 
     @app.get("/metrics", summary="Prometheus metrics", response_class=Response)
     async def prometheus() -> Response:
-        body = metrics.render(state.admission, await state.engine_stats())
+        body = observability.metrics.render(state.admission, await state.engine_stats())
         return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/debug/requests", summary="The last 100 generation requests in numbers (no text)")
+    async def recent_requests() -> dict:
+        return {"object": "list", "data": list(observability.recent)}
+
+
+def health_counters(state: ServerState, observability: Observability, stats: dict[str, Any] | None) -> dict:
+    """/health's numbers. The *_total fields only grow: a poller turns two samples into rates."""
+    body: dict[str, Any] = {
+        "model": state.model.name,
+        "max_model_len": state.model.max_model_len,
+        "requests_running": state.admission.num_running,
+        "requests_waiting": state.admission.num_waiting,
+        "requests_finished": observability.requests_finished,
+    }
+    if stats is not None:
+        body.update(prompt_tokens_total=stats.get("admitted_prompt_tokens"),
+                    cached_tokens_total=stats.get("cached_prompt_tokens"),
+                    completion_tokens_total=stats.get("generation_tokens"),
+                    prefill_seconds_total=stats.get("prefill_seconds"),
+                    decode_seconds_total=stats.get("decode_seconds"),
+                    engine=stats)
+    return body
 
 
 def _add_error_handlers(app: FastAPI) -> None:

@@ -15,6 +15,7 @@ import sys
 import time
 
 from ember.config import EngineConfig
+from ember.parsers import REASONING_PARSERS, TOOL_PARSERS
 from ember.server.config import ServerConfig, is_loopback
 
 _ALLOW_OPEN_FLAG = "--allow-no-api-key"
@@ -55,6 +56,17 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     model.add_argument("--device", default="auto", help="cpu, cuda, cuda:1 ... (auto: cuda when available)")
     model.add_argument("--seed", type=int, default=0,
                        help="seed of the engine's sampler, for requests without their own seed (default 0)")
+    chat = p.add_argument_group("reasoning and tool calls")
+    chat.add_argument("--reasoning-parser", default="auto", choices=["auto", "none", *REASONING_PARSERS],
+                      help="how replies separate reasoning from the answer: think reads <think>...</think> into "
+                           "reasoning_content; auto does so when the chat template writes <think> (default auto)")
+    chat.add_argument("--tool-call-parser", default="auto", choices=["auto", "none", *TOOL_PARSERS],
+                      help="the tool-call format replies are read in: hermes (<tool_call>{json}</tool_call>) or "
+                           "qwen3_xml (<tool_call><function=NAME><parameter=P>...); auto takes qwen3_xml when the "
+                           "template writes <function=, else hermes; none refuses tools (default auto)")
+    chat.add_argument("--default-thinking-budget", type=int, default=None, metavar="TOKENS",
+                      help="reasoning tokens a reply may spend before ember closes its think block, for requests "
+                           "without thinking_budget (default: no limit)")
     engine = p.add_argument_group("engine and limits")
     engine.add_argument("--max-model-len", type=int, default=None,
                         help="context window in tokens, prompt and output together (default: the model's "
@@ -79,6 +91,13 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     other = p.add_argument_group("other")
     other.add_argument("--sse-keepalive", type=float, default=5.0,
                        help="seconds without an event before a stream sends a ': keep-alive' comment (default 5)")
+    other.add_argument("--request-log", default=None, metavar="FILE",
+                       help="append one JSON line per event to FILE: server start, each request's start and "
+                            "end (counts, settings and times; never prompt or output text, never the key), "
+                            "throughput. The start fails if FILE cannot be opened (default: off)")
+    other.add_argument("--log-stats-interval", type=float, default=10.0, metavar="SECONDS",
+                       help="log a throughput line on stderr every SECONDS while the server is busy "
+                            "(default 10; 0: off)")
     other.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                        help="stderr verbosity; info logs one line per request (default info)")
     return p
@@ -111,7 +130,9 @@ def build_config(args: argparse.Namespace, environ=os.environ) -> ServerConfig:
         served_model_names=_split(args.served_model_name), api_key=api_key, max_pending=args.max_pending,
         pending_timeout=args.pending_timeout, max_request_bytes=max(1, int(args.max_request_mb * (1 << 20))),
         cors_origins=origins, default_max_tokens=args.default_max_tokens, chat_template=chat_template,
-        sse_keepalive=args.sse_keepalive, engine=engine)
+        sse_keepalive=args.sse_keepalive, request_log=args.request_log, reasoning_parser=args.reasoning_parser,
+        tool_call_parser=args.tool_call_parser, default_thinking_budget=args.default_thinking_budget,
+        log_stats_interval=args.log_stats_interval, engine=engine)
 
 
 def _split(values: list[str]) -> list[str]:
@@ -126,6 +147,11 @@ def run_serve(args: argparse.Namespace) -> int:
         print(f"ember serve: {exc}", file=sys.stderr)
         return 2
     try:
+        request_log = _open_request_log(config.request_log)
+    except ValueError as exc:
+        print(f"ember serve: {exc}", file=sys.stderr)
+        return 2
+    try:
         sock = _bind(config.host, config.port)
     except OSError as exc:
         print(f"ember serve: cannot listen on {config.host}:{config.port}: {exc.strerror or exc}", file=sys.stderr)
@@ -136,7 +162,7 @@ def run_serve(args: argparse.Namespace) -> int:
 
     host, port = sock.getsockname()[:2]
     url = f"http://{'[' + host + ']' if ':' in host else host}:{port}"
-    app = create_app(config)
+    app = create_app(config, request_log=request_log, argv=sys.argv)
     state = app.state.ember
     began = time.monotonic()
     state.on_ready = lambda loaded: print(
@@ -153,6 +179,15 @@ def run_serve(args: argparse.Namespace) -> int:
     if state.status == "loading":  # stopped mid-load: do not wait for (or trip over) the loading thread
         os._exit(0)
     return 0
+
+
+def _open_request_log(path: str | None):
+    from ember.server.request_log import RequestLog, RequestLogError
+
+    try:
+        return RequestLog.open(path) if path else None
+    except RequestLogError as exc:
+        raise ValueError(str(exc)) from None
 
 
 def _bind(host: str, port: int) -> socket.socket:

@@ -22,7 +22,12 @@ class ServerConfig:
     cors_origins: list[str] = field(default_factory=list)
     default_max_tokens: int | None = None
     chat_template: str | None = None  # template text replacing the model's own
+    reasoning_parser: str = "auto"  # auto | none | think
+    tool_call_parser: str = "auto"  # auto | none | hermes | qwen3_xml
+    default_thinking_budget: int | None = None  # reasoning tokens before ember closes the block
     sse_keepalive: float = 5.0  # seconds without an event before a keep-alive comment
+    request_log: str | None = None  # a JSON-lines file of server and request events, appended
+    log_stats_interval: float = 10.0  # seconds between throughput lines on stderr; 0: none
     engine: EngineConfig = field(default_factory=EngineConfig)
 
     def __post_init__(self) -> None:
@@ -34,8 +39,12 @@ class ServerConfig:
             raise ValueError("the request size limit must be positive")
         if self.default_max_tokens is not None and self.default_max_tokens < 1:
             raise ValueError(f"default_max_tokens must be positive, got {self.default_max_tokens}")
+        if self.default_thinking_budget is not None and self.default_thinking_budget < 1:
+            raise ValueError(f"--default-thinking-budget must be at least 1, got {self.default_thinking_budget}")
         if self.sse_keepalive <= 0:
             raise ValueError(f"the keep-alive interval must be positive, got {self.sse_keepalive}")
+        if self.log_stats_interval < 0:
+            raise ValueError(f"--log-stats-interval must be 0 (off) or more seconds, got {self.log_stats_interval}")
 
     @property
     def max_running(self) -> int:

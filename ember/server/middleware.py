@@ -1,7 +1,8 @@
 """ASGI middleware, outermost first:
 
 - RequestContext: a request id on every response (x-request-id), HEAD answered with the health
-  status, a last-resort 500 in the route's error shape, one log line per request.
+  status, a last-resort 500 in the route's error shape, one log line per request, and the
+  observer told once when the request has ended (metrics, request log, /debug/requests).
 - (Starlette's CORSMiddleware, for the listed origins only, when --cors-origins is given.)
 - Guard: the API key (constant-time), then POST bodies: JSON only (415), at most the size limit (413).
 """
@@ -37,10 +38,10 @@ class RequestContextMiddleware:
     """`error_shapes` maps a path prefix to its dialect's error body (OpenAI's by default), so even
     refusals made before routing (401, 413, 415) answer in the shape the client expects."""
 
-    def __init__(self, app, state, metrics=None, error_shapes: dict[str, Callable] | None = None) -> None:
+    def __init__(self, app, state, observer=None, error_shapes: dict[str, Callable] | None = None) -> None:
         self.app = app
         self.state = state
-        self.metrics = metrics
+        self.observer = observer  # has request_ended(record)
         self.error_shapes = error_shapes or {}
 
     async def __call__(self, scope, receive, send) -> None:
@@ -76,8 +77,11 @@ class RequestContextMiddleware:
                 await error_response(error, record)(scope, receive, send_with_id)
         finally:
             record.log()
-            if self.metrics is not None:
-                self.metrics.observe(record)
+            if self.observer is not None:
+                try:
+                    self.observer.request_ended(record)
+                except Exception:  # the response is out; a fault in the records must not mask it
+                    logger.exception("recording request %s failed", record.request_id)
 
 
 class GuardMiddleware:

@@ -48,6 +48,9 @@ SAMPLING_FIELDS: dict[str, Any] = {
     "stream": _BOOLEAN,
     "stream_options": {"type": "object", "properties": {"include_usage": _BOOLEAN}},
     "return_token_ids": {**_BOOLEAN, "description": "Add the prompt's and each choice's token ids."},
+    "return_progress": {**_BOOLEAN, "description": "Streams: prompt_progress chunks {total, cache, processed, "
+                        "time_ms} while the prompt is computed, the last (processed == total) before the first text."},
+    "timings_per_token": {**_BOOLEAN, "description": "Streams: the running timings object on every text chunk."},
     "user": {"type": "string", "description": "Accepted; not used."},
     "metadata": {"type": "object", "description": "Accepted; not used."},
 }
@@ -92,10 +95,14 @@ ERROR = {
         "code": {"type": ["string", "null"]}}}},
 }
 
+_TOTAL = {**_NUMBER, "description": "Only grows: two samples make a rate."}
 HEALTH = {
     "type": "object", "required": ["status"],
-    "properties": {"status": {"enum": ["ok", "loading", "unavailable"]},
-                   "requests_running": _INTEGER, "requests_waiting": _INTEGER,
+    "properties": {"status": {"enum": ["ok", "loading", "unavailable"]}, "model": {"type": "string"},
+                   "max_model_len": _INTEGER, "requests_running": _INTEGER, "requests_waiting": _INTEGER,
+                   "requests_finished": _TOTAL, "prompt_tokens_total": _TOTAL, "cached_tokens_total": _TOTAL,
+                   "completion_tokens_total": _TOTAL, "prefill_seconds_total": _TOTAL,
+                   "decode_seconds_total": _TOTAL,
                    "engine": {"type": "object", "description": "The engine's counters (KV blocks, sequences, tokens)."}},
 }
 

@@ -19,6 +19,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from ember.errors import EmberError, InvalidRequest
 from ember.protocols.errors import GenerationFailed
+from ember.protocols.chat_reply import ReplyPlan
 from ember.protocols.neutral import Dialect, ResponseMeta, RunResult, choice_seeds, resolve_sampling
 from ember.protocols.sse import ServerEvent, encode, with_keep_alive
 from ember.server.reqlog import RequestRecord
@@ -39,20 +40,29 @@ class ChoiceRun:
 
     Choice 0 starts first; the others start once it has produced a token, when its prompt is in
     the prefix cache for them to share. `stop` ends the run from outside (server shutdown).
+    With `report_progress`, choice 0 also yields prefill progress outputs (no tokens) first.
     """
 
-    def __init__(self, engine, prompt_token_ids: list[int], params: list[SamplingParams], request_id: str) -> None:
+    def __init__(self, engine, prompt_token_ids: list[int], params: list[SamplingParams], request_id: str,
+                 report_progress: bool = False, plan: ReplyPlan | None = None) -> None:
         self.engine = engine
         self.prompt_token_ids = prompt_token_ids
         self.params = params
         self.request_id = request_id
+        self.report_progress = report_progress
+        self.plan = plan  # each choice gets its own token constraint from it, if the reply is steered
         self._queue: asyncio.Queue = asyncio.Queue()
         self._tasks: list[asyncio.Task] = []
 
     async def _pump(self, index: int) -> None:
         request_id = self.request_id if len(self.params) == 1 else f"{self.request_id}-{index}"
+        extra = {"report_progress": True} if self.report_progress and index == 0 else {}
+        constraint = self.plan.constraint() if self.plan is not None else None
+        if constraint is not None:
+            extra["constraint"] = constraint
         try:
-            async for output in self.engine.generate(self.prompt_token_ids, self.params[index], request_id=request_id):
+            async for output in self.engine.generate(self.prompt_token_ids, self.params[index], request_id=request_id,
+                                                     **extra):
                 self._queue.put_nowait((index, output, None))
         except Exception as exc:
             self._queue.put_nowait((index, None, exc))
@@ -72,7 +82,7 @@ class ChoiceRun:
             index, output, error = await self._queue.get()
             if error is not None:
                 raise error
-            if len(self._tasks) < len(self.params):
+            if len(self._tasks) < len(self.params) and (output.token_ids or output.finished):
                 for i in range(1, len(self.params)):
                     self._start(i)
             if output.finish_reason is not None:
@@ -94,16 +104,19 @@ async def serve_generation(request: Request, dialect: Dialect) -> Response:
     state.require_ready()
     job = dialect.parse(parse_json(await request.body()), state.model)
     prompt_token_ids = await state.encode(job.prompt)
+    plan = state.reply_plan(job, prompt_token_ids)
     record.prompt_tokens = len(prompt_token_ids)
     params = resolve_sampling(job, len(prompt_token_ids), state.model)
     ticket = await state.admission.acquire(job.n)
     try:
-        result = RunResult(job.n, prompt_token_ids, record.received)
+        request.app.state.observability.request_started(record, job, params)
+        result = RunResult(job.n, prompt_token_ids, record.received, plan)
         record.result = result
         meta = ResponseMeta(f"{dialect.id_prefix}{record.internal_id}", int(record.received), state.model.name,
                             state.fingerprint, state.decode)
         renderer = dialect.renderer(job, result, meta)
-        run = ChoiceRun(state.engine, prompt_token_ids, choice_seeds(params, job.n), record.internal_id)
+        run = ChoiceRun(state.engine, prompt_token_ids, choice_seeds(params, job.n), record.internal_id,
+                        report_progress=job.stream and job.return_progress, plan=plan)
         if job.stream:
             frames = stream_frames(renderer, result, run, state, record)
             response = EventStreamResponse(with_keep_alive(frames, state.config.sse_keepalive), ticket.release)

@@ -29,9 +29,13 @@ class RequestRecord:
     status: int | None = None
     route: str | None = None  # the dialect, for generation routes
     error_body: Callable[[Any], dict] = openai_error_body  # how errors on this route are shaped
+    error_type: str | None = None
     error_code: str | None = None
     error_param: str | None = None
     prompt_tokens: int | None = None
+    job: Any = None  # the validated GenerationRequest
+    params: Any = None  # its resolved SamplingParams (max_tokens fitted to the window)
+    admitted: float | None = None  # time.time() when it was admitted to run; request_start was logged then
     result: RunResult | None = None
     client_gone: bool = False
 
@@ -47,6 +51,7 @@ class RequestRecord:
         return record
 
     def note_error(self, error) -> None:
+        self.error_type = getattr(error, "type", None)
         self.error_code = getattr(error, "code", None) or getattr(error, "type", None)
         self.error_param = getattr(error, "param", None)
 

@@ -14,7 +14,9 @@ from typing import Any, Callable
 
 import ember
 from ember.protocols.errors import ModelLoading, ServerUnavailable
-from ember.protocols.neutral import ModelInfo, Prompt, encode_prompt
+from ember.parsers import resolve_reasoning, resolve_tool_format
+from ember.protocols.chat_reply import ChatFeatures, ReplyPlan, plan_reply
+from ember.protocols.neutral import GenerationRequest, ModelInfo, Prompt, encode_prompt
 from ember.server.admission import Admission
 from ember.server.config import ServerConfig
 
@@ -22,6 +24,7 @@ logger = logging.getLogger("ember.server")
 
 _SAMPLING_DEFAULTS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 _STATS_TIMEOUT_S = 2.0
+_PROMPT_TAIL_TOKENS = 16  # enough to see whether the prompt leaves a think block open
 
 
 @dataclass(slots=True)
@@ -36,6 +39,7 @@ class LoadedModel:
     kv_capacity_tokens: int | None = None
     sampling_defaults: dict[str, Any] = field(default_factory=dict)
     dtype: str = ""
+    chat: ChatFeatures = field(default_factory=ChatFeatures)
 
 
 def load_model(config: ServerConfig) -> LoadedModel:
@@ -48,6 +52,10 @@ def load_model(config: ServerConfig) -> LoadedModel:
     tokenizer = source.tokenizer
     if config.chat_template is not None:
         tokenizer.chat_template = config.chat_template
+    chat = ChatFeatures(resolve_reasoning(config.reasoning_parser, tokenizer.chat_template),
+                        resolve_tool_format(config.tool_call_parser, tokenizer.chat_template),
+                        config.default_thinking_budget)
+    _ = tokenizer.token_bytes, tokenizer.template_traits  # built now rather than on the first request
     core = EngineCore.from_source(source, config.engine)
     _warm_up(core, tokenizer)
     generation_config = getattr(source, "generation_config", None) or {}
@@ -57,7 +65,7 @@ def load_model(config: ServerConfig) -> LoadedModel:
         engine=AsyncEngine(core, tokenizer), tokenizer=tokenizer, name=source.name,
         max_model_len=core.max_model_len, vocab_size=core.model_config.vocab_size,
         kv_capacity_tokens=getattr(core, "kv_capacity_tokens", None), sampling_defaults=defaults,
-        dtype=str(getattr(core, "dtype", "")).replace("torch.", ""))
+        dtype=str(getattr(core, "dtype", "")).replace("torch.", ""), chat=chat)
 
 
 def _warm_up(core, tokenizer) -> None:
@@ -69,6 +77,7 @@ def _warm_up(core, tokenizer) -> None:
     core.add_request("ember-warm-up", prompt, SamplingParams(max_tokens=2, temperature=0.0))
     while core.has_unfinished():
         core.step()
+    core.reset_counters()  # statistics count clients' work only
 
 
 class ServerState:
@@ -84,6 +93,7 @@ class ServerState:
         self.admission = Admission(config.max_running, config.max_pending, config.pending_timeout)
         self.runs: set = set()  # live ChoiceRuns, stopped when the server stops
         self.on_ready: Callable[[LoadedModel], None] | None = None
+        self.ready_hooks: list[Callable[[LoadedModel], None]] = []  # observers of the model becoming ready
         self._prompt_pool = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="ember-prompt")
         self._load_task: asyncio.Task | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
@@ -118,11 +128,17 @@ class ServerState:
         self.model = ModelInfo(
             name=names[0], aliases=tuple(names[1:]), max_model_len=loaded.max_model_len,
             vocab_size=loaded.vocab_size, default_max_tokens=self.config.default_max_tokens,
-            kv_capacity_tokens=loaded.kv_capacity_tokens, sampling_defaults=loaded.sampling_defaults)
+            kv_capacity_tokens=loaded.kv_capacity_tokens, sampling_defaults=loaded.sampling_defaults,
+            chat=loaded.chat)
         digest = hashlib.sha256(f"{ember.__version__}|{loaded.name}|{loaded.dtype}|{loaded.max_model_len}".encode())
         self.fingerprint = f"fp_{digest.hexdigest()[:10]}"
         loaded.engine.start()
         self.status = "ok"
+        for hook in self.ready_hooks:
+            try:
+                hook(loaded)
+            except Exception:  # an observer's fault must not stop serving
+                logger.exception("a ready hook failed")
         if self.on_ready is not None:
             self.on_ready(loaded)
 
@@ -167,7 +183,16 @@ class ServerState:
     async def encode(self, prompt: Prompt) -> list[int]:
         """Prompt token ids, rendered and tokenized off the event loop."""
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._prompt_pool, encode_prompt, prompt, self.loaded.tokenizer)
+        return await loop.run_in_executor(self._prompt_pool, encode_prompt, prompt, self.loaded.tokenizer,
+                                          self.model.chat.tool_format)
+
+    def reply_plan(self, job: GenerationRequest, prompt_token_ids: list[int]) -> ReplyPlan | None:
+        """How a chat request's replies are parsed and steered (None: plain text)."""
+        if job.chat is None:
+            return None
+        tokenizer = self.loaded.tokenizer
+        tail = tokenizer.decode(prompt_token_ids[-_PROMPT_TAIL_TOKENS:], skip_special_tokens=False)
+        return plan_reply(job.chat, self.model.chat, tail, tokenizer.token_bytes)
 
     def decode(self, token_ids: list[int]) -> str:
         return self.loaded.tokenizer.decode(token_ids)

@@ -6,12 +6,17 @@ used by GPT-2, Llama 3, Qwen and SmolLM, and SentencePiece-style BPE as used by 
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ember.errors import InvalidRequest, ModelLoadError
+
+if TYPE_CHECKING:
+    from ember.tokenization.chat_prompt import TemplateTraits
+    from ember.tokenization.vocab import TokenBytes
 
 logger = logging.getLogger("ember.tokenization")
 
@@ -124,6 +129,18 @@ class Tokenizer:
     def vocab_size(self) -> int:
         """Number of ids the tokenizer can produce, added tokens included."""
         return self._backend.get_vocab_size(with_added_tokens=True)
+
+    @functools.cached_property
+    def token_bytes(self) -> "TokenBytes":
+        """Every token's raw bytes (built on first use, about 0.1 s per 50k tokens)."""
+        from ember.tokenization.vocab import build_token_bytes
+        return build_token_bytes(self._backend, self.vocab_size)
+
+    @functools.cached_property
+    def template_traits(self) -> "TemplateTraits":
+        """Whether the chat template lists tools and accepts a system message (probed once)."""
+        from ember.tokenization.chat_prompt import probe_template
+        return probe_template(self)
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         return self._backend.encode(text, add_special_tokens=add_special_tokens).ids

@@ -12,7 +12,8 @@ from ember.server.cli import add_serve_parser, build_config
 
 FLAGS = ["--host", "--port", "--served-model-name", "--api-key", "--max-model-len", "--max-num-seqs",
          "--max-num-batched-tokens", "--max-pending", "--pending-timeout", "--max-request-mb", "--cors-origins",
-         "--no-prefix-caching", "--dtype", "--seed", "--chat-template", "--default-max-tokens", "--log-level"]
+         "--no-prefix-caching", "--dtype", "--seed", "--chat-template", "--default-max-tokens", "--log-level",
+         "--request-log", "--log-stats-interval"]
 
 
 def parse(*argv: str) -> argparse.Namespace:
@@ -54,7 +55,7 @@ def test_settings_from_flags_and_environment(tmp_path):
 
 
 @pytest.mark.parametrize("argv", [["--host", "192.168.1.5"], ["--chat-template", "/no/such/file"],
-                                  ["--max-request-mb", "0"]])
+                                  ["--max-request-mb", "0"], ["--log-stats-interval", "-1"]])
 def test_bad_settings_are_refused_with_a_message(argv):
     with pytest.raises(ValueError):
         build_config(parse(*argv), environ={})

@@ -66,7 +66,7 @@ def test_openapi_and_metrics(http, client):
     assert {"/v1/chat/completions", "/v1/completions", "/v1/models", "/health"} <= set(document["paths"])
     assert "ChatCompletionRequest" in document["components"]["schemas"]
     metrics = http.get("/metrics").text
-    assert "ember_http_requests_total" in metrics and "ember_engine_kv_blocks_total" in metrics
+    assert "ember:http_requests_total" in metrics and "ember:kv_cache_blocks_total" in metrics
 
 
 def test_unknown_route_is_a_json_404(http):

@@ -71,3 +71,40 @@ def test_preemption_and_mixed_batches_give_identical_tokens():
     together, _ = _run(tight, prompts, params)
     assert tight.stats().num_preemptions > 0
     assert together == alone
+
+
+def test_prefill_progress_outputs_are_opt_in():
+    engine = _engine(_tiny_llama(), torch.float32)  # 8 tokens per step: a 29-token prompt takes four
+    prompt = list(range(1, 30))
+    params = SamplingParams(temperature=0.0, max_tokens=3)
+    engine.add_request("watched", prompt, params, report_progress=True)
+    engine.add_request("plain", list(range(100, 105)), params)
+    seen = {"watched": [], "plain": []}
+    while engine.has_unfinished():
+        for out in engine.step():
+            seen[out.request_id].append(out)
+    engine.check_invariants()
+    first_token = next(i for i, out in enumerate(seen["watched"]) if out.new_token_ids)
+    progress = [out.num_computed_prompt_tokens for out in seen["watched"][:first_token]]
+    assert len(progress) >= 2 and progress == sorted(set(progress)) and progress[-1] < len(prompt)
+    assert all(out.num_computed_prompt_tokens is None for out in seen["watched"][first_token:])
+    assert all(out.new_token_ids and out.num_computed_prompt_tokens is None for out in seen["plain"])
+
+
+def test_counters_add_up_and_reset():
+    engine = _engine(_tiny_llama(), torch.float32)
+    prompt = list(range(1, 30))
+    params = SamplingParams(temperature=0.0, max_tokens=3)
+    _run(engine, [prompt, list(range(100, 105))], [params, params])
+    stats = engine.stats()
+    assert (stats.admitted_prompt_tokens, stats.cached_prompt_tokens) == (34, 0)
+    assert stats.prompt_tokens == 34 and stats.generation_tokens == 6
+    assert stats.num_steps > 0 and stats.prefill_seconds > 0 and stats.decode_seconds > 0
+    _run(engine, [prompt], [params])  # the same prompt again: its full blocks come from the prefix cache
+    again = engine.stats()
+    assert again.admitted_prompt_tokens == 34 + 29
+    assert again.cached_prompt_tokens == again.prefix_cache_hits - stats.prefix_cache_hits == 28
+    assert again.prompt_tokens == 34 + 1
+    engine.reset_counters()
+    reset = engine.stats()
+    assert (reset.num_steps, reset.generation_tokens, reset.prefix_cache_queries, reset.prefill_seconds) == (0, 0, 0, 0)

@@ -6,10 +6,14 @@ import pytest
 
 from ember.errors import InvalidRequest
 from ember.protocols.errors import ModelNotFound
+from ember.parsers.events import ThinkMarkers
+from ember.parsers.hermes import HERMES
+from ember.protocols.chat_reply import ChatFeatures
 from ember.protocols.neutral import ChatPrompt, ModelInfo
 from ember.protocols.openai_chat import parse_chat
 
-MODEL = ModelInfo(name="served", aliases=("alias",), max_model_len=512, vocab_size=1000)
+MODEL = ModelInfo(name="served", aliases=("alias",), max_model_len=512, vocab_size=1000,
+                  chat=ChatFeatures(ThinkMarkers(), HERMES))
 HI = [{"role": "user", "content": "Hi"}]
 
 
@@ -116,9 +120,9 @@ def test_unknown_fields_are_ignored_and_neutral_values_accepted():
 
 @pytest.mark.parametrize("fields, param", [
     ({"response_format": {"type": "json_schema"}}, "response_format"),
-    ({"tools": [{"type": "function"}]}, "tools"),
+    ({"tools": [{"type": "function"}]}, "tools[0].function"),
     ({"functions": [{"name": "f"}]}, "functions"),
-    ({"tool_choice": {"type": "function"}}, "tool_choice"),
+    ({"tool_choice": {"type": "function"}}, "tool_choice.function.name"),
     ({"audio": {"voice": "x"}}, "audio"),
     ({"modalities": ["text", "audio"]}, "modalities"),
     ({"guided_regex": "a+"}, "guided_regex"),
@@ -142,3 +146,93 @@ def test_body_must_be_an_object():
     with pytest.raises(InvalidRequest) as caught:
         parse_chat(["not", "an", "object"], MODEL)
     assert caught.value.param is None
+
+
+# ---- tools and thinking -----------------------------------------------------------------------
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather now",
+                                            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}
+TIME = {"type": "function", "function": {"name": "get_time"}}
+
+
+def test_tools_reach_the_template_and_the_options():
+    request = parse(tools=[WEATHER, TIME])
+    assert [t.name for t in request.chat.tools] == ["get_weather", "get_time"]
+    assert request.chat.tool_choice == "auto" and request.chat.parallel_tool_calls
+    assert request.prompt.tools[0] == WEATHER
+    assert request.prompt.tools[1]["function"]["parameters"] == {"type": "object", "properties": {}}
+
+
+def test_tool_choice_none_hides_the_tools_from_the_template():
+    request = parse(tools=[WEATHER], tool_choice="none")
+    assert request.prompt.tools is None and not request.chat.calls_tools
+
+
+def test_a_named_tool_choice_leaves_only_that_tool():
+    request = parse(tools=[WEATHER, TIME], tool_choice={"type": "function", "function": {"name": "get_time"}})
+    assert request.chat.tool_choice == "function"
+    assert [t.name for t in request.chat.tools] == ["get_time"]
+    assert [t["function"]["name"] for t in request.prompt.tools] == ["get_time"]
+
+
+def test_allowed_tools_narrow_the_set_and_keep_their_mode():
+    request = parse(tools=[WEATHER, TIME], tool_choice={
+        "type": "allowed_tools", "allowed_tools": {"mode": "required", "tools": [
+            {"type": "function", "function": {"name": "get_weather"}}]}})
+    assert request.chat.tool_choice == "required" and [t.name for t in request.chat.tools] == ["get_weather"]
+
+
+def test_reasoning_history_is_read_under_either_name():
+    for key in ("reasoning_content", "reasoning"):
+        request = parse(messages=[*HI, {"role": "assistant", "content": "4", key: "2+2"}, *HI])
+        assert request.prompt.messages[1]["reasoning_content"] == "2+2"
+
+
+@pytest.mark.parametrize("fields, kwargs, thinking", [
+    ({}, {}, None),
+    ({"reasoning_effort": "none"}, {"enable_thinking": False}, False),
+    ({"reasoning_effort": "low"}, {"enable_thinking": True, "reasoning_effort": "low"}, True),
+    ({"enable_thinking": False}, {"enable_thinking": False}, False),
+    ({"chat_template_kwargs": {"enable_thinking": True}}, {"enable_thinking": True}, True),
+    ({"chat_template_kwargs": {"reasoning_effort": "high"}}, {"enable_thinking": True, "reasoning_effort": "high"}, True),
+    ({"reasoning_effort": "medium", "chat_template_kwargs": {"reasoning_effort": "low"}},
+     {"enable_thinking": True, "reasoning_effort": "medium"}, True),
+])
+def test_thinking_switches_reach_the_template(fields, kwargs, thinking):
+    request = parse(**fields)
+    assert request.prompt.template_kwargs == kwargs and request.chat.thinking is thinking
+
+
+def test_thinking_budget_zero_means_the_server_default():
+    assert parse(thinking_budget=0).chat.thinking_budget is None
+    assert parse(thinking_budget=64).chat.thinking_budget == 64
+
+
+@pytest.mark.parametrize("fields, param", [
+    ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
+    ({"tools": [{"type": "function", "function": {"name": "bad name"}}]}, "tools[0].function.name"),
+    ({"tools": [WEATHER, WEATHER]}, "tools[1].function.name"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "strict": True}}]}, "tools[0].function.strict"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": "x"}}]}, "tools[0].function.parameters"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tools": [WEATHER], "tool_choice": "sometimes"}, "tool_choice"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "get_time"}}},
+     "tool_choice.function.name"),
+    ({"tools": [WEATHER], "parallel_tool_calls": "no"}, "parallel_tool_calls"),
+    ({"reasoning_effort": "extreme"}, "reasoning_effort"),
+    ({"reasoning_effort": "none", "enable_thinking": True}, "reasoning_effort"),
+    ({"reasoning_effort": "low", "chat_template_kwargs": {"enable_thinking": False}}, "reasoning_effort"),
+    ({"enable_thinking": True, "chat_template_kwargs": {"enable_thinking": False}}, "enable_thinking"),
+    ({"thinking_budget": -1}, "thinking_budget"),
+    ({"function_call": {"name": "f"}}, "function_call"),
+])
+def test_tool_and_thinking_refusals_name_the_field(fields, param):
+    error = refused({"messages": HI, **fields})
+    assert error.param == param and error.status == 400
+
+
+def test_tools_are_refused_when_the_server_turned_tool_calls_off():
+    model = ModelInfo(name="served", max_model_len=512, vocab_size=1000, chat=ChatFeatures(None, None))
+    with pytest.raises(InvalidRequest) as caught:
+        parse_chat({"messages": HI, "tools": [WEATHER]}, model)
+    assert caught.value.param == "tools"

@@ -1,0 +1,52 @@
+"""The engine's statistics: gauges read when asked, and counters that only grow."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+
+@dataclass(slots=True)
+class EngineCounters:
+    """Totals since the engine started (or since `EngineCore.reset_counters`). They only grow."""
+
+    num_steps: int = 0
+    num_preemptions: int = 0
+    admitted_prompt_tokens: int = 0  # prompt tokens of admitted sequences, once each, cache hits included
+    cached_prompt_tokens: int = 0  # of those, found in the prefix cache at first admission
+    prompt_tokens: int = 0  # prompt tokens computed, cache hits excluded (recomputation after preemption included)
+    generation_tokens: int = 0  # tokens sampled
+    prefill_seconds: float = 0.0  # step time apportioned to prefill tokens
+    decode_seconds: float = 0.0  # step time apportioned to decode tokens
+
+    def add_step(self, seconds: float, num_prefill_tokens: int, num_decode_tokens: int) -> None:
+        """A step's wall time, split between prefill and decode in proportion to their tokens."""
+        self.num_steps += 1
+        total = num_prefill_tokens + num_decode_tokens
+        if total == 0:
+            return
+        prefill = seconds * num_prefill_tokens / total
+        self.prefill_seconds += prefill
+        self.decode_seconds += seconds - prefill
+
+
+@dataclass(slots=True)
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    kv_blocks_total: int  # allocatable blocks (the null block excluded)
+    kv_blocks_used: int
+    kv_blocks_cached: int  # free blocks still holding reusable prefix KV
+    prefix_cache_queries: int  # prompt tokens looked up
+    prefix_cache_hits: int  # prompt tokens found
+    num_steps: int
+    num_preemptions: int
+    admitted_prompt_tokens: int
+    cached_prompt_tokens: int
+    prompt_tokens: int
+    generation_tokens: int
+    prefill_seconds: float
+    decode_seconds: float
+
+    @classmethod
+    def build(cls, counters: EngineCounters, **gauges) -> "EngineStats":
+        return cls(**gauges, **asdict(counters))

@@ -1,0 +1,247 @@
+"""One reply's text, as it streams, split into reasoning, content and tool calls.
+
+The same parser serves whole replies (one feed, then finish) and streams (many feeds), so the
+joined events of a stream always equal the whole. Content is given out at once, except text that
+could still be the start of a marker (`<think>`, `<tool_call>`); a call block is held until it
+closes, then becomes a call, or, when it is malformed or names an undeclared tool, goes out as
+content exactly as written.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from ember.parsers.events import (
+    ContentText, ParsedReply, ReasoningText, ReplyEvent, ThinkMarkers, ToolCall, ToolSpec, new_call_id,
+)
+from ember.parsers.reasoning import ThinkTracker
+from ember.parsers.tool_format import CLOSER, OPENER, BlockScanner, ToolFormat
+from ember.tokenization.vocab import TokenBytes
+
+
+@dataclass(frozen=True, slots=True)
+class ReplyFormat:
+    """How to read one reply."""
+
+    think: ThinkMarkers | None = None  # None: no reasoning parser
+    starts_in_reasoning: bool = False  # the prompt opened the think block
+    may_open_reasoning: bool = False  # the reply may open a think block itself
+    tool_format: ToolFormat | None = None  # None: tool-call markup is plain content
+    tools: Mapping[str, ToolSpec] = field(default_factory=dict)
+    parallel_tool_calls: bool = True
+
+    @property
+    def parses_tools(self) -> bool:
+        return self.tool_format is not None and bool(self.tools)
+
+
+def partial_suffix(text: str, marker: str) -> int:
+    """Length of the longest end of `text` that is a proper start of `marker`."""
+    for size in range(min(len(marker) - 1, len(text)), 0, -1):
+        if marker.startswith(text[-size:]):
+            return size
+    return 0
+
+
+class ReplyParser:
+    def __init__(self, fmt: ReplyFormat, token_bytes: TokenBytes | None = None) -> None:
+        self.fmt = fmt
+        self.reply = ParsedReply()
+        self.finished = False
+        self._reasoning = fmt.starts_in_reasoning and fmt.think is not None
+        self._at_start = fmt.think is not None and fmt.may_open_reasoning and not self._reasoning
+        self._after_think = False  # whitespace right after the block is dropped
+        self._pending = ""  # text received, not given out yet
+        self._block: BlockScanner | None = None  # inside a call block
+        self._block_text = ""  # the open block's body so far
+        self._held_space = ""  # whitespace right after a call, given out only if more content follows
+        self._wrote_since_call = False
+        self._tracker = (ThinkTracker(fmt.think, token_bytes, in_block=self._reasoning,
+                                      may_open=fmt.may_open_reasoning)
+                         if fmt.think is not None and token_bytes is not None else None)
+
+    # ---- input --------------------------------------------------------------------------------
+
+    def feed(self, text: str, token_ids: Sequence[int] = ()) -> list[ReplyEvent]:
+        if self._tracker is not None:
+            for token_id in token_ids:
+                self._tracker.feed(token_id)
+            self.reply.num_reasoning_tokens = self._tracker.num_tokens
+        self._pending += text
+        events: list[ReplyEvent] = []
+        while self._step(events):
+            pass
+        return self._record(events)
+
+    def finish(self) -> list[ReplyEvent]:
+        """The reply ended: give out whatever was held."""
+        if self.finished:
+            return []
+        self.finished = True
+        events: list[ReplyEvent] = []
+        if self._reasoning:
+            self._finish_reasoning(events)
+        elif self._block is not None:
+            self._close_block(self._block_text + self._pending, events, lenient=True)
+        elif self._pending:
+            self._content(self._pending, events)
+        self._pending = ""
+        return self._record(events)
+
+    # ---- states ---------------------------------------------------------------------------------
+
+    def _step(self, events: list[ReplyEvent]) -> bool:
+        """Handle what is pending as far as can be decided now; True to look again."""
+        if not self._pending:
+            return False
+        if self._reasoning:
+            return self._step_reasoning(events)
+        if self._after_think:
+            self._pending = self._pending.lstrip()
+            if not self._pending:
+                return False
+            self._after_think = False
+        if self._at_start:
+            return self._step_start()
+        if self._block is not None:
+            return self._step_block(events)
+        return self._step_content(events)
+
+    def _step_start(self) -> bool:
+        head = self._pending.lstrip()
+        start = self.fmt.think.start
+        if head.startswith(start):
+            self._at_start = False
+            self._reasoning = True
+            self._pending = head[len(start):]
+            return True
+        if start.startswith(head):
+            return False  # maybe the opener, cut short
+        self._at_start = False
+        return True
+
+    def _step_reasoning(self, events: list[ReplyEvent]) -> bool:
+        end = self.fmt.think.end
+        found = self._pending.find(end)
+        if found >= 0:
+            # A call only mentioned in reasoning that closes stays reasoning.
+            self._emit(ReasoningText(self._pending[:found]), events)
+            self._pending = self._pending[found + len(end):]
+            self._reasoning = False
+            self._after_think = True
+            return True
+        safe = len(self._pending) - partial_suffix(self._pending, end)
+        if self.fmt.parses_tools:
+            opener = self._pending.find(OPENER)
+            if opener >= 0:
+                safe = min(safe, opener)  # held until the block closes or the reply ends
+            else:
+                safe = min(safe, len(self._pending) - partial_suffix(self._pending, OPENER))
+        self._emit(ReasoningText(self._pending[:safe]), events)
+        self._pending = self._pending[safe:]
+        return False
+
+    def _step_content(self, events: list[ReplyEvent]) -> bool:
+        if not self.fmt.parses_tools:
+            self._content(self._pending, events)
+            self._pending = ""
+            return False
+        opener = self._pending.find(OPENER)
+        if opener >= 0:
+            self._content(self._pending[:opener], events)
+            self._pending = self._pending[opener + len(OPENER):]
+            self._block = self.fmt.tool_format.scanner()
+            self._block_text = ""
+            return True
+        safe = len(self._pending) - partial_suffix(self._pending, OPENER)
+        self._content(self._pending[:safe], events)
+        self._pending = self._pending[safe:]
+        return False
+
+    def _step_block(self, events: list[ReplyEvent]) -> bool:
+        already = len(self._block_text)
+        self._block_text += self._pending
+        self._pending = ""
+        end = self._block.feed(self._block_text[already:])
+        if end is None:
+            return False
+        self._pending = self._block_text[end + len(CLOSER):]
+        self._close_block(self._block_text[:end], events, lenient=False)
+        return True
+
+    def _close_block(self, body: str, events: list[ReplyEvent], *, lenient: bool) -> None:
+        """A whole block (or, at the end of the reply, an unclosed one) becomes a call or content."""
+        self._block = None
+        parsed = self.fmt.tool_format.parse(body, self.fmt.tools)
+        if parsed is None:
+            self._content(OPENER + body + ("" if lenient else CLOSER), events)
+            return
+        self._held_space = ""
+        self._wrote_since_call = False
+        index = self._num_calls(events)
+        if index and not self.fmt.parallel_tool_calls:
+            self.reply.num_dropped_calls += 1
+            return
+        name, arguments = parsed
+        self._emit(ToolCall(index, new_call_id(), name, arguments), events)
+
+    def _finish_reasoning(self, events: list[ReplyEvent]) -> None:
+        """The reply ended inside its think block: a call written there is the reply's call."""
+        pending = self._pending
+        opener = pending.find(OPENER) if self.fmt.parses_tools else -1
+        if opener >= 0:
+            inner = ReplyParser(ReplyFormat(tool_format=self.fmt.tool_format, tools=self.fmt.tools,
+                                            parallel_tool_calls=self.fmt.parallel_tool_calls))
+            inner_events = inner.feed(pending[opener:]) + inner.finish()
+            if inner.reply.tool_calls:
+                self._emit(ReasoningText(pending[:opener]), events)
+                offset = len(self.reply.tool_calls)
+                for event in inner_events:
+                    if isinstance(event, ToolCall):
+                        event = ToolCall(event.index + offset, event.id, event.name, event.arguments)
+                    self._emit(event, events)
+                self.reply.num_dropped_calls += inner.reply.num_dropped_calls
+                return
+        self._emit(ReasoningText(pending), events)
+
+    # ---- output -------------------------------------------------------------------------------
+
+    def _content(self, text: str, events: list[ReplyEvent]) -> None:
+        if not text:
+            return
+        if self._num_calls(events) and not self._wrote_since_call:
+            if not text.strip():
+                self._held_space += text
+                return
+            text, self._held_space = self._held_space + text, ""
+            self._wrote_since_call = True
+        self._emit(ContentText(text), events)
+
+    def _num_calls(self, events: list[ReplyEvent]) -> int:
+        """Calls given out so far, this batch's included."""
+        return len(self.reply.tool_calls) + sum(isinstance(e, ToolCall) for e in events)
+
+    @staticmethod
+    def _emit(event: ReplyEvent, events: list[ReplyEvent]) -> None:
+        if isinstance(event, (ReasoningText, ContentText)):
+            if not event.text:
+                return
+            if events and type(events[-1]) is type(event):
+                events[-1] = type(event)(events[-1].text + event.text)
+                return
+        events.append(event)
+
+    def _record(self, events: list[ReplyEvent]) -> list[ReplyEvent]:
+        for event in events:
+            self.reply.add(event)
+        return events
+
+
+def parse_reply(fmt: ReplyFormat, text: str, token_ids: Sequence[int] = (),
+                token_bytes: TokenBytes | None = None) -> ParsedReply:
+    """A whole reply at once."""
+    parser = ReplyParser(fmt, token_bytes)
+    parser.feed(text, token_ids)
+    parser.finish()
+    return parser.reply

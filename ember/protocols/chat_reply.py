@@ -1,0 +1,105 @@
+"""What every chat dialect shares about replies: the request's tool and thinking options, and the
+plan that turns them (with the served model's markers and the rendered prompt) into a parser for
+each choice and, where the reply must be steered, a token constraint."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from ember.parsers.constraint import ForcedCall, ReplyConstraint
+from ember.parsers.events import ThinkMarkers, ToolSpec
+from ember.parsers.reply import ReplyFormat, ReplyParser
+from ember.parsers.tool_format import ToolFormat
+
+AUTO, NONE, REQUIRED, FUNCTION = "auto", "none", "required", "function"
+
+
+@dataclass(frozen=True, slots=True)
+class ChatFeatures:
+    """The served model's reply markers, fixed at load (flags or the template)."""
+
+    think: ThinkMarkers | None = None
+    tool_format: ToolFormat | None = None
+    default_thinking_budget: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ChatOptions:
+    """A chat request's tool and thinking choices, validated by its dialect."""
+
+    tools: tuple[ToolSpec, ...] = ()  # the tools the reply may call (a named choice leaves one)
+    tool_choice: str = AUTO  # auto | none | required | function
+    parallel_tool_calls: bool = True
+    thinking: bool | None = None  # None: the template's own default
+    thinking_budget: int | None = None  # None: the server's default
+    reasoning_effort: str | None = None
+
+    @property
+    def calls_tools(self) -> bool:
+        return bool(self.tools) and self.tool_choice != NONE
+
+
+def template_tools(tools: Sequence[ToolSpec]) -> list[dict[str, Any]]:
+    """Tools in the shape Hugging Face chat templates read."""
+    result = []
+    for tool in tools:
+        function: dict[str, Any] = {"name": tool.name}
+        if tool.description is not None:
+            function["description"] = tool.description
+        function["parameters"] = tool.parameters or {"type": "object", "properties": {}}
+        result.append({"type": "function", "function": function})
+    return result
+
+
+@dataclass(slots=True)
+class ReplyPlan:
+    """How each choice of one request is read and steered."""
+
+    fmt: ReplyFormat
+    token_bytes: Any
+    budget: int | None = None
+    forced_call: ForcedCall | None = None
+    counts_reasoning: bool = field(default=False)
+
+    def parser(self) -> ReplyParser:
+        return ReplyParser(self.fmt, self.token_bytes)
+
+    def constraint(self) -> ReplyConstraint | None:
+        """A fresh constraint per choice (it follows that choice's tokens), or None."""
+        if self.budget is None and self.forced_call is None:
+            return None
+        return ReplyConstraint(self.token_bytes, think=self.fmt.think, in_block=self.fmt.starts_in_reasoning,
+                               may_open=self.fmt.may_open_reasoning, budget=self.budget,
+                               forced_call=self.forced_call)
+
+
+def plan_reply(options: ChatOptions, features: ChatFeatures, prompt_tail: str, token_bytes) -> ReplyPlan | None:
+    """None when the reply is plain content with nothing to parse or steer."""
+    think = features.think
+    calls = options.calls_tools and features.tool_format is not None
+    if think is None and not calls:
+        return None
+    starts_in, may_open = _think_state(think, prompt_tail) if think else (False, False)
+    fmt = ReplyFormat(think=think, starts_in_reasoning=starts_in, may_open_reasoning=may_open,
+                      tool_format=features.tool_format if calls else None,
+                      tools={t.name: t for t in options.tools} if calls else {},
+                      parallel_tool_calls=options.parallel_tool_calls)
+    budget = None
+    if think is not None and options.thinking is not False and (starts_in or may_open):
+        budget = options.thinking_budget or features.default_thinking_budget
+    forced = None
+    if calls and options.tool_choice in (REQUIRED, FUNCTION):
+        forced = ForcedCall(features.tool_format, tuple(t.name for t in options.tools))
+    return ReplyPlan(fmt, token_bytes, budget, forced, counts_reasoning=think is not None)
+
+
+def _think_state(think: ThinkMarkers, prompt_tail: str) -> tuple[bool, bool]:
+    """(the prompt leaves a think block open, the reply may open one itself)."""
+    opened, closed = prompt_tail.rfind(think.start), prompt_tail.rfind(think.end)
+    if opened > closed and not prompt_tail[opened + len(think.start):].strip():
+        return True, False
+    if closed >= 0 and not prompt_tail[closed + len(think.end):].strip():
+        return False, False
+    return False, True

@@ -1,0 +1,104 @@
+"""Where a request's life is recorded: Prometheus metrics, the structured request log, the ring of
+recent requests behind /debug/requests, and the finished-request count /health reports.
+
+The pipeline calls `request_started` once a request is admitted; the request-context middleware
+calls `request_ended` exactly once per HTTP request, however it ended. So every started request
+gets exactly one terminal log event, and a request refused before it ran gets `request_rejected`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import asdict
+from typing import Any
+
+import ember
+from ember.server.metrics import Metrics
+from ember.server.reqlog import RequestRecord
+from ember.server.request_events import start_event, telemetry, terminal_kind
+from ember.server.request_log import RequestLog, redact_argv
+
+RECENT_REQUESTS = 100
+
+
+class Observability:
+    def __init__(self, state, metrics: Metrics, request_log: RequestLog | None = None,
+                 argv: list[str] | None = None) -> None:
+        self.state = state
+        self.metrics = metrics
+        self.request_log = request_log
+        self.argv = list(argv or [])
+        self.recent: deque[dict[str, Any]] = deque(maxlen=RECENT_REQUESTS)
+        self.requests_finished = 0  # generation requests that ran and ended, whatever the outcome
+        if request_log is not None and state.config.api_key:
+            request_log.hide(state.config.api_key)
+        state.ready_hooks.append(self.server_ready)
+
+    # ---- server -------------------------------------------------------------------------------
+
+    def server_ready(self, loaded) -> None:
+        identity = model_identity(self.state, loaded)
+        engine = engine_settings(self.state.config.engine, loaded)
+        self.metrics.set_info({**identity, **engine})
+        if self.request_log is not None:
+            config = self.state.config
+            self.request_log.write(
+                "server_start", ember_version=ember.__version__, model=identity, engine=engine,
+                memory=memory_budget(loaded), server={
+                    "host": config.host, "port": config.port, "api_key_required": bool(config.api_key),
+                    "max_pending": config.max_pending, "pending_timeout_seconds": config.pending_timeout,
+                    "max_request_bytes": config.max_request_bytes, "default_max_tokens": config.default_max_tokens,
+                    "log_stats_interval_seconds": config.log_stats_interval},
+                argv=redact_argv(self.argv, config.api_key))
+
+    def close(self) -> None:
+        if self.request_log is not None:
+            self.request_log.close()
+
+    # ---- requests -----------------------------------------------------------------------------
+
+    def request_started(self, record: RequestRecord, job: Any, params: Any) -> None:
+        record.job, record.params, record.admitted = job, params, time.time()
+        if self.request_log is not None:
+            self.request_log.write("request_start", **start_event(record))
+
+    def request_ended(self, record: RequestRecord) -> None:
+        self.metrics.observe(record)
+        if record.route is None:  # not a generation route
+            return
+        if record.admitted is not None:
+            self.requests_finished += 1
+            event = terminal_kind(record)
+        elif record.status is not None and record.status >= 400:
+            event = "request_rejected"
+        else:
+            return
+        entry = telemetry(record)
+        self.recent.append(entry)
+        if self.request_log is not None:
+            self.request_log.write(event, **entry)
+
+
+def model_identity(state, loaded) -> dict[str, Any]:
+    model = state.model
+    return {"model": model.name, "aliases": list(model.aliases), "source": loaded.name,
+            "path": state.config.model, "dtype": loaded.dtype, "max_model_len": loaded.max_model_len,
+            "vocab_size": loaded.vocab_size, "fingerprint": state.fingerprint}
+
+
+def engine_settings(config, loaded) -> dict[str, Any]:
+    settings = asdict(config)
+    core = getattr(loaded.engine, "core", None)
+    if core is not None:  # what the engine resolved from "auto" and None
+        settings.update(max_model_len=core.max_model_len, device=str(core.device),
+                        dtype=str(core.dtype).replace("torch.", ""))
+    return settings
+
+
+def memory_budget(loaded) -> dict[str, Any]:
+    core = getattr(loaded.engine, "core", None)
+    if core is None:
+        return {"kv_capacity_tokens": loaded.kv_capacity_tokens}
+    return {"kv_cache_blocks": core.kv_manager.num_blocks - 1, "block_size": core.kv_manager.block_size,
+            "kv_capacity_tokens": core.kv_capacity_tokens, "kv_cache_bytes": getattr(core, "kv_cache_bytes", None)}
