@@ -200,7 +200,12 @@ class AsyncEngine:
         self._send(self.core.abort(message.request_ids))
 
     def _handle_call(self, message: CallInEngine) -> None:
+        # The caller may have given up waiting (a timed-out statistics read): then there is nothing to do.
+        if not message.future.set_running_or_notify_cancel():
+            return
         try:
-            message.future.set_result(message.fn(self.core))
+            result = message.fn(self.core)
         except Exception as exc:
             message.future.set_exception(exc)
+        else:
+            message.future.set_result(result)

@@ -50,3 +50,30 @@ def test_streams_match_offline_and_early_exit_frees_blocks(llm):
         assert last.finished and text == llm.tokenizer.decode(want)
     assert results[3] == 3
     assert used == 0
+
+
+def test_a_call_its_caller_gave_up_on_leaves_the_engine_running(llm):
+    """A statistics read that timed out (its future cancelled) must not stop the engine thread."""
+
+    async def main():
+        engine = AsyncEngine(llm.engine, llm.tokenizer)
+        engine.start()
+        params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+        prompt = llm.tokenizer.encode("The river runs")
+
+        async def busy():
+            return [out async for out in engine.generate(prompt, params)][-1]
+
+        running = asyncio.ensure_future(busy())
+        await asyncio.sleep(0)
+        for _ in range(20):  # several reads given up at once, while the engine steps
+            with pytest.raises(asyncio.TimeoutError):
+                await asyncio.wait_for(engine.call(lambda core: core.stats()), timeout=0)
+        last = await running
+        stats = await engine.call(lambda core: core.stats())
+        engine.shutdown()
+        return last, stats, engine.failed
+
+    last, stats, failed = asyncio.run(main())
+    assert last.finished and len(last.token_ids) == 40
+    assert failed is None and stats.num_running == 0
