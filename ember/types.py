@@ -91,6 +91,24 @@ class TokenConstraint(Protocol):
         ...
 
 
+class MaskingConstraint(TokenConstraint, Protocol):
+    """A constraint that allows most of the vocabulary at a step (a grammar) speaks in a packed
+    bitmask instead of a list of ids. The sampler gives every such row of the batch one bitmask and
+    applies them all at once."""
+
+    def fill_token_bitmask(self, output_token_ids: Sequence[int], bitmask, row: int) -> bool:
+        """Write the ids the next token may take into row `row` of `bitmask` and return True, or
+        return False to leave this step to `allowed_token_ids`. `bitmask` is an int32 tensor of
+        shape (rows, ceil(vocab_size / 32)), every bit set on entry; bit j of word i stands for id
+        32 * i + j (xgrammar's layout)."""
+        ...
+
+
+class ConstraintFailed(Exception):
+    """Raised by a constraint when the reply can no longer satisfy it (a grammar that rejects the
+    sampled token). The engine ends that request alone, with an error."""
+
+
 @dataclass(slots=True)
 class TokenLogprob:
     token_id: int

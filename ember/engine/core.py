@@ -194,6 +194,8 @@ class EngineCore:
             if finished:
                 del self._scheduled_at[request.request_id]
                 self._progress_ids.discard(request.request_id)
+        for request_id, reason in result.failed.items():  # a constraint gave up: that request alone ends
+            outputs += self._finish_all([request_id], FinishReason.ERROR, reason)
         counters.add_step(time.perf_counter() - began, plan.num_scheduled_tokens - num_decode_tokens,
                           num_decode_tokens)
         return outputs

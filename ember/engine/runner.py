@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -20,6 +20,7 @@ _BLOCK_TABLE_BUCKET = 4
 class RunnerOutput:
     sampled: dict[str, list[int]]  # request id -> tokens sampled this step
     logprobs: dict[str, list[TokenLogprob]]
+    failed: dict[str, str] = field(default_factory=dict)  # request id -> why its constraint failed (no token)
 
 
 class ModelRunner:
@@ -40,9 +41,12 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=self.device)])
         rows = [_sampling_row(s) for s in sampling]
         result = self.sampler(logits, rows)
-        sampled = {s.request.request_id: [t] for s, t in zip(sampling, result.token_ids)}
-        logprobs = {s.request.request_id: [lp] for s, lp in zip(sampling, result.logprobs) if lp is not None}
-        return RunnerOutput(sampled, logprobs)
+        failed = {sampling[i].request.request_id: reason for i, reason in result.failed.items()}
+        sampled = {s.request.request_id: [t] for s, t in zip(sampling, result.token_ids)
+                   if s.request.request_id not in failed}
+        logprobs = {s.request.request_id: [lp] for s, lp in zip(sampling, result.logprobs)
+                    if lp is not None and s.request.request_id not in failed}
+        return RunnerOutput(sampled, logprobs, failed)
 
     def _prepare(self, scheduled: list[ScheduledRequest]):
         block_size = self.block_size

@@ -7,11 +7,11 @@ keeps it reproducible across batches, preemptions and restarts.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
-from ember.types import SamplingParams, TokenConstraint, TokenLogprob
+from ember.types import ConstraintFailed, SamplingParams, TokenConstraint, TokenLogprob
 
 _SEED_STRIDE = 1_000_003  # mixes the output position into a request's seed
 
@@ -35,6 +35,7 @@ class SamplingRow:
 class SamplerOutput:
     token_ids: list[int]
     logprobs: list[TokenLogprob | None]
+    failed: dict[int, str] = field(default_factory=dict)  # row -> why its constraint gave up (ConstraintFailed)
 
 
 class Sampler:
@@ -50,20 +51,23 @@ class Sampler:
         logits = logits[:, : self.vocab_size]
         want_logprobs = [row.params.logprobs for row in rows]
         raw_logprobs = torch.log_softmax(logits, dim=-1) if any(k is not None for k in want_logprobs) else None
-        logits = self._adjust(logits, rows)
+        failed: dict[int, str] = {}
+        logits = self._adjust(logits, rows, failed)
         token_ids = self._choose(logits, rows)
         chosen = token_ids.tolist()
         logprobs: list[TokenLogprob | None] = [None] * len(rows)
         if raw_logprobs is not None:
             logprobs = _gather_logprobs(raw_logprobs, token_ids, want_logprobs)
-        return SamplerOutput(chosen, logprobs)
+        return SamplerOutput(chosen, logprobs, failed)
 
-    def _adjust(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    def _adjust(self, logits: torch.Tensor, rows: list[SamplingRow], failed: dict[int, str]) -> torch.Tensor:
         """Penalties, logit bias, suppressed end tokens, then constraints; returns a new tensor if
-        anything applies."""
-        allowed = [_allowed_ids(row) for row in rows]
+        anything applies. A row whose constraint fails is noted in `failed` and left unconstrained."""
+        bitmask, masked_rows = self._fill_bitmasks(rows, failed)
+        allowed = [None if i in masked_rows or i in failed else _allowed_ids(row, i, failed)
+                   for i, row in enumerate(rows)]
         needs_copy = any(r.params.uses_penalties or r.params.logit_bias or r.suppressed_token_ids for r in rows)
-        if not needs_copy and all(a is None for a in allowed):
+        if not needs_copy and not masked_rows and all(a is None for a in allowed):
             return logits
         logits = logits.clone()
         if any(r.params.uses_penalties for r in rows):
@@ -80,7 +84,25 @@ class Sampler:
         for i, ids in enumerate(allowed):
             if ids is not None:
                 _keep_only(logits, i, ids)
+        if masked_rows:
+            _apply_bitmask(logits, bitmask, masked_rows, [i for i in masked_rows if rows[i].suppressed_token_ids])
         return logits
+
+    def _fill_bitmasks(self, rows: list[SamplingRow], failed: dict[int, str]) -> tuple[torch.Tensor | None, list[int]]:
+        """One packed bitmask for every row whose constraint masks this step; (bitmask, those rows)."""
+        masking = [i for i, row in enumerate(rows) if hasattr(row.constraint, "fill_token_bitmask")]
+        if not masking:
+            return None, []
+        bitmask = torch.full((len(rows), -(-self.vocab_size // 32)), -1, dtype=torch.int32)
+        filled = []
+        for i in masking:
+            row = rows[i]
+            try:
+                if row.constraint.fill_token_bitmask(row.token_ids[row.num_prompt_tokens:], bitmask, i):
+                    filled.append(i)
+            except ConstraintFailed as exc:
+                failed[i] = str(exc)
+        return bitmask, filled
 
     def _choose(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         greedy = torch.argmax(logits, dim=-1)
@@ -111,11 +133,52 @@ class Sampler:
         return noise
 
 
-def _allowed_ids(row: SamplingRow) -> list[int] | None:
+def _allowed_ids(row: SamplingRow, index: int, failed: dict[int, str]) -> list[int] | None:
     if row.constraint is None:
         return None
-    ids = row.constraint.allowed_token_ids(row.token_ids[row.num_prompt_tokens:])
+    try:
+        ids = row.constraint.allowed_token_ids(row.token_ids[row.num_prompt_tokens:])
+    except ConstraintFailed as exc:
+        failed[index] = str(exc)
+        return None
     return None if ids is None else list(ids)
+
+
+def _apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int], suppressed_rows: list[int]) -> None:
+    """Mask `rows` of logits to their bitmask rows, all in one call. As in _keep_only, a row whose
+    allowed ids were all at -inf (only end tokens, held back by min_tokens) gets them equally
+    likely: the constraint wins."""
+    bitmask = bitmask.to(logits.device, non_blocking=True)
+    kernel = _bitmask_kernel()
+    if kernel is not None:
+        kernel(logits, bitmask, indices=rows)
+    else:
+        index = torch.tensor(rows, device=logits.device)
+        logits[index] = logits[index].masked_fill(~unpack_bitmask(bitmask[rows], logits.shape[1]), float("-inf"))
+    for i in suppressed_rows:
+        if not torch.isfinite(logits[i]).any():
+            allowed = unpack_bitmask(bitmask[i:i + 1], logits.shape[1])[0]
+            logits[i] = torch.zeros_like(logits[i]).masked_fill(~allowed, float("-inf"))
+
+
+_KERNEL: list = []
+
+
+def _bitmask_kernel():
+    """xgrammar's apply_token_bitmask_inplace (a native kernel, ~4x the torch ops here) when installed."""
+    if not _KERNEL:
+        try:
+            from xgrammar import apply_token_bitmask_inplace
+        except ImportError:
+            apply_token_bitmask_inplace = None
+        _KERNEL.append(apply_token_bitmask_inplace)
+    return _KERNEL[0]
+
+
+def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """(rows, words) int32 packed bits -> (rows, vocab_size) bool: bit j of word i is id 32 * i + j."""
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    return ((bitmask[:, :, None] >> shifts) & 1).flatten(1)[:, :vocab_size].bool()
 
 
 def _keep_only(logits: torch.Tensor, row: int, ids: list[int]) -> None:

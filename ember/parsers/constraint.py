@@ -70,6 +70,11 @@ class ReplyConstraint:
             return None
         return list(dict.fromkeys(ids))
 
+    @property
+    def forcing(self) -> bool:
+        """A fixed text (a budget's close, a call's opener) is being written."""
+        return self._literal is not None
+
     # ---- following the reply ----------------------------------------------------------------------
 
     def _advance(self, token_id: int) -> None:

@@ -36,6 +36,7 @@ class ToolSpec:
     name: str
     parameters: dict[str, Any] = field(default_factory=dict)
     description: str | None = None
+    strict: bool = False  # calls must match `parameters` (enforced by a grammar)
 
     def parameter_schema(self, name: str) -> dict[str, Any] | None:
         properties = self.parameters.get("properties")
@@ -58,6 +59,7 @@ class ParsedReply:
     tool_calls: list[ToolCall] = field(default_factory=list)
     num_reasoning_tokens: int = 0
     num_dropped_calls: int = 0  # complete calls left out because parallel_tool_calls is false
+    parts: list[ReplyEvent] = field(default_factory=list)  # every event in order, adjacent texts of a kind joined
 
     def add(self, event: ReplyEvent) -> None:
         if isinstance(event, ReasoningText):
@@ -66,6 +68,10 @@ class ParsedReply:
             self.content += event.text
         else:
             self.tool_calls.append(event)
+        if self.parts and not isinstance(event, ToolCall) and type(self.parts[-1]) is type(event):
+            self.parts[-1] = type(event)(self.parts[-1].text + event.text)
+        else:
+            self.parts.append(event)
 
 
 def new_call_id() -> str:

@@ -17,6 +17,7 @@ from ember.parsers.events import ContentText, ParsedReply, ReplyEvent
 from ember.parsers.reply import ReplyParser
 from ember.protocols.chat_reply import ChatFeatures, ChatOptions, ReplyPlan
 from ember.protocols.sse import ServerEvent
+from ember.protocols.structured import GrammarSpec
 from ember.tokenization.chat_prompt import prepare_conversation
 from ember.types import FinishReason, GenerationOutput, RequestTimings, SamplingParams, TokenLogprob
 
@@ -76,6 +77,7 @@ class GenerationRequest:
     return_progress: bool = False  # streams: prompt_progress chunks while the prompt is processed
     timings_per_token: bool = False  # streams: running timings on every delta chunk
     chat: ChatOptions | None = None  # chat dialects: tools and thinking
+    grammar: GrammarSpec | None = None  # structured output: what the reply (its answer, after reasoning) must match
 
 
 @dataclass(slots=True)
@@ -87,6 +89,7 @@ class ResponseMeta:
     model: str
     system_fingerprint: str
     decode: Callable[[list[int]], str]  # token ids -> text (echoed prompts, logprob tokens)
+    request_id: str = ""  # the x-request-id, for dialects that repeat it in error events
 
     def token_text(self, token_id: int) -> str:
         return self.decode([token_id])

@@ -13,8 +13,9 @@ from ember.protocols.neutral import ChatPrompt, ChoiceResult, Dialect, Generatio
 from ember.protocols.openai_chat_options import read_chat_options
 from ember.protocols.openai_common import (
     MAX_TOP_LOGPROBS, OpenAIRenderer, chat_logprobs, check_model, finish_reason, read_accepted, read_choices,
-    read_sampling, read_stream, refuse_unsupported,
+    read_sampling, read_stream,
 )
+from ember.protocols.structured import check_grammar_with_tools, read_openai_structured
 from ember.protocols.progress import read_stream_extras
 from ember.parsers.events import ContentText, ReasoningText
 from ember.protocols.sse import ServerEvent
@@ -34,10 +35,11 @@ def parse_chat(body: Any, model: ModelInfo) -> GenerationRequest:
     f = Fields(body)
     check_model(f, model)
     messages = read_messages(f)
-    refuse_unsupported(f)
+    grammar = read_openai_structured(f)
     refuse_unsupported_outputs(f)
     template_kwargs, add_generation_prompt = read_template_options(f)
     options = read_chat_options(f, template_kwargs, model)
+    check_grammar_with_tools(grammar, options.tool_choice)
     logprobs = read_logprobs(f)
     params = read_sampling(f, model, logprobs=logprobs, rename={"logprobs": "top_logprobs"})
     n = read_choices(f)
@@ -49,7 +51,8 @@ def parse_chat(body: Any, model: ModelInfo) -> GenerationRequest:
     prompt = ChatPrompt(messages, template_kwargs, tools, add_generation_prompt)
     return GenerationRequest(prompt, params, n=n, stream=stream, include_usage=include_usage,
                              return_token_ids=return_token_ids, return_progress=return_progress,
-                             timings_per_token=timings_per_token, prompt_param="messages", chat=options)
+                             timings_per_token=timings_per_token, prompt_param="messages", chat=options,
+                             grammar=grammar)
 
 
 def read_messages(f: Fields) -> list[dict[str, Any]]:

@@ -63,14 +63,12 @@ def read_tools(f: Fields) -> list[ToolSpec]:
         if any(s.name == name for s in specs):
             raise InvalidRequest(f"{function.at('name')}: the tool '{name}' is declared twice",
                                  param=function.at("name"))
-        if function.boolean("strict", False):
-            raise unsupported(function.at("strict"), "strict tool schemas need constrained decoding of the "
-                                                     "arguments, which this server does not do; send strict: false")
+        strict = function.boolean("strict", False)
         parameters = function.raw("parameters", {})
         if not isinstance(parameters, dict):
             raise InvalidRequest(f"{function.at('parameters')} must be a JSON schema object, not "
                                  f"{json_type(parameters)}", param=function.at("parameters"))
-        specs.append(ToolSpec(name, parameters, function.string("description")))
+        specs.append(ToolSpec(name, parameters, function.string("description"), strict))
     return specs
 
 

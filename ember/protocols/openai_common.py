@@ -7,7 +7,7 @@ import math
 from typing import Any, Callable
 
 from ember.errors import EmberError, InvalidRequest
-from ember.protocols.errors import ModelNotFound, openai_error_body, unsupported
+from ember.protocols.errors import ModelNotFound, openai_error_body
 from ember.protocols.fields import Fields, as_integer, as_number, as_string, json_type
 from ember.protocols.neutral import GenerationRequest, ModelInfo, ResponseMeta, RunResult, build_sampling_params
 from ember.protocols.progress import PromptProgress, running_timings
@@ -20,11 +20,6 @@ MAX_TOP_LOGPROBS = 20
 _SEED_RANGE = (-(1 << 63), (1 << 64) - 1)
 
 FINISH_REASONS = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length"}
-
-# Constrained decoding under its various names: refused by name until grammars exist.
-_CONSTRAINT_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs",
-                      "grammar", "json_schema")
-
 
 def check_model(f: Fields, model: ModelInfo) -> None:
     """`model` may be left out (the served model); any other id than the served one is a 404."""
@@ -114,19 +109,6 @@ def read_accepted(f: Fields) -> None:
     """Fields taken for compatibility that change nothing here; still type-checked."""
     f.string("user")
     f.object("metadata")
-
-
-def refuse_unsupported(f: Fields) -> None:
-    """Features ember cannot honour yet are refused by name rather than silently ignored."""
-    response_format = f.object("response_format")
-    if response_format is not None:
-        kind = response_format.string("type", "text")
-        if kind != "text":
-            raise unsupported("response_format", f"response_format '{kind}' needs constrained decoding, which this "
-                                                 "server does not have yet; only 'text' is accepted")
-    for name in _CONSTRAINT_FIELDS:
-        if f.has(name):
-            raise unsupported(name, f"{name} (constrained decoding) is not supported by this server")
 
 
 def usage_body(result: RunResult) -> dict[str, Any]:

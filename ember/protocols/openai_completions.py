@@ -10,8 +10,9 @@ from ember.protocols.fields import Fields, as_integer, json_type
 from ember.protocols.neutral import ChoiceResult, Dialect, GenerationRequest, ModelInfo, TextPrompt, TokenPrompt
 from ember.protocols.openai_common import (
     MAX_TOP_LOGPROBS, OpenAIRenderer, check_model, completion_logprobs, read_accepted,
-    read_choices, read_sampling, read_stream, refuse_unsupported,
+    read_choices, read_sampling, read_stream,
 )
+from ember.protocols.structured import read_openai_structured
 from ember.protocols.progress import read_stream_extras
 from ember.protocols.sse import ServerEvent
 from ember.types import GenerationOutput
@@ -21,7 +22,7 @@ def parse_completion(body: Any, model: ModelInfo) -> GenerationRequest:
     f = Fields(body)
     check_model(f, model)
     prompt = read_prompt(f, model.vocab_size)
-    refuse_unsupported(f)
+    grammar = read_openai_structured(f)
     n = read_choices(f)
     logprobs = f.integer("logprobs", low=0, high=MAX_TOP_LOGPROBS)
     echo = f.boolean("echo", False)
@@ -40,7 +41,8 @@ def parse_completion(body: Any, model: ModelInfo) -> GenerationRequest:
     read_accepted(f)
     return GenerationRequest(prompt, params, n=n, stream=stream, include_usage=include_usage,
                              return_token_ids=return_token_ids, echo=echo, prompt_param="prompt",
-                             return_progress=return_progress, timings_per_token=timings_per_token)
+                             return_progress=return_progress, timings_per_token=timings_per_token,
+                             grammar=grammar)
 
 
 def read_prompt(f: Fields, vocab_size: int) -> TextPrompt | TokenPrompt:

@@ -23,6 +23,8 @@ from ember.server.observability import Observability
 from ember.server.openapi import build_document, generation_route_docs
 from ember.server.pipeline import serve_generation
 from ember.server.request_log import RequestLog
+from ember.server.responses_routes import add_responses_routes
+from ember.server.anthropic_routes import ANTHROPIC_PATHS, add_anthropic_routes
 from ember.server.state import LoadedModel, ServerState, load_model
 from ember.server.stats_logger import ThroughputReporter
 
@@ -57,12 +59,14 @@ def create_app(config: ServerConfig, loader: Callable[[ServerConfig], LoadedMode
     app.state.metrics = metrics
     app.state.observability = observability
     _add_routes(app, state, observability)
+    add_responses_routes(app, state)
+    add_anthropic_routes(app, state)
     _add_error_handlers(app)
     app.add_middleware(GuardMiddleware, api_key=config.api_key, max_body_bytes=config.max_request_bytes)
     if config.cors_origins:
         app.add_middleware(CORSMiddleware, allow_origins=config.cors_origins, allow_methods=["GET", "POST", "OPTIONS"],
-                           allow_headers=["*"], expose_headers=["x-request-id"], max_age=600)
-    app.add_middleware(RequestContextMiddleware, state=state, observer=observability)
+                           allow_headers=["*"], expose_headers=["x-request-id", "request-id"], max_age=600)
+    app.add_middleware(RequestContextMiddleware, state=state, observer=observability, error_shapes=ANTHROPIC_PATHS)
     return app
 
 

@@ -24,7 +24,7 @@ _ENGINE_DEFAULTS = EngineConfig()
 
 def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
-        "serve", help="serve a model over HTTP (OpenAI Chat Completions and Completions)",
+        "serve", help="serve a model over HTTP (OpenAI Chat Completions, Completions, Responses; Anthropic Messages)",
         description="Serve one model over HTTP. Clients use http://HOST:PORT/v1 as their OpenAI base URL. "
                     "The server listens at once, answers /health with 503 while the model loads, and prints "
                     "its URL when ready. Ctrl-C stops it: running requests are cancelled.")
@@ -98,6 +98,11 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     other.add_argument("--log-stats-interval", type=float, default=10.0, metavar="SECONDS",
                        help="log a throughput line on stderr every SECONDS while the server is busy "
                             "(default 10; 0: off)")
+    other.add_argument("--response-store-max-records", type=int, default=1024, metavar="N",
+                       help="stored Responses kept in memory for retrieval and previous_response_id; the least "
+                            "recently used go first (default 1024)")
+    other.add_argument("--response-store-max-mb", type=float, default=256.0, metavar="MIB",
+                       help="MiB the stored Responses may take, conversations included (default 256)")
     other.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                        help="stderr verbosity; info logs one line per request (default info)")
     return p
@@ -132,7 +137,8 @@ def build_config(args: argparse.Namespace, environ=os.environ) -> ServerConfig:
         cors_origins=origins, default_max_tokens=args.default_max_tokens, chat_template=chat_template,
         sse_keepalive=args.sse_keepalive, request_log=args.request_log, reasoning_parser=args.reasoning_parser,
         tool_call_parser=args.tool_call_parser, default_thinking_budget=args.default_thinking_budget,
-        log_stats_interval=args.log_stats_interval, engine=engine)
+        log_stats_interval=args.log_stats_interval, response_store_max_records=args.response_store_max_records,
+        response_store_max_mb=args.response_store_max_mb, engine=engine)
 
 
 def _split(values: list[str]) -> list[str]:

@@ -28,6 +28,8 @@ class ServerConfig:
     sse_keepalive: float = 5.0  # seconds without an event before a keep-alive comment
     request_log: str | None = None  # a JSON-lines file of server and request events, appended
     log_stats_interval: float = 10.0  # seconds between throughput lines on stderr; 0: none
+    response_store_max_records: int = 1024  # stored Responses kept (least recently used go first)
+    response_store_max_mb: float = 256.0  # MiB the stored Responses may take
     engine: EngineConfig = field(default_factory=EngineConfig)
 
     def __post_init__(self) -> None:
@@ -43,6 +45,10 @@ class ServerConfig:
             raise ValueError(f"--default-thinking-budget must be at least 1, got {self.default_thinking_budget}")
         if self.sse_keepalive <= 0:
             raise ValueError(f"the keep-alive interval must be positive, got {self.sse_keepalive}")
+        if self.response_store_max_records < 1:
+            raise ValueError(f"--response-store-max-records must be at least 1, got {self.response_store_max_records}")
+        if self.response_store_max_mb <= 0:
+            raise ValueError(f"--response-store-max-mb must be positive, got {self.response_store_max_mb}")
         if self.log_stats_interval < 0:
             raise ValueError(f"--log-stats-interval must be 0 (off) or more seconds, got {self.log_stats_interval}")
 

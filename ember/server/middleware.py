@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import hmac
 import logging
-from typing import Callable
+from typing import Any, Callable
 
 from starlette.datastructures import Headers, MutableHeaders
 from starlette.responses import JSONResponse, Response
 
 from ember.errors import EmberError
+from ember.protocols.anthropic_errors import ErrorShape
 from ember.protocols.errors import (
     GenerationFailed, RequestTooLarge, Unauthorized, UnsupportedMediaType, error_headers, openai_error_body,
 )
@@ -31,14 +32,19 @@ def error_response(error: EmberError, record: RequestRecord | None) -> Response:
     render = record.error_body if record is not None else openai_error_body
     if record is not None:
         record.note_error(error)
+    shape = record.error_shape if record is not None else None
+    if shape is not None:  # a dialect with its own statuses and a request id in the body
+        return JSONResponse(shape.body(error, record.request_id), status_code=shape.status(error),
+                            headers=error_headers(error))
     return JSONResponse(render(error), status_code=error.status, headers=error_headers(error))
 
 
 class RequestContextMiddleware:
-    """`error_shapes` maps a path prefix to its dialect's error body (OpenAI's by default), so even
-    refusals made before routing (401, 413, 415) answer in the shape the client expects."""
+    """`error_shapes` maps a path prefix to its dialect's error body (OpenAI's by default), or to an
+    ErrorShape (statuses, body and an id header of its own), so even refusals made before routing
+    (401, 413, 415) answer in the shape the client expects."""
 
-    def __init__(self, app, state, observer=None, error_shapes: dict[str, Callable] | None = None) -> None:
+    def __init__(self, app, state, observer=None, error_shapes: dict[str, Any] | None = None) -> None:
         self.app = app
         self.state = state
         self.observer = observer  # has request_ended(record)
@@ -50,8 +56,11 @@ class RequestContextMiddleware:
             return
         record = RequestRecord.from_scope(scope)
         for prefix, shape in self.error_shapes.items():
-            if record.path.startswith(prefix):
-                record.error_body = shape
+            if record.path == prefix or record.path.startswith(prefix.rstrip("/") + "/"):
+                if isinstance(shape, ErrorShape):
+                    record.error_shape = shape
+                else:
+                    record.error_body = shape
         scope["ember.record"] = record
         started = False
 
@@ -61,6 +70,8 @@ class RequestContextMiddleware:
                 started = True
                 record.status = message["status"]
                 MutableHeaders(scope=message).append("x-request-id", record.request_id)
+                if record.error_shape is not None and record.error_shape.id_header:
+                    MutableHeaders(scope=message).append(record.error_shape.id_header, record.request_id)
             await send(message)
 
         try:

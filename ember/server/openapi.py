@@ -13,10 +13,13 @@ from fastapi.openapi.utils import get_openapi
 import ember
 
 DESCRIPTION = (
-    "ember serves one model in the OpenAI Chat Completions and Completions dialects. With --api-key, "
+    "ember serves one model in the OpenAI Chat Completions, Completions and Responses dialects and "
+    "as Anthropic Messages. With --api-key, "
     "every route except /health needs 'Authorization: Bearer KEY' or 'x-api-key: KEY'. POST bodies are "
     "JSON (415 otherwise) and at most --max-request-mb (413). Unknown fields are ignored; a field ember "
-    "cannot honour is refused with a 400 naming it in error.param. Every response carries x-request-id."
+    "cannot honour is refused with a 400 naming it in error.param. Every response carries x-request-id. "
+    "The Anthropic Messages routes (/v1/messages, /v1/messages/count_tokens) answer errors in Anthropic's "
+    "shape, with a request-id header and 529 overloaded_error when the queue is full or the model loads."
 )
 
 _NUMBER = {"type": "number"}
@@ -55,6 +58,19 @@ SAMPLING_FIELDS: dict[str, Any] = {
     "metadata": {"type": "object", "description": "Accepted; not used."},
 }
 
+# Structured outputs (at most one per request), shared by chat and completions.
+STRUCTURED_FIELDS = {
+    "response_format": {"type": "object", "description": "{\"type\": \"text\"}, {\"type\": \"json_object\"} or "
+                        "{\"type\": \"json_schema\", \"json_schema\": {\"name\", \"schema\", \"strict\"}}."},
+    "guided_json": {"oneOf": [{"type": "object"}, {"type": "string"}], "description": "A JSON schema the reply matches."},
+    "guided_regex": {"type": "string", "description": "A regular expression the reply matches."},
+    "guided_choice": {"type": "array", "items": {"type": "string"}, "description": "The reply is one of these."},
+    "guided_grammar": {"type": "string", "description": "An EBNF grammar (root first) the reply matches."},
+    "structured_outputs": {"type": "object", "description": "One of json, json_object, regex, choice, grammar."},
+    "json_schema": {"type": "object", "description": "As guided_json (llama.cpp's name)."},
+    "grammar": {"type": "string", "description": "As guided_grammar (llama.cpp's name)."},
+}
+
 CHAT_REQUEST = {
     "type": "object", "required": ["messages"],
     "properties": {
@@ -71,7 +87,7 @@ CHAT_REQUEST = {
         "logprobs": _BOOLEAN,
         "top_logprobs": {**_INTEGER, "minimum": 0, "maximum": 20},
         "chat_template_kwargs": {"type": "object", "description": "Extra variables for the chat template."},
-        "response_format": {"type": "object", "description": "Only {\"type\": \"text\"} is accepted."},
+        **STRUCTURED_FIELDS,
     },
 }
 
@@ -84,6 +100,42 @@ COMPLETION_REQUEST = {
         **SAMPLING_FIELDS,
         "logprobs": {**_INTEGER, "minimum": 0, "maximum": 20},
         "echo": {**_BOOLEAN, "description": "Put the prompt before the output."},
+        **STRUCTURED_FIELDS,
+    },
+}
+
+_ITEMS = {"type": "array", "items": {"type": "object"}}
+RESPONSES_REQUEST = {
+    "type": "object",
+    "properties": {
+        "model": SAMPLING_FIELDS["model"],
+        "input": {"oneOf": [{"type": "string"}, _ITEMS], "description": "A user message, or items: message "
+                  "(user, assistant, system, developer), reasoning, function_call, function_call_output, "
+                  "custom_tool_call, custom_tool_call_output."},
+        "instructions": {"type": "string", "description": "A system turn placed first, for this request only."},
+        "previous_response_id": {"type": "string", "description": "Continue a stored response's conversation."},
+        "store": {**_BOOLEAN, "description": "Keep the response for retrieval and continuation (default true)."},
+        "metadata": {"type": "object", "additionalProperties": {"type": "string", "maxLength": 512},
+                     "maxProperties": 16},
+        "max_output_tokens": {**_INTEGER, "minimum": 1},
+        "temperature": SAMPLING_FIELDS["temperature"], "top_p": SAMPLING_FIELDS["top_p"],
+        "top_k": SAMPLING_FIELDS["top_k"], "min_p": SAMPLING_FIELDS["min_p"], "seed": SAMPLING_FIELDS["seed"],
+        "stop": _STOP, "stream": _BOOLEAN,
+        "reasoning": {"type": "object", "properties": {
+            "effort": {"enum": ["none", "minimal", "low", "medium", "high", "xhigh"]},
+            "summary": {"enum": ["auto", "concise", "detailed"], "description": "Accepted; summaries stay empty."}}},
+        "text": {"type": "object", "properties": {"format": {
+            "type": "object", "description": "text, json_object, or json_schema (name, schema, description, "
+            "strict): the answer is held to it.", "properties": {
+                "type": {"enum": ["text", "json_object", "json_schema"]}, "name": {"type": "string"},
+                "schema": {"type": "object"}, "description": {"type": "string"}, "strict": _BOOLEAN}}}},
+        "tools": {**_ITEMS, "description": "function, namespace and custom tools; hosted tools are accepted and "
+                  "not offered to the model."},
+        "tool_choice": {"oneOf": [{"enum": ["none", "auto", "required"]}, {"type": "object"}]},
+        "parallel_tool_calls": _BOOLEAN,
+        "include": {"type": "array", "items": {"const": "reasoning.encrypted_content"}},
+        "prompt_cache_key": {"type": "string"}, "user": {"type": "string"}, "safety_identifier": {"type": "string"},
+        "service_tier": {"type": "string"},
     },
 }
 
@@ -135,5 +187,7 @@ def build_document(app) -> dict[str, Any]:
     document = get_openapi(title="ember", version=ember.__version__, description=DESCRIPTION, routes=app.routes)
     schemas = document.setdefault("components", {}).setdefault("schemas", {})
     schemas.update({"Error": ERROR, "Health": HEALTH, "ChatCompletionRequest": CHAT_REQUEST,
-                    "CompletionRequest": COMPLETION_REQUEST})
+                    "CompletionRequest": COMPLETION_REQUEST, "ResponsesRequest": RESPONSES_REQUEST})
+    from ember.server.anthropic_routes import ANTHROPIC_SCHEMAS
+    schemas.update(ANTHROPIC_SCHEMAS)
     return document

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -44,20 +44,25 @@ class ChoiceRun:
     """
 
     def __init__(self, engine, prompt_token_ids: list[int], params: list[SamplingParams], request_id: str,
-                 report_progress: bool = False, plan: ReplyPlan | None = None) -> None:
+                 report_progress: bool = False, plan: ReplyPlan | None = None,
+                 constraints: Callable[[], Any] | None = None) -> None:
         self.engine = engine
         self.prompt_token_ids = prompt_token_ids
         self.params = params
         self.request_id = request_id
         self.report_progress = report_progress
         self.plan = plan  # each choice gets its own token constraint from it, if the reply is steered
+        self.constraints = constraints  # or from this factory (a grammar), which then replaces the plan's
         self._queue: asyncio.Queue = asyncio.Queue()
         self._tasks: list[asyncio.Task] = []
 
     async def _pump(self, index: int) -> None:
         request_id = self.request_id if len(self.params) == 1 else f"{self.request_id}-{index}"
         extra = {"report_progress": True} if self.report_progress and index == 0 else {}
-        constraint = self.plan.constraint() if self.plan is not None else None
+        if self.constraints is not None:
+            constraint = self.constraints()
+        else:
+            constraint = self.plan.constraint() if self.plan is not None else None
         if constraint is not None:
             extra["constraint"] = constraint
         try:
@@ -105,6 +110,7 @@ async def serve_generation(request: Request, dialect: Dialect) -> Response:
     job = dialect.parse(parse_json(await request.body()), state.model)
     prompt_token_ids = await state.encode(job.prompt)
     plan = state.reply_plan(job, prompt_token_ids)
+    constraints = await state.grammar_constraints(job, plan)
     record.prompt_tokens = len(prompt_token_ids)
     params = resolve_sampling(job, len(prompt_token_ids), state.model)
     ticket = await state.admission.acquire(job.n)
@@ -113,10 +119,10 @@ async def serve_generation(request: Request, dialect: Dialect) -> Response:
         result = RunResult(job.n, prompt_token_ids, record.received, plan)
         record.result = result
         meta = ResponseMeta(f"{dialect.id_prefix}{record.internal_id}", int(record.received), state.model.name,
-                            state.fingerprint, state.decode)
+                            state.fingerprint, state.decode, record.request_id)
         renderer = dialect.renderer(job, result, meta)
         run = ChoiceRun(state.engine, prompt_token_ids, choice_seeds(params, job.n), record.internal_id,
-                        report_progress=job.stream and job.return_progress, plan=plan)
+                        report_progress=job.stream and job.return_progress, plan=plan, constraints=constraints)
         if job.stream:
             frames = stream_frames(renderer, result, run, state, record)
             response = EventStreamResponse(with_keep_alive(frames, state.config.sse_keepalive), ticket.release)

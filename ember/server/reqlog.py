@@ -29,6 +29,7 @@ class RequestRecord:
     status: int | None = None
     route: str | None = None  # the dialect, for generation routes
     error_body: Callable[[Any], dict] = openai_error_body  # how errors on this route are shaped
+    error_shape: Any = None  # or an ErrorShape (status, body with the request id, id header), which wins
     error_type: str | None = None
     error_code: str | None = None
     error_param: str | None = None

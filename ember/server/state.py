@@ -17,6 +17,8 @@ from ember.protocols.errors import ModelLoading, ServerUnavailable
 from ember.parsers import resolve_reasoning, resolve_tool_format
 from ember.protocols.chat_reply import ChatFeatures, ReplyPlan, plan_reply
 from ember.protocols.neutral import GenerationRequest, ModelInfo, Prompt, encode_prompt
+from ember.grammar.compiler import load_grammars
+from ember.grammar.plan import build_constraints
 from ember.server.admission import Admission
 from ember.server.config import ServerConfig
 
@@ -40,6 +42,7 @@ class LoadedModel:
     sampling_defaults: dict[str, Any] = field(default_factory=dict)
     dtype: str = ""
     chat: ChatFeatures = field(default_factory=ChatFeatures)
+    grammars: Any = None  # ember.grammar.compiler.Grammars, None without xgrammar
 
 
 def load_model(config: ServerConfig) -> LoadedModel:
@@ -57,6 +60,7 @@ def load_model(config: ServerConfig) -> LoadedModel:
                         config.default_thinking_budget)
     _ = tokenizer.token_bytes, tokenizer.template_traits  # built now rather than on the first request
     core = EngineCore.from_source(source, config.engine)
+    grammars = load_grammars(tokenizer, core.model_config.vocab_size, core.eos_token_ids)
     _warm_up(core, tokenizer)
     generation_config = getattr(source, "generation_config", None) or {}
     defaults = {k: generation_config[k] for k in _SAMPLING_DEFAULTS
@@ -65,7 +69,7 @@ def load_model(config: ServerConfig) -> LoadedModel:
         engine=AsyncEngine(core, tokenizer), tokenizer=tokenizer, name=source.name,
         max_model_len=core.max_model_len, vocab_size=core.model_config.vocab_size,
         kv_capacity_tokens=getattr(core, "kv_capacity_tokens", None), sampling_defaults=defaults,
-        dtype=str(getattr(core, "dtype", "")).replace("torch.", ""), chat=chat)
+        dtype=str(getattr(core, "dtype", "")).replace("torch.", ""), chat=chat, grammars=grammars)
 
 
 def _warm_up(core, tokenizer) -> None:
@@ -193,6 +197,14 @@ class ServerState:
         tokenizer = self.loaded.tokenizer
         tail = tokenizer.decode(prompt_token_ids[-_PROMPT_TAIL_TOKENS:], skip_special_tokens=False)
         return plan_reply(job.chat, self.model.chat, tail, tokenizer.token_bytes)
+
+    async def grammar_constraints(self, job: GenerationRequest, plan: ReplyPlan | None):
+        """A factory of each choice's grammar constraint (None: no grammar), compiled off the event loop."""
+        if job.grammar is None and (job.chat is None or not job.chat.tools):
+            return None
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._prompt_pool, build_constraints, self.loaded.grammars, job, plan,
+                                          self.loaded.tokenizer.token_bytes)
 
     def decode(self, token_ids: list[int]) -> str:
         return self.loaded.tokenizer.decode(token_ids)

@@ -75,13 +75,13 @@ CASES = [
     (CHAT, chat(chat_template_kwargs="x"), 400, "chat_template_kwargs"),
     (CHAT, chat(chat_template_kwargs={"tokenize": True}), 400, "chat_template_kwargs.tokenize"),
     # features ember cannot honour
-    (CHAT, chat(response_format={"type": "json_object"}), 400, "response_format"),
-    (CHAT, chat(tools=[{"type": "function", "function": {"name": "f", "strict": True}}]), 400,
+    (CHAT, chat(response_format={"type": "json_object"}, guided_regex="a"), 400, "guided_regex"),
+    (CHAT, chat(tools=[{"type": "function", "function": {"name": "f", "strict": "yes"}}]), 400,
      "tools[0].function.strict"),
     (CHAT, chat(tools=[{"type": "custom", "name": "f"}]), 400, "tools[0].type"),
     (CHAT, chat(tool_choice="required"), 400, "tool_choice"),
     (CHAT, chat(reasoning_effort="none", enable_thinking=True), 400, "reasoning_effort"),
-    (CHAT, chat(guided_json={"type": "object"}), 400, "guided_json"),
+    (CHAT, chat(guided_json=[{"type": "object"}]), 400, "guided_json"),
     # the model
     (CHAT, chat(model="gpt-4o"), 404, "model"),
     (CHAT, chat(model=12), 400, "model"),

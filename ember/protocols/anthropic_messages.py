@@ -1,0 +1,450 @@
+"""Anthropic Messages: validate a request (or a count_tokens request) into the neutral form.
+
+The conversation becomes chat-template messages: `system` (a string or text blocks; Claude Code's
+billing-header block dropped) leads, `user` / `assistant` / `system` turns follow in order, with
+consecutive turns of one role joined. tool_result blocks become `tool` messages, tool_use blocks
+assistant `tool_calls`, thinking blocks `reasoning_content`. A final assistant turn of text is a
+prefill that the reply continues. The rendering lives in anthropic_render.py.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from ember.errors import EmberError, InvalidRequest
+from ember.parsers.events import ToolSpec
+from ember.protocols.anthropic_errors import anthropic_error_body
+from ember.protocols.anthropic_render import MessagesRenderer
+from ember.protocols.chat_reply import AUTO, FUNCTION, NONE, REQUIRED, ChatOptions, template_tools
+from ember.protocols.errors import unsupported
+from ember.protocols.fields import Fields, as_string, json_type
+from ember.protocols.neutral import ChatPrompt, Dialect, GenerationRequest, ModelInfo, build_sampling_params
+from ember.protocols.openai_chat_options import MAX_TOOLS, _TOOL_NAME
+from ember.protocols.structured import GrammarSpec, check_grammar_with_tools, read_flat_format
+
+BILLING_HEADER = "x-anthropic-billing-header:"
+MIN_THINKING_BUDGET = 1024
+MAX_STOP_SEQUENCES = 64
+ROLES = ("user", "assistant", "system")
+EFFORTS = {"low": "low", "medium": "medium", "high": "high", "xhigh": "xhigh", "max": "xhigh"}
+# Blocks a text-only model without Anthropic's server tools cannot take, and why.
+REFUSED_BLOCKS = {
+    "image": "this model takes text only",
+    "document": "documents are not supported; send their text in a text block",
+    "search_result": "search result blocks are not supported; send their text in a text block",
+    "redacted_thinking": "redacted thinking cannot be restored by ember (it holds no readable text)",
+    "container_upload": "ember has no code-execution container",
+}
+# Top-level fields naming features that run on Anthropic's side: refused by name.
+REFUSED_FIELDS = {
+    "container": "ember has no code-execution container",
+    "mcp_servers": "ember does not connect to MCP servers; declare the tools in tools instead",
+}
+
+
+@dataclass(slots=True)
+class MessagesRequest(GenerationRequest):
+    """The neutral request plus what only the Messages rendering needs."""
+
+    model_label: str = ""  # echoed in the response
+    context_limit: int = 0  # tokens of prompt plus reply the server allows
+    default_max_tokens: int | None = None  # the server's, for a request without max_tokens
+
+
+def parse_messages(body: Any, model: ModelInfo) -> MessagesRequest:
+    return _parse(body, model, counting=False)
+
+
+def parse_count_tokens(body: Any, model: ModelInfo) -> MessagesRequest:
+    """The same prompt a create request makes; output-only fields are not read."""
+    return _parse(body, model, counting=True)
+
+
+def _parse(body: Any, model: ModelInfo, *, counting: bool) -> MessagesRequest:
+    f = Fields(body)
+    label = f.string("model", non_empty=True)
+    for name, reason in REFUSED_FIELDS.items():
+        if f.has(name) and f.raw(name) != []:
+            raise unsupported(name, f"{name} is not supported: {reason}")
+    max_tokens = None if counting else f.integer("max_tokens", low=1)
+    messages = join_leading_system(read_system(f), read_messages(f))
+    tools = read_tools(f)
+    if tools and model.chat.tool_format is None:
+        raise unsupported("tools", "tool calling is turned off on this server (--tool-call-parser none)")
+    choice, chosen, parallel = read_tool_choice(f, tools)
+    thinking, budget = read_thinking(f, max_tokens if max_tokens is not None else model.default_max_tokens)
+    effort, grammar = read_output_config(f)
+    check_grammar_with_tools(grammar, choice, "tool_choice")
+    clear_old_thinking(f, messages)
+    prefill = read_prefill(messages, thinking_enabled=budget is not None)
+    if prefill and grammar is not None:
+        raise InvalidRequest(f"{grammar.param} cannot be combined with a prefill (a final assistant turn of text): "
+                             "the format holds the whole answer", param=grammar.param)
+    template_kwargs: dict[str, Any] = {"enable_thinking": thinking and not prefill}
+    if effort is not None:
+        template_kwargs["reasoning_effort"] = effort
+    if prefill:
+        template_kwargs["continue_final_message"] = True
+    options = ChatOptions(tools=tuple(chosen if chosen is not None else tools), tool_choice=choice,
+                          parallel_tool_calls=parallel, thinking=thinking and not prefill, thinking_budget=budget,
+                          reasoning_effort=effort)
+    prompt = ChatPrompt(messages, template_kwargs, template_tools(options.tools) if options.calls_tools else None,
+                        add_generation_prompt=not prefill)
+    params = read_sampling(f, model, max_tokens) if not counting else build_sampling_params({"max_tokens": None})
+    stream = False if counting else f.boolean("stream", False)
+    f.object("metadata")
+    f.string("service_tier")
+    return MessagesRequest(prompt, params, stream=stream, prompt_param="messages", chat=options,
+                           grammar=None if counting else grammar, model_label=label or model.name, context_limit=_context_limit(model),
+                           default_max_tokens=model.default_max_tokens)
+
+
+def _context_limit(model: ModelInfo) -> int:
+    if model.kv_capacity_tokens is not None:
+        return min(model.max_model_len, model.kv_capacity_tokens)
+    return model.max_model_len
+
+
+# ---- the conversation -----------------------------------------------------------------------------
+
+def read_system(f: Fields) -> list[dict[str, Any]]:
+    raw = f.raw("system")
+    if raw is None:
+        return []
+    if isinstance(raw, str):
+        return [{"role": "system", "content": raw}] if raw else []
+    if not isinstance(raw, list):
+        raise InvalidRequest(f"system must be a string or an array of text blocks, not {json_type(raw)}",
+                             param="system")
+    texts = []
+    for j, item in enumerate(raw):
+        block = Fields(item, f"system[{j}]")
+        kind = block.string("type")
+        if kind != "text":
+            raise InvalidRequest(f"{block.path} has type {kind!r}; system takes text blocks only", param=block.path)
+        text = as_string(block.raw("text"), block.at("text"))
+        if j == 0 and text.startswith(BILLING_HEADER):
+            continue  # Claude Code's per-request attribution: kept out so the prompt prefix stays cacheable
+        texts.append(text)
+    text = "".join(texts)
+    return [{"role": "system", "content": text}] if text else []
+
+
+def join_leading_system(system: list[dict[str, Any]], messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A conversation that opens with a system turn continues the top-level system text."""
+    if system and messages and messages[0]["role"] == "system":
+        return [{"role": "system", "content": system[0]["content"] + messages[0]["content"]}, *messages[1:]]
+    return system + messages
+
+
+@dataclass(slots=True)
+class _Turn:
+    role: str
+    blocks: list[tuple[str, Fields]]  # (kind, the block) in order
+    path: str  # of the first message of the turn
+
+
+def read_messages(f: Fields) -> list[dict[str, Any]]:
+    items = f.array("messages", non_empty=True)
+    if items is None:
+        raise InvalidRequest("messages is required: a non-empty array of messages", param="messages")
+    turns: list[_Turn] = []
+    for i, raw in enumerate(items):
+        m = Fields(raw, f"messages[{i}]")
+        role = m.string("role")
+        if role is None:
+            raise InvalidRequest(f"{m.at('role')} is required", param=m.at("role"))
+        if role not in ROLES:
+            raise InvalidRequest(f"{m.at('role')} must be user, assistant or system; got '{role}'", param=m.at("role"))
+        blocks = read_blocks(m, role, final=i == len(items) - 1)
+        if turns and turns[-1].role == role:
+            turns[-1].blocks.extend(blocks)  # consecutive turns of one role are one turn
+        else:
+            turns.append(_Turn(role, blocks, m.path))
+    messages: list[dict[str, Any]] = []
+    for turn in turns:
+        messages.extend(turn_messages(turn))
+    return messages
+
+
+def read_blocks(m: Fields, role: str, *, final: bool) -> list[tuple[str, Fields]]:
+    content = m.raw("content")
+    path = m.at("content")
+    if content is None:
+        raise InvalidRequest(f"{path} is required", param=path)
+    if isinstance(content, str):
+        if not content and not (role == "assistant" and final):
+            raise InvalidRequest(f"{path} must not be empty", param=path)
+        return [("text", Fields({"type": "text", "text": content}, path))]
+    if not isinstance(content, list):
+        raise InvalidRequest(f"{path} must be a string or an array of content blocks, not {json_type(content)}",
+                             param=path)
+    if not content and not (role == "assistant" and final):
+        raise InvalidRequest(f"{path} must not be empty", param=path)
+    blocks = []
+    for j, item in enumerate(content):
+        block = Fields(item, f"{path}[{j}]")
+        kind = block.string("type")
+        if kind is None:
+            raise InvalidRequest(f"{block.at('type')} is required", param=block.at("type"))
+        check_block(block, kind, role)
+        blocks.append((kind, block))
+    return blocks
+
+
+_ALLOWED = {"text": ROLES, "tool_result": ("user",), "tool_use": ("assistant",), "thinking": ("assistant",)}
+
+
+def check_block(block: Fields, kind: str, role: str) -> None:
+    if kind in REFUSED_BLOCKS:
+        raise InvalidRequest(f"{block.path}: {kind} blocks are not supported: {REFUSED_BLOCKS[kind]}",
+                             param=block.path, code="unsupported_content")
+    if kind not in _ALLOWED:
+        raise InvalidRequest(f"{block.path}: {kind} blocks are not supported (ember takes text, tool_use, "
+                             f"tool_result and thinking blocks; server tools run on Anthropic's side only)",
+                             param=block.path, code="unsupported_content")
+    if role not in _ALLOWED[kind]:
+        raise InvalidRequest(f"{block.path}: a {kind} block cannot appear in a {role} message", param=block.path)
+    if kind == "text":
+        as_string(block.raw("text"), block.at("text"))
+    elif kind == "thinking":
+        as_string(block.raw("thinking"), block.at("thinking"))
+        block.string("signature")
+    elif kind == "tool_use":
+        for name in ("id", "name"):
+            if block.string(name, non_empty=True) is None:
+                raise InvalidRequest(f"{block.at(name)} is required", param=block.at(name))
+        block.object("input")
+    else:
+        if block.string("tool_use_id", non_empty=True) is None:
+            raise InvalidRequest(f"{block.at('tool_use_id')} is required", param=block.at("tool_use_id"))
+        block.boolean("is_error")
+        tool_result_text(block)
+
+
+def tool_result_text(block: Fields) -> str:
+    content = block.raw("content")
+    path = block.at("content")
+    if content is None:
+        text = ""
+    elif isinstance(content, str):
+        text = content
+    elif isinstance(content, list):
+        parts = []
+        for k, item in enumerate(content):
+            part = Fields(item, f"{path}[{k}]")
+            kind = part.string("type")
+            if kind != "text":
+                reason = REFUSED_BLOCKS.get(kind or "", "a tool result may hold text blocks only")
+                raise InvalidRequest(f"{part.path}: {kind} blocks are not supported in a tool result: {reason}",
+                                     param=part.path, code="unsupported_content")
+            parts.append(as_string(part.raw("text"), part.at("text")))
+        text = "".join(parts)
+    else:
+        raise InvalidRequest(f"{path} must be a string or an array of text blocks, not {json_type(content)}",
+                             param=path)
+    # A failed tool says so in the prompt, where the model can read it.
+    return f"Error: {text}" if block.boolean("is_error", False) else text
+
+
+def turn_messages(turn: _Turn) -> list[dict[str, Any]]:
+    texts = [block.raw("text") for kind, block in turn.blocks if kind == "text"]
+    if turn.role == "system":
+        return [{"role": "system", "content": "".join(texts)}]
+    if turn.role == "user":
+        # Tool results answer the assistant's calls, so they come first; the turn's text follows.
+        results = [{"role": "tool", "tool_call_id": block.raw("tool_use_id"), "content": tool_result_text(block)}
+                   for kind, block in turn.blocks if kind == "tool_result"]
+        return results + ([{"role": "user", "content": "".join(texts)}] if texts or not results else [])
+    message: dict[str, Any] = {"role": "assistant", "content": "".join(texts)}
+    reasoning = "".join(block.raw("thinking") for kind, block in turn.blocks if kind == "thinking")
+    if reasoning:
+        message["reasoning_content"] = reasoning  # the visible text; the signature is not checked
+    calls = [{"id": block.raw("id"), "type": "function",
+              "function": {"name": block.raw("name"), "arguments": dict(block.raw("input", {}))}}
+             for kind, block in turn.blocks if kind == "tool_use"]
+    if calls:
+        message["tool_calls"] = calls
+    message["ember_blocks"] = [kind for kind, _ in turn.blocks]
+    message["ember_path"] = turn.path
+    return [message]
+
+
+def read_prefill(messages: list[dict[str, Any]], *, thinking_enabled: bool) -> bool:
+    """Whether the conversation ends with an assistant turn the reply continues. Drops the
+    bookkeeping keys turn_messages left on assistant messages."""
+    last = messages[-1] if messages else None
+    prefill = False
+    if last is not None and last["role"] == "assistant":
+        kinds, path = last["ember_blocks"], last["ember_path"]
+        if any(kind != "text" for kind in kinds):
+            raise InvalidRequest(f"{path}: the conversation ends with an assistant turn holding "
+                                 f"{', '.join(sorted(set(k for k in kinds if k != 'text')))} blocks; a final "
+                                 "assistant turn is a prefill and may hold text only", param=path)
+        if last["content"]:
+            if last["content"] != last["content"].rstrip():
+                raise InvalidRequest(f"{path}: a final assistant turn (a prefill) may not end with whitespace",
+                                     param=path)
+            if thinking_enabled:
+                raise InvalidRequest("thinking cannot be enabled when the final assistant turn is a prefill",
+                                     param="thinking")
+            prefill = True
+        else:
+            messages.pop()  # an empty prefill: an ordinary reply
+    for message in messages:
+        message.pop("ember_blocks", None)
+        message.pop("ember_path", None)
+    return prefill
+
+
+def clear_old_thinking(f: Fields, messages: list[dict[str, Any]]) -> None:
+    """context_management's clear_thinking edit: reasoning stays in the last `keep` assistant turns
+    that have some (1 unless said otherwise, or all). Other edits are accepted and not applied."""
+    management = f.object("context_management")
+    if management is None:
+        return
+    for k, raw in enumerate(management.array("edits") or []):
+        edit = Fields(raw, management.at("edits") + f"[{k}]")
+        kind = edit.string("type")
+        if kind is None or not kind.startswith("clear_thinking"):
+            continue
+        keep = edit.raw("keep")
+        if keep == "all":
+            continue
+        turns = 1
+        if keep is not None:
+            spec = edit.object("keep")
+            if spec.string("type", choices=("thinking_turns",)) is None:
+                raise InvalidRequest(f"{spec.at('type')} is required", param=spec.at("type"))
+            turns = spec.integer("value", low=0)
+            if turns is None:
+                raise InvalidRequest(f"{spec.at('value')} is required", param=spec.at("value"))
+        thinking = [m for m in messages if m["role"] == "assistant" and m.get("reasoning_content")]
+        for message in thinking[:max(len(thinking) - turns, 0)]:
+            del message["reasoning_content"]
+
+
+# ---- tools ------------------------------------------------------------------------------------------
+
+def read_tools(f: Fields) -> list[ToolSpec]:
+    items = f.array("tools")
+    if not items:
+        return []
+    if len(items) > MAX_TOOLS:
+        raise InvalidRequest(f"tools holds {len(items)} tools; at most {MAX_TOOLS} are allowed", param="tools")
+    specs: list[ToolSpec] = []
+    for i, raw in enumerate(items):
+        tool = Fields(raw, f"tools[{i}]")
+        kind = tool.string("type")
+        if kind not in (None, "custom"):
+            raise unsupported(tool.at("type"), f"{tool.path} is a '{kind}' tool, which runs on Anthropic's servers; "
+                                               "ember calls client tools only (name, description, input_schema)")
+        name = tool.string("name")
+        if name is None or not _TOOL_NAME.fullmatch(name):
+            raise InvalidRequest(f"{tool.at('name')} must be 1 to 128 letters, digits, '_', '-', '.' or ':'",
+                                 param=tool.at("name"))
+        if any(s.name == name for s in specs):
+            raise InvalidRequest(f"{tool.at('name')}: the tool '{name}' is declared twice", param=tool.at("name"))
+        schema = tool.raw("input_schema", {"type": "object", "properties": {}})
+        if not isinstance(schema, dict):
+            raise InvalidRequest(f"{tool.at('input_schema')} must be a JSON schema object, not {json_type(schema)}",
+                                 param=tool.at("input_schema"))
+        tool.boolean("eager_input_streaming")
+        tool.boolean("defer_loading")
+        specs.append(ToolSpec(name, schema, tool.string("description"), strict=tool.boolean("strict", False)))
+    return specs
+
+
+def read_tool_choice(f: Fields, tools: list[ToolSpec]) -> tuple[str, list[ToolSpec] | None, bool]:
+    """(the choice, the tools it leaves callable when it names one, parallel calls allowed)."""
+    choice = f.object("tool_choice")
+    if choice is None:
+        return (AUTO if tools else NONE), None, True
+    kind = choice.string("type", choices=("auto", "any", "tool", "none"))
+    if kind is None:
+        raise InvalidRequest("tool_choice.type is required: auto, any, tool or none", param="tool_choice.type")
+    parallel = not choice.boolean("disable_parallel_tool_use", False)
+    if kind == "none" or (kind == "auto" and not tools):
+        return NONE, None, parallel
+    if kind == "auto":
+        return AUTO, None, parallel
+    if not tools:
+        raise InvalidRequest(f"tool_choice '{kind}' needs at least one tool in tools", param="tool_choice")
+    if kind == "any":
+        return REQUIRED, None, parallel
+    name = choice.string("name")
+    if name is None:
+        raise InvalidRequest("tool_choice.name is required for type 'tool'", param="tool_choice.name")
+    for tool in tools:
+        if tool.name == name:
+            return FUNCTION, [tool], parallel
+    raise InvalidRequest(f"tool_choice.name names '{name}', which is not among the declared tools",
+                         param="tool_choice.name")
+
+
+# ---- thinking, effort, sampling ---------------------------------------------------------------------
+
+def read_thinking(f: Fields, max_tokens: int | None) -> tuple[bool, int | None]:
+    """(thinking on, its budget: the request's for `enabled`, else None for the server's default).
+    Without a thinking field the reply does not think, as on Anthropic's API."""
+    thinking = f.object("thinking")
+    if thinking is None:
+        return False, None
+    kind = thinking.string("type", choices=("enabled", "adaptive", "disabled", "between_tools"))
+    if kind is None:
+        raise InvalidRequest("thinking.type is required: enabled, adaptive or disabled", param="thinking.type")
+    if thinking.string("display", choices=("summarized", "omitted")) == "omitted":
+        raise unsupported("thinking.display", "thinking.display 'omitted' is not supported: ember returns the "
+                                              "thinking text itself, and cannot restore hidden thinking later")
+    if kind == "disabled":
+        return False, None
+    if kind != "enabled":
+        return True, None
+    budget = thinking.integer("budget_tokens", low=MIN_THINKING_BUDGET)
+    if budget is None:
+        raise InvalidRequest("thinking.budget_tokens is required when thinking is enabled",
+                             param="thinking.budget_tokens")
+    if max_tokens is not None and budget >= max_tokens:
+        raise InvalidRequest(f"thinking.budget_tokens ({budget}) must be less than max_tokens ({max_tokens})",
+                             param="thinking.budget_tokens")
+    return True, budget
+
+
+def read_output_config(f: Fields) -> tuple[str | None, GrammarSpec | None]:
+    """(output_config.effort, reaching the chat template as reasoning_effort ('max' as 'xhigh'); the
+    structured output of output_config.format, or of output_format, the older name of the same field)."""
+    config = f.object("output_config")
+    effort = config.string("effort", choices=EFFORTS) if config is not None else None
+    fmt = config.object("format") if config is not None else None
+    older = f.object("output_format")
+    if fmt is not None and older is not None:
+        raise InvalidRequest("output_format cannot be combined with output_config.format: send the format once, "
+                             "in output_config.format", param="output_format", code="conflicting_constraints")
+    fmt = fmt if fmt is not None else older
+    grammar = read_flat_format(fmt, allow_text=False, allow_json_object=False) if fmt is not None else None
+    return (EFFORTS[effort] if effort is not None else None), grammar
+
+
+def read_sampling(f: Fields, model: ModelInfo, max_tokens: int | None):
+    values: dict[str, Any] = dict(model.sampling_defaults)
+    values["max_tokens"] = max_tokens
+    for name in ("temperature", "top_p"):
+        if f.has(name):
+            values[name] = f.number(name)
+    if f.has("top_k"):
+        values["top_k"] = f.integer("top_k", low=0)
+    stops = f.array("stop_sequences") or []
+    if len(stops) > MAX_STOP_SEQUENCES:
+        raise InvalidRequest(f"stop_sequences holds {len(stops)} strings; at most {MAX_STOP_SEQUENCES} are allowed",
+                             param="stop_sequences")
+    values["stop"] = [as_string(s, f"stop_sequences[{i}]", non_empty=True) for i, s in enumerate(stops)]
+    return build_sampling_params(values, {"stop": "stop_sequences"})
+
+
+def messages_error_body(error: EmberError) -> dict[str, Any]:
+    return anthropic_error_body(error)
+
+
+MESSAGES = Dialect(name="messages", id_prefix="msg_", parse=parse_messages, renderer=MessagesRenderer,
+                   error_body=messages_error_body)

@@ -1,0 +1,220 @@
+"""Anthropic Messages: the message object, and its SSE lifecycle.
+
+    message_start (content empty; usage with the prompt's uncached / cached split)
+    ping
+    per block: content_block_start, deltas, content_block_stop (indices from 0)
+        thinking: thinking_delta ..., then one signature_delta just before the stop
+        text: text_delta ...
+        tool_use: one input_json_delta holding the whole input (a call is parsed whole)
+    message_delta (stop_reason, stop_sequence, cumulative usage)
+    message_stop
+    or, once the stream has begun, an `error` event.
+
+One `BlockAssembler` turns the parser's events into blocks for both the stream and the whole
+message, so a streamed reply and a whole one hold the same blocks. A block opens with its first
+non-whitespace character: whitespace alone between blocks is dropped.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import hmac
+import json
+import secrets
+from typing import Any
+
+from ember.errors import EmberError
+from ember.parsers.events import ContentText, ReasoningText, ReplyEvent, ToolCall
+from ember.protocols.anthropic_errors import anthropic_error_body
+from ember.protocols.neutral import ChoiceResult, GenerationRequest, ResponseMeta, RunResult
+from ember.protocols.sse import ServerEvent
+from ember.types import FinishReason, GenerationOutput
+
+# Signs thinking text so a client can tell ember's blocks; new at each start. A thinking block sent
+# back is read for its text whatever its signature (one from an earlier run is as good).
+_SIGNING_KEY = secrets.token_bytes(32)
+
+
+def thinking_signature(text: str) -> str:
+    return base64.b64encode(hmac.new(_SIGNING_KEY, text.encode(), hashlib.sha256).digest()).decode()
+
+
+def signature_matches(text: str, signature: str) -> bool:
+    return hmac.compare_digest(thinking_signature(text), signature)
+
+
+def tool_use_id(call: ToolCall) -> str:
+    """Anthropic-style ids: the parser's random call id under the toolu_ prefix."""
+    return "toolu_" + call.id.removeprefix("call_")
+
+
+def event(kind: str, **fields: Any) -> ServerEvent:
+    return ServerEvent({"type": kind, **fields}, event=kind)
+
+
+class BlockAssembler:
+    def __init__(self) -> None:
+        self.blocks: list[dict[str, Any]] = []
+        self._open: str | None = None  # "thinking" or "text": the kind of the last block, still open
+        self._held = ""  # whitespace not yet in a block
+        self._held_kind: str | None = None
+
+    def feed(self, item: ReplyEvent) -> list[ServerEvent]:
+        if isinstance(item, ToolCall):
+            events = self.close()
+            self._held = ""
+            try:
+                arguments = json.loads(item.arguments)
+            except ValueError:
+                arguments = None
+            if not isinstance(arguments, dict):  # the parser gives objects; a guard, not a path
+                arguments = {}
+            partial = item.arguments if arguments else "{}"
+            index = len(self.blocks)
+            self.blocks.append({"type": "tool_use", "id": tool_use_id(item), "name": item.name, "input": arguments})
+            return events + [
+                event("content_block_start", index=index,
+                      content_block={"type": "tool_use", "id": tool_use_id(item), "name": item.name, "input": {}}),
+                event("content_block_delta", index=index, delta={"type": "input_json_delta", "partial_json": partial}),
+                event("content_block_stop", index=index)]
+        kind = "thinking" if isinstance(item, ReasoningText) else "text"
+        if self._open == kind:
+            self._held = ""
+            return [self._delta(item.text)]
+        text = (self._held if self._held_kind == kind else "") + item.text
+        if not text.strip():
+            self._held, self._held_kind = text, kind
+            return []
+        self._held = ""
+        events = self.close()
+        index = len(self.blocks)
+        empty = ({"type": "thinking", "thinking": "", "signature": ""} if kind == "thinking"
+                 else {"type": "text", "text": ""})
+        self.blocks.append(dict(empty))
+        self._open = kind
+        return events + [event("content_block_start", index=index, content_block=empty), self._delta(text)]
+
+    def _delta(self, text: str) -> ServerEvent:
+        block = self.blocks[-1]
+        index = len(self.blocks) - 1
+        if self._open == "thinking":
+            block["thinking"] += text
+            return event("content_block_delta", index=index, delta={"type": "thinking_delta", "thinking": text})
+        block["text"] += text
+        return event("content_block_delta", index=index, delta={"type": "text_delta", "text": text})
+
+    def close(self) -> list[ServerEvent]:
+        """Close the open block, if any (a thinking block gets its signature first)."""
+        if self._open is None:
+            return []
+        index = len(self.blocks) - 1
+        events = []
+        if self._open == "thinking":
+            block = self.blocks[-1]
+            block["signature"] = thinking_signature(block["thinking"])
+            events.append(event("content_block_delta", index=index,
+                                delta={"type": "signature_delta", "signature": block["signature"]}))
+        self._open = None
+        return events + [event("content_block_stop", index=index)]
+
+
+def reply_parts(choice: ChoiceResult) -> list[ReplyEvent]:
+    """The whole reply's events in order (content only when nothing was parsed)."""
+    if choice.parser is None:
+        return [ContentText(choice.text)] if choice.text else []
+    return list(choice.reply.parts)
+
+
+class MessagesRenderer:
+    """Renders the one choice of a Messages request; `request` is a MessagesRequest."""
+
+    def __init__(self, request: GenerationRequest, result: RunResult, meta: ResponseMeta) -> None:
+        self.request = request
+        self.result = result
+        self.meta = meta
+        self.blocks = BlockAssembler()
+        self.started = False
+
+    # ---- pieces both forms share ----------------------------------------------------------------
+
+    @property
+    def model(self) -> str:
+        return getattr(self.request, "model_label", "") or self.meta.model
+
+    def usage(self, output_tokens: int) -> dict[str, Any]:
+        """input_tokens is the uncached part of the prompt; cache_read_input_tokens the part found in
+        the prefix cache; cache_creation_input_tokens is 0 (the three add up to the prompt)."""
+        cached = self.result.num_cached_tokens
+        usage: dict[str, Any] = {"input_tokens": self.result.num_prompt_tokens - cached,
+                                 "cache_creation_input_tokens": 0, "cache_read_input_tokens": cached,
+                                 "output_tokens": output_tokens}
+        thinking = self.result.num_reasoning_tokens
+        if thinking is not None and output_tokens:
+            usage["output_tokens_details"] = {"thinking_tokens": thinking}
+        return usage
+
+    def fills_window(self) -> bool:
+        """Whether max_tokens was cut to the room the context window leaves (or ran to it)."""
+        limit = getattr(self.request, "context_limit", 0)
+        if not limit:
+            return False
+        room = limit - self.result.num_prompt_tokens
+        wanted = self.request.params.max_tokens or getattr(self.request, "default_max_tokens", None)
+        return wanted is None or wanted >= room
+
+    def stop(self, choice: ChoiceResult) -> tuple[str, str | None]:
+        """(stop_reason, stop_sequence)."""
+        if choice.reply.tool_calls and choice.finish_reason in (FinishReason.STOP, FinishReason.LENGTH):
+            return "tool_use", None
+        if choice.finish_reason == FinishReason.LENGTH:
+            return ("model_context_window_exceeded" if self.fills_window() else "max_tokens"), None
+        if isinstance(choice.stop_reason, str):
+            return "stop_sequence", choice.stop_reason
+        return "end_turn", None
+
+    def envelope(self, content: list[dict[str, Any]], stop_reason: str | None, stop_sequence: str | None,
+                 usage: dict[str, Any]) -> dict[str, Any]:
+        return {"id": self.meta.response_id, "type": "message", "role": "assistant", "model": self.model,
+                "content": content, "stop_reason": stop_reason, "stop_sequence": stop_sequence, "usage": usage}
+
+    # ---- whole ----------------------------------------------------------------------------------
+
+    def response(self) -> dict[str, Any]:
+        choice = self.result.choices[0]
+        blocks = BlockAssembler()
+        for part in reply_parts(choice):
+            blocks.feed(part)
+        blocks.close()
+        stop_reason, stop_sequence = self.stop(choice)
+        return self.envelope(blocks.blocks, stop_reason, stop_sequence, self.usage(len(choice.token_ids)))
+
+    # ---- stream ---------------------------------------------------------------------------------
+
+    def stream_start(self) -> list[ServerEvent]:
+        return []  # message_start waits for the first output, which carries the prefix-cache hit
+
+    def _message_start(self) -> list[ServerEvent]:
+        self.started = True
+        message = self.envelope([], None, None, self.usage(0))
+        return [event("message_start", message=message), event("ping")]
+
+    def stream_output(self, choice: ChoiceResult, output: GenerationOutput) -> list[ServerEvent]:
+        events = [] if self.started else self._message_start()
+        for item in choice.events:
+            events += self.blocks.feed(item)
+        return events
+
+    def stream_end(self) -> list[ServerEvent]:
+        events = [] if self.started else self._message_start()
+        events += self.blocks.close()
+        choice = self.result.choices[0]
+        stop_reason, stop_sequence = self.stop(choice)
+        events.append(event("message_delta", delta={"stop_reason": stop_reason, "stop_sequence": stop_sequence},
+                            usage=self.usage(len(choice.token_ids))))
+        events.append(event("message_stop"))
+        return events
+
+    def stream_error(self, error: EmberError) -> list[ServerEvent]:
+        body = anthropic_error_body(error, getattr(self.meta, "request_id", None))
+        return [ServerEvent(body, event="error")]

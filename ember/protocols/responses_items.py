@@ -1,0 +1,276 @@
+"""Responses input items: validated into one normalized form, and turned into chat messages.
+
+The normalized form is what `GET /v1/responses/{id}/input_items` lists and what a stored response
+keeps as its conversation; output items (reasoning, message, function_call, custom_tool_call) are
+already in it, so a stored chain is rebuilt by reading its items back through the same code.
+
+Chat messages: system and developer items become system turns; assistant-owned items in a row
+(reasoning, assistant messages, calls) become one assistant turn in the order reasoning -> text ->
+calls, and an item that would go back in that order starts a new assistant turn; results become
+`tool` turns, matched to their calls by `call_id`.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from ember.errors import InvalidRequest
+from ember.protocols.fields import Fields, as_string, json_type
+from ember.protocols.reasoning_seal import ReasoningSeal, SealError
+
+ROLES = ("user", "assistant", "system", "developer")
+MEDIA_PARTS = ("input_image", "input_file", "input_audio", "input_video", "image_url")
+ID_PREFIXES = {"message": "msg_", "reasoning": "rs_", "function_call": "fc_", "function_call_output": "fco_",
+               "custom_tool_call": "ctc_", "custom_tool_call_output": "ctco_"}
+CALLS = ("function_call", "custom_tool_call")
+RESULTS = ("function_call_output", "custom_tool_call_output")
+NAMESPACE_JOIN = "__"
+
+
+def new_item_id(kind: str) -> str:
+    return ID_PREFIXES[kind] + secrets.token_hex(12)
+
+
+def visible_name(name: str, namespace: str | None) -> str:
+    """The name the model sees for a function in a namespace: `NAMESPACE__name` (no doubled separator)."""
+    if not namespace:
+        return name
+    return (namespace if namespace.endswith(NAMESPACE_JOIN) else namespace + NAMESPACE_JOIN) + name
+
+
+# ---- validation -----------------------------------------------------------------------------------
+
+def read_input(raw: Any, seal: ReasoningSeal) -> list[dict[str, Any]]:
+    """`input`: a string (one user message) or an array of items, normalized; ids kept or made."""
+    if raw is None:
+        return []
+    if isinstance(raw, str):
+        return [{"id": new_item_id("message"), "type": "message", "role": "user", "status": "completed",
+                 "content": [{"type": "input_text", "text": raw}]}]
+    if not isinstance(raw, list):
+        raise InvalidRequest(f"input must be a string or an array of items, not {json_type(raw)}", param="input")
+    items = [read_item(Fields(entry, f"input[{i}]"), seal) for i, entry in enumerate(raw)]
+    seen: dict[str, int] = {}
+    for i, item in enumerate(items):
+        if item["id"] in seen:
+            raise InvalidRequest(f"input[{i}].id '{item['id']}' is also the id of input[{seen[item['id']]}]; "
+                                 "item ids must be unique", param=f"input[{i}].id")
+        seen[item["id"]] = i
+    return items
+
+
+def read_item(f: Fields, seal: ReasoningSeal) -> dict[str, Any]:
+    kind = f.string("type")
+    if kind is None:
+        if f.has("role"):
+            kind = "message"
+        else:
+            raise InvalidRequest(f"{f.at('type')} is required", param=f.at("type"))
+    reader = _READERS.get(kind)
+    if reader is None:
+        if kind == "item_reference":
+            raise InvalidRequest(f"{f.at('type')}: item_reference items are not supported; send the item itself, "
+                                 "or continue with previous_response_id", param=f.at("type"),
+                                 code="unsupported_parameter")
+        raise InvalidRequest(f"{f.at('type')} is '{kind}'; this server takes message, reasoning, function_call, "
+                             "function_call_output, custom_tool_call and custom_tool_call_output items",
+                             param=f.at("type"))
+    item = reader(f, seal)
+    given = f.string("id", non_empty=True)
+    return {"id": given or new_item_id(kind), "type": kind, **item}
+
+
+def _read_message(f: Fields, seal: ReasoningSeal) -> dict[str, Any]:
+    role = f.string("role")
+    if role is None:
+        raise InvalidRequest(f"{f.at('role')} is required", param=f.at("role"))
+    if role not in ROLES:
+        raise InvalidRequest(f"{f.at('role')} must be one of {', '.join(ROLES)}; got '{role}'", param=f.at("role"))
+    content = f.raw("content")
+    path = f.at("content")
+    text_part = "output_text" if role == "assistant" else "input_text"
+    if content is None:
+        raise InvalidRequest(f"{path} is required", param=path)
+    if isinstance(content, str):
+        parts = [_text_part(text_part, content)]
+    elif isinstance(content, list):
+        parts = [_read_part(Fields(part, f"{path}[{j}]"), role) for j, part in enumerate(content)]
+    else:
+        raise InvalidRequest(f"{path} must be a string or an array of content parts, not {json_type(content)}",
+                             param=path)
+    return {"role": role, "status": "completed", "content": parts}
+
+
+def _text_part(kind: str, text: str) -> dict[str, Any]:
+    return {"type": kind, "text": text, "annotations": []} if kind == "output_text" else {"type": kind, "text": text}
+
+
+def _read_part(part: Fields, role: str) -> dict[str, Any]:
+    kind = part.string("type")
+    if kind in MEDIA_PARTS:
+        raise InvalidRequest(f"{part.path}: {kind} parts cannot be read; this model takes text only",
+                             param=part.path, code="unsupported_content")
+    if kind in ("input_text", "output_text"):
+        return _text_part(kind, as_string(part.raw("text"), part.at("text")))
+    if kind == "refusal" and role == "assistant":
+        return {"type": "refusal", "refusal": as_string(part.raw("refusal"), part.at("refusal"))}
+    allowed = "input_text, output_text or refusal" if role == "assistant" else "input_text"
+    raise InvalidRequest(f"{part.at('type')} is {kind!r}; a {role} message takes {allowed} parts",
+                         param=part.at("type"))
+
+
+def _read_reasoning(f: Fields, seal: ReasoningSeal) -> dict[str, Any]:
+    item: dict[str, Any] = {"summary": [], "content": []}
+    for j, raw in enumerate(f.array("summary") or []):
+        part = Fields(raw, f"{f.at('summary')}[{j}]")
+        item["summary"].append({"type": "summary_text", "text": as_string(part.raw("text"), part.at("text"))})
+    texts = []
+    for j, raw in enumerate(f.array("content") or []):
+        part = Fields(raw, f"{f.at('content')}[{j}]")
+        kind = part.string("type")
+        if kind != "reasoning_text":
+            raise InvalidRequest(f"{part.at('type')} must be reasoning_text, not {kind!r}", param=part.at("type"))
+        texts.append(as_string(part.raw("text"), part.at("text")))
+    sealed = f.string("encrypted_content")
+    if sealed is not None:
+        try:
+            texts = [seal.open(sealed)]  # the sealed text is authoritative: the client cannot alter it
+        except SealError as exc:
+            raise InvalidRequest(f"{f.at('encrypted_content')} cannot be read by this server: {exc}",
+                                 param=f.at("encrypted_content"), code="invalid_encrypted_content") from None
+        item["encrypted_content"] = sealed
+    elif not texts:
+        raise InvalidRequest(f"{f.path}: a reasoning item needs its reasoning_text content, or the "
+                             "encrypted_content this server gave it", param=f.at("content"))
+    item["content"] = [{"type": "reasoning_text", "text": text} for text in texts]
+    return item
+
+
+def _read_call(f: Fields, seal: ReasoningSeal) -> dict[str, Any]:
+    call_id = f.string("call_id", non_empty=True)
+    if call_id is None:
+        raise InvalidRequest(f"{f.at('call_id')} is required", param=f.at("call_id"))
+    name = f.string("name", non_empty=True)
+    if name is None:
+        raise InvalidRequest(f"{f.at('name')} is required", param=f.at("name"))
+    item: dict[str, Any] = {"call_id": call_id, "name": name}
+    if f.string("type") == "function_call":
+        arguments = f.raw("arguments")
+        if arguments is None:
+            raise InvalidRequest(f"{f.at('arguments')} is required", param=f.at("arguments"))
+        item["arguments"] = as_string(arguments, f.at("arguments"))
+    else:
+        item["input"] = as_string(f.raw("input", ""), f.at("input"))
+    namespace = f.string("namespace", non_empty=True)
+    if namespace is not None:
+        item["namespace"] = namespace
+    item["status"] = "completed"
+    return item
+
+
+def _read_result(f: Fields, seal: ReasoningSeal) -> dict[str, Any]:
+    call_id = f.string("call_id", non_empty=True)
+    if call_id is None:
+        raise InvalidRequest(f"{f.at('call_id')} is required", param=f.at("call_id"))
+    output = f.raw("output")
+    path = f.at("output")
+    if output is None:
+        raise InvalidRequest(f"{path} is required", param=path)
+    if isinstance(output, list):
+        output = [_read_part(Fields(part, f"{path}[{j}]"), "user") for j, part in enumerate(output)]
+    elif not isinstance(output, str):
+        raise InvalidRequest(f"{path} must be a string or an array of input_text parts, not {json_type(output)}",
+                             param=path)
+    item = {"call_id": call_id, "output": output}
+    if f.string("type") == "function_call_output":
+        item["status"] = "completed"
+    return item
+
+
+_READERS: dict[str, Callable[[Fields, ReasoningSeal], dict[str, Any]]] = {
+    "message": _read_message, "reasoning": _read_reasoning, "function_call": _read_call,
+    "custom_tool_call": _read_call, "function_call_output": _read_result, "custom_tool_call_output": _read_result,
+}
+
+
+# ---- chat messages ----------------------------------------------------------------------------------
+
+def message_text(item: dict[str, Any]) -> str:
+    return "".join(part.get("text", part.get("refusal", "")) for part in item["content"])
+
+
+def result_text(output: Any) -> str:
+    return output if isinstance(output, str) else "".join(part["text"] for part in output)
+
+
+def call_arguments(item: dict[str, Any]) -> Any:
+    """A past call's arguments for the template: a JSON object becomes a dict (what templates expect);
+    a custom tool's free-form input becomes {"input": ...}, the shape the model was shown."""
+    if item["type"] == "custom_tool_call":
+        return {"input": item["input"]}
+    try:
+        decoded = json.loads(item["arguments"])
+    except ValueError:
+        return item["arguments"]
+    return decoded if isinstance(decoded, dict) else item["arguments"]
+
+
+def to_messages(items: Sequence[dict[str, Any]], paths: Sequence[str | None],
+                instructions: str | None = None) -> list[dict[str, Any]]:
+    """Chat messages for the template. `paths[i]` names items[i] in the request (None: stored history),
+    for the 400s of unknown or repeated call ids."""
+    messages: list[dict[str, Any]] = [{"role": "system", "content": instructions}] if instructions else []
+    turn: dict[str, Any] | None = None  # the open assistant turn
+    stage = 0  # how far that turn has got: 0 reasoning, 1 text, 2 calls
+    calls: dict[str, str | None] = {}  # call_id -> path of its call
+    answered: dict[str, str | None] = {}
+
+    def assistant_turn(at_stage: int) -> dict[str, Any]:
+        nonlocal turn, stage
+        if turn is None or stage > at_stage:
+            turn = {"role": "assistant", "content": ""}
+            messages.append(turn)
+        stage = at_stage
+        return turn
+
+    for item, path in zip(items, paths):
+        kind = item["type"]
+        if kind == "reasoning":
+            current = assistant_turn(0)
+            text = "".join(part["text"] for part in item["content"])
+            current["reasoning_content"] = current.get("reasoning_content", "") + text
+        elif kind == "message" and item["role"] == "assistant":
+            assistant_turn(1)["content"] += message_text(item)
+        elif kind in CALLS:
+            if item["call_id"] in calls:
+                where = _at(path, "call_id") or "the stored conversation"
+                raise InvalidRequest(f"{where}: call_id '{item['call_id']}' is used by an earlier call",
+                                     param=_at(path, "call_id"), code="invalid_tool_history")
+            calls[item["call_id"]] = path
+            entry = {"id": item["call_id"], "type": "function",
+                     "function": {"name": visible_name(item["name"], item.get("namespace")),
+                                  "arguments": call_arguments(item)}}
+            assistant_turn(2).setdefault("tool_calls", []).append(entry)
+        elif kind in RESULTS:
+            turn = None
+            call_id = item["call_id"]
+            if call_id not in calls:
+                raise InvalidRequest(f"{_at(path, 'call_id')}: no earlier call has call_id '{call_id}'",
+                                     param=_at(path, "call_id"), code="invalid_tool_history")
+            if call_id in answered:
+                raise InvalidRequest(f"{_at(path, 'call_id')}: the call '{call_id}' already has a result",
+                                     param=_at(path, "call_id"), code="invalid_tool_history")
+            answered[call_id] = path
+            messages.append({"role": "tool", "tool_call_id": call_id, "content": result_text(item["output"])})
+        else:
+            turn = None
+            role = "system" if item["role"] in ("system", "developer") else "user"
+            messages.append({"role": role, "content": message_text(item)})
+    return messages
+
+
+def _at(path: str | None, name: str) -> str | None:
+    return f"{path}.{name}" if path else None
