@@ -151,7 +151,10 @@ def agent_command(agent: str, dialect: str, url: str, model: str, home: Path) ->
                     "ANTHROPIC_DEFAULT_OPUS_MODEL": model, "ANTHROPIC_DEFAULT_SONNET_MODEL": model,
                     "ANTHROPIC_DEFAULT_HAIKU_MODEL": model, "ANTHROPIC_SMALL_FAST_MODEL": model,
                     "CLAUDE_CONFIG_DIR": str(home / ".claude"), "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
-                    "DISABLE_TELEMETRY": "1", "DISABLE_ERROR_REPORTING": "1", "DISABLE_AUTOUPDATER": "1"})
+                    "DISABLE_TELEMETRY": "1", "DISABLE_ERROR_REPORTING": "1", "DISABLE_AUTOUPDATER": "1",
+                    # A CPU takes minutes over Claude Code's 20,000-token first prompt; its default
+                    # watchdog gives up on a stream silent for 5 minutes.
+                    "CLAUDE_STREAM_IDLE_TIMEOUT_MS": "1800000", "API_TIMEOUT_MS": "1800000"})
         return ["claude", "-p", PROMPT, "--model", model, "--output-format", "text"], env
     if agent == "codex":
         codex_home = home / ".codex"
