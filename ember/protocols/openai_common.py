@@ -37,13 +37,7 @@ def read_sampling(f: Fields, model: ModelInfo, *, logprobs: int | None,
     if max_tokens is None:
         max_tokens, max_tokens_param = f.integer("max_tokens", low=1), "max_tokens"
     values["max_tokens"] = max_tokens
-    for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
-        if f.has(name):
-            values[name] = f.number(name)
-    if f.has("top_k"):
-        values["top_k"] = f.integer("top_k")
-    values["seed"] = f.integer("seed", low=_SEED_RANGE[0], high=_SEED_RANGE[1])
-    values["stop"] = read_stop(f)
+    read_shared_sampling(f, values)
     values["stop_token_ids"] = read_token_ids(f, "stop_token_ids", model.vocab_size)
     values["logit_bias"] = read_logit_bias(f, model.vocab_size)
     values["ignore_eos"] = f.boolean("ignore_eos", False)
@@ -52,6 +46,18 @@ def read_sampling(f: Fields, model: ModelInfo, *, logprobs: int | None,
     values["logprobs"] = logprobs
     names = {"max_tokens": max_tokens_param, **(rename or {})}
     return build_sampling_params(values, names)
+
+
+def read_shared_sampling(f: Fields, values: dict[str, Any]) -> None:
+    """The sampling fields every OpenAI dialect reads alike: temperature, top_p, top_k, min_p, the
+    penalties, seed and stop."""
+    for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
+        if f.has(name):
+            values[name] = f.number(name)
+    if f.has("top_k"):
+        values["top_k"] = f.integer("top_k")
+    values["seed"] = f.integer("seed", low=_SEED_RANGE[0], high=_SEED_RANGE[1])
+    values["stop"] = read_stop(f)
 
 
 def read_stop(f: Fields) -> list[str]:

@@ -21,7 +21,7 @@ from ember.protocols.neutral import (
     ChatPrompt, ChoiceResult, Dialect, GenerationRequest, ModelInfo, ResponseMeta, RunResult, build_sampling_params,
 )
 from ember.protocols.openai_chat_options import REASONING_EFFORTS
-from ember.protocols.openai_common import check_model, read_stop
+from ember.protocols.openai_common import check_model, read_shared_sampling
 from ember.protocols.reasoning_seal import ReasoningSeal
 from ember.protocols.responses_items import new_item_id, read_input, to_messages
 from ember.protocols.responses_tools import ToolRef, read_tool_choice, read_tools, unwrap_call
@@ -31,7 +31,6 @@ from ember.types import FinishReason, GenerationOutput
 
 ENCRYPTED_REASONING = "reasoning.encrypted_content"
 MAX_METADATA = 16
-_SEED_RANGE = (-(1 << 63), (1 << 64) - 1)
 # Create fields ember understands and cannot honour, and what to say.
 _REFUSED = {
     "conversation": "conversations are not supported; continue with previous_response_id",
@@ -211,13 +210,7 @@ def read_service_tier(f: Fields) -> str:
 def read_sampling(f: Fields, model: ModelInfo):
     values: dict[str, Any] = dict(model.sampling_defaults)
     values["max_tokens"] = f.integer("max_output_tokens", low=1)
-    for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
-        if f.has(name):
-            values[name] = f.number(name)
-    if f.has("top_k"):
-        values["top_k"] = f.integer("top_k")
-    values["seed"] = f.integer("seed", low=_SEED_RANGE[0], high=_SEED_RANGE[1])
-    values["stop"] = read_stop(f)
+    read_shared_sampling(f, values)
     return build_sampling_params(values, {"max_tokens": "max_output_tokens"})
 
 
