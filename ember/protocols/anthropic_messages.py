@@ -20,7 +20,7 @@ from ember.protocols.chat_reply import AUTO, FUNCTION, NONE, REQUIRED, ChatOptio
 from ember.protocols.errors import unsupported
 from ember.protocols.fields import Fields, as_string, json_type
 from ember.protocols.neutral import ChatPrompt, Dialect, GenerationRequest, ModelInfo, build_sampling_params
-from ember.protocols.openai_chat_options import MAX_TOOLS, _TOOL_NAME
+from ember.protocols.chat_reply import TOOL_NAME, tool_items
 from ember.protocols.structured import GrammarSpec, check_grammar_with_tools, read_flat_format
 
 BILLING_HEADER = "x-anthropic-billing-header:"
@@ -328,11 +328,7 @@ def clear_old_thinking(f: Fields, messages: list[dict[str, Any]]) -> None:
 # ---- tools ------------------------------------------------------------------------------------------
 
 def read_tools(f: Fields) -> list[ToolSpec]:
-    items = f.array("tools")
-    if not items:
-        return []
-    if len(items) > MAX_TOOLS:
-        raise InvalidRequest(f"tools holds {len(items)} tools; at most {MAX_TOOLS} are allowed", param="tools")
+    items = tool_items(f)
     specs: list[ToolSpec] = []
     for i, raw in enumerate(items):
         tool = Fields(raw, f"tools[{i}]")
@@ -341,7 +337,7 @@ def read_tools(f: Fields) -> list[ToolSpec]:
             raise unsupported(tool.at("type"), f"{tool.path} is a '{kind}' tool, which runs on Anthropic's servers; "
                                                "ember calls client tools only (name, description, input_schema)")
         name = tool.string("name")
-        if name is None or not _TOOL_NAME.fullmatch(name):
+        if name is None or not TOOL_NAME.fullmatch(name):
             raise InvalidRequest(f"{tool.at('name')} must be 1 to 128 letters, digits, '_', '-', '.' or ':'",
                                  param=tool.at("name"))
         if any(s.name == name for s in specs):

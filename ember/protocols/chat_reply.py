@@ -4,16 +4,31 @@ each choice and, where the reply must be steered, a token constraint."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from ember.errors import InvalidRequest
 from ember.parsers.constraint import ForcedCall, ReplyConstraint
 from ember.parsers.events import ThinkMarkers, ToolSpec
 from ember.parsers.reply import ReplyFormat, ReplyParser
 from ember.parsers.tool_format import ToolFormat
 
 AUTO, NONE, REQUIRED, FUNCTION = "auto", "none", "required", "function"
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
+MAX_TOOLS = 128
+TOOL_NAME = re.compile(r"[A-Za-z0-9_.:\-]{1,128}")  # what every dialect accepts as a tool's name
+
+
+def tool_items(f) -> list:
+    """The raw entries of a request's `tools` array (empty when absent), at most MAX_TOOLS."""
+    items = f.array("tools")
+    if not items:
+        return []
+    if len(items) > MAX_TOOLS:
+        raise InvalidRequest(f"tools holds {len(items)} tools; at most {MAX_TOOLS} are allowed", param="tools")
+    return items
 
 
 @dataclass(frozen=True, slots=True)

@@ -11,19 +11,15 @@
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
 from ember.errors import InvalidRequest
 from ember.parsers.events import ToolSpec
-from ember.protocols.chat_reply import AUTO, FUNCTION, NONE, REQUIRED, ChatOptions
+from ember.protocols.chat_reply import AUTO, FUNCTION, NONE, REQUIRED, REASONING_EFFORTS, TOOL_NAME, ChatOptions, tool_items
 from ember.protocols.errors import unsupported
 from ember.protocols.fields import Fields, json_type
 from ember.protocols.neutral import ModelInfo
 
-REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
-MAX_TOOLS = 128
-_TOOL_NAME = re.compile(r"[A-Za-z0-9_.:\-]{1,128}")
 
 
 def read_chat_options(f: Fields, template_kwargs: dict[str, Any], model: ModelInfo) -> ChatOptions:
@@ -41,11 +37,7 @@ def read_chat_options(f: Fields, template_kwargs: dict[str, Any], model: ModelIn
 
 
 def read_tools(f: Fields) -> list[ToolSpec]:
-    items = f.array("tools")
-    if not items:
-        return []
-    if len(items) > MAX_TOOLS:
-        raise InvalidRequest(f"tools holds {len(items)} tools; at most {MAX_TOOLS} are allowed", param="tools")
+    items = tool_items(f)
     specs: list[ToolSpec] = []
     for i, raw in enumerate(items):
         tool = Fields(raw, f"tools[{i}]")
@@ -57,7 +49,7 @@ def read_tools(f: Fields) -> list[ToolSpec]:
         if function is None:
             raise InvalidRequest(f"{tool.at('function')} is required", param=tool.at("function"))
         name = function.string("name")
-        if name is None or not _TOOL_NAME.fullmatch(name):
+        if name is None or not TOOL_NAME.fullmatch(name):
             raise InvalidRequest(f"{function.at('name')} must be 1 to 128 letters, digits, '_', '-', '.' or ':'",
                                  param=function.at("name"))
         if any(s.name == name for s in specs):

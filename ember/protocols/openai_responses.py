@@ -20,7 +20,7 @@ from ember.protocols.fields import Fields
 from ember.protocols.neutral import (
     ChatPrompt, ChoiceResult, Dialect, GenerationRequest, ModelInfo, ResponseMeta, RunResult, build_sampling_params,
 )
-from ember.protocols.openai_chat_options import REASONING_EFFORTS
+from ember.protocols.chat_reply import REASONING_EFFORTS
 from ember.protocols.openai_common import check_model, read_shared_sampling
 from ember.protocols.reasoning_seal import ReasoningSeal
 from ember.protocols.responses_items import new_item_id, read_input, to_messages

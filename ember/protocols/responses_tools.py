@@ -16,24 +16,21 @@ from __future__ import annotations
 
 import json
 import logging
-import re
 from dataclasses import dataclass, field
 from typing import Any
 
 from ember.errors import InvalidRequest
 from ember.parsers.events import ToolSpec
-from ember.protocols.chat_reply import AUTO, FUNCTION, NONE, REQUIRED
+from ember.protocols.chat_reply import AUTO, FUNCTION, NONE, REQUIRED, TOOL_NAME, tool_items
 from ember.protocols.errors import unsupported
 from ember.protocols.fields import Fields, json_type
 from ember.protocols.responses_items import visible_name
 
 logger = logging.getLogger("ember.server")
 
-MAX_TOOLS = 128
 HOSTED_TOOLS = ("web_search", "web_search_preview", "web_search_preview_2025_03_11", "web_search_2025_08_26",
                 "file_search", "computer", "computer_use", "computer_use_preview", "code_interpreter",
                 "image_generation", "mcp", "local_shell", "shell", "apply_patch", "tool_search")
-_TOOL_NAME = re.compile(r"[A-Za-z0-9_.:\-]{1,128}")
 _CUSTOM_INPUT = "input"
 
 
@@ -55,13 +52,8 @@ class ResponsesTools:
 
 
 def read_tools(f: Fields) -> ResponsesTools:
-    items = f.array("tools")
     result = ResponsesTools()
-    if not items:
-        return result
-    if len(items) > MAX_TOOLS:
-        raise InvalidRequest(f"tools holds {len(items)} tools; at most {MAX_TOOLS} are allowed", param="tools")
-    for i, raw in enumerate(items):
+    for i, raw in enumerate(tool_items(f)):
         tool = Fields(raw, f"tools[{i}]")
         kind = tool.string("type")
         if kind == "function":
@@ -86,7 +78,7 @@ def read_tools(f: Fields) -> ResponsesTools:
 
 def _name(tool: Fields) -> str:
     name = tool.string("name")
-    if name is None or not _TOOL_NAME.fullmatch(name):
+    if name is None or not TOOL_NAME.fullmatch(name):
         raise InvalidRequest(f"{tool.at('name')} must be 1 to 128 letters, digits, '_', '-', '.' or ':'",
                              param=tool.at("name"))
     return name
