@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ember.errors import ModelLoadError
@@ -37,6 +37,23 @@ class ModelConfig:
             raise ModelLoadError(
                 f"num_attention_heads ({self.num_attention_heads}) is not a multiple of "
                 f"num_key_value_heads ({self.num_key_value_heads})")
+
+    def with_rope_scaling(self, scaling: dict[str, Any]) -> "ModelConfig":
+        """This config with rotary positions stretched by `scaling`, as a user asks to serve a longer window.
+
+        `factor` (above 1) stretches the model's trained length, or `original_max_position_embeddings`
+        when given; the product becomes the new trained length. Types: linear (every frequency divided
+        by the factor) and yarn (low frequencies interpolated, high ones kept, attention rescaled).
+        EngineConfig has checked `scaling`.
+        """
+        kind = scaling.get("rope_type", scaling.get("type"))
+        original = scaling.get("original_max_position_embeddings", self.max_position_embeddings)
+        if self.rope_scaling:
+            logger.warning("rope_scaling %s replaces the model's own %s", scaling, self.rope_scaling)
+        scaled = {**scaling, "rope_type": kind, "factor": float(scaling["factor"]),
+                  "original_max_position_embeddings": original}
+        scaled.pop("type", None)
+        return replace(self, rope_scaling=scaled, max_position_embeddings=int(original * scaled["factor"]))
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any]) -> "ModelConfig":
@@ -87,7 +104,10 @@ class ModelConfig:
 class EngineConfig:
     """How the engine runs: memory, batch limits, caching, dtype and device."""
 
-    max_model_len: int | None = None  # None: the model's trained length
+    max_model_len: int | None = None  # None: the model's trained length (as stretched by rope_scaling)
+    # Overrides the model's rotary scaling, to serve past its trained length: e.g.
+    # {"rope_type": "yarn", "factor": 4.0} (linear and yarn; see ModelConfig.with_rope_scaling)
+    rope_scaling: dict[str, Any] | None = None
     block_size: int = 16
     num_kv_blocks: int | None = None  # explicit size of the paged KV cache
     kv_cache_tokens: int | None = None  # or: size it to hold this many tokens
@@ -112,3 +132,19 @@ class EngineConfig:
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
+        if self.rope_scaling is not None:
+            _check_rope_scaling(self.rope_scaling)
+
+
+def _check_rope_scaling(scaling: Any) -> None:
+    if not isinstance(scaling, dict):
+        raise ValueError(f"rope_scaling must be a JSON object, got {scaling!r}")
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind not in ("linear", "yarn"):
+        raise ValueError(f"rope_scaling needs rope_type linear or yarn, got {kind!r}")
+    factor = scaling.get("factor")
+    if isinstance(factor, bool) or not isinstance(factor, (int, float)) or factor <= 1:
+        raise ValueError(f"rope_scaling needs a factor above 1, got {factor!r}")
+    original = scaling.get("original_max_position_embeddings", 1)
+    if isinstance(original, bool) or not isinstance(original, int) or original < 1:
+        raise ValueError(f"rope_scaling original_max_position_embeddings must be a positive integer, got {original!r}")

@@ -2,9 +2,16 @@
 
 Every sequence attends only to its own keys, and padding never changes a result: scores are
 masked to -inf, softmax runs in float32 and padded probabilities are exact zeros. With matmuls
-kept to the row tile (see models.layers), a sequence's output is the same alone or inside any
-batch. What still moves results in bfloat16 is the number of keys in one call: a prompt
-prefilled in other chunks can round differently in the last bits.
+kept to the row tile (see models.layers) and prefill in fixed tiles and key blocks (PrefillSeq),
+a sequence's output is the same alone or inside any batch, however its prompt was chunked. What
+still moves results in bfloat16 is a token decoded in one step and recomputed in a prefill later
+(after a preemption): the two paths round differently in the last bits.
+
+On CPU, a decoding sequence with more than LONG_DECODE_CHUNK keys does not join the padded
+batch, whose gather would copy its whole KV at every layer and step: its keys are read in fixed
+logical chunks of that size, in place where the chunk's blocks are consecutive (the block
+manager hands out runs) and gathered only where they are not. The chunks depend on the
+sequence's length alone, never on where its blocks lie, so neither do its results.
 """
 
 from __future__ import annotations
@@ -12,11 +19,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from ember.models.layers import row_tile
-
-# Query rows x key columns per score tile for long prefills: bounds the float32 scores tensor.
-_MAX_SCORE_ELEMENTS = 1 << 24
 
 
 @dataclass(slots=True)
@@ -28,14 +33,97 @@ class DecodeGroup:
     key_mask: torch.Tensor  # (1, B, 1, max_blocks * block_size) True where a key exists
 
 
+# Keys per chunk of a long decode: one fused attention call per layer and run of chunks.
+LONG_DECODE_CHUNK = 2048
+
+# (out, logsumexp, ...) of softmax attention without a mask, reading strided inputs in place; a
+# torch internal, so a build without it decodes every sequence in the padded batch instead.
+_flash_cpu = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+
+@dataclass(slots=True)
+class LongDecode:
+    """One sequence adding one token over more than LONG_DECODE_CHUNK keys.
+
+    Its keys, in order, are cut into logical chunks of LONG_DECODE_CHUNK (the last one shorter).
+    Each piece covers `count` chunks: cache slots [start, stop) when their blocks are consecutive
+    (a run of whole chunks is one piece), else one chunk's (keys,) slot indices, to gather.
+    """
+
+    row: int  # its row in the step's flat token batch
+    pieces: list[tuple[slice | torch.Tensor, int]]
+
+
+def long_decode_available() -> bool:
+    return _flash_cpu is not None
+
+
+def long_decode(row: int, block_ids: list[int], length: int, block_size: int, device: torch.device,
+                chunk: int = LONG_DECODE_CHUNK) -> LongDecode:
+    """The pieces of a sequence attending to `length` keys (its new token's included)."""
+    pieces: list[tuple[slice | torch.Tensor, int]] = []
+    for lo in range(0, length, chunk):
+        hi = min(length, lo + chunk)
+        blocks = block_ids[lo // block_size: -(-hi // block_size)]
+        start = blocks[0] * block_size
+        if blocks != list(range(blocks[0], blocks[0] + len(blocks))):
+            slots = (torch.tensor(blocks)[:, None] * block_size + torch.arange(block_size)).flatten()
+            pieces.append((slots[:hi - lo].to(device, non_blocking=True), 1))
+        elif hi - lo == chunk and pieces and isinstance(pieces[-1][0], slice) and pieces[-1][0].stop == start:
+            run, count = pieces[-1]  # only the last chunk is ever short, so a run holds whole chunks
+            pieces[-1] = (slice(run.start, start + chunk), count + 1)
+        else:
+            pieces.append((slice(start, start + hi - lo), 1))
+    return LongDecode(row, pieces)
+
+
+# Exact prefill (batch-invariant mode): query rows go through the flash kernel in tiles of the
+# linears' row tile, keys in whole blocks of _KEY_BLOCK, so a row's arithmetic never depends on
+# how its prompt was cut into chunks or how much of it came from the prefix cache.
+_KEY_BLOCK = 512  # the CPU flash kernel's key split once there are that many keys
+
+
 @dataclass(slots=True)
 class PrefillSeq:
-    """One sequence adding several tokens: rows [begin, end) of the flat batch."""
+    """One sequence adding several tokens: rows [begin, end) of the flat batch.
+
+    Exact mode: key_slots is padded with the null block's slot 0 to a multiple of _KEY_BLOCK and
+    mask is (tiles, 1, row tile, keys); else mask is (n, keys), or None for plain causal.
+    """
 
     begin: int
     end: int
-    start_pos: int  # absolute position of the first new token
-    key_slots: torch.Tensor  # (start_pos + end - begin,) cache slots of every key it sees
+    key_slots: torch.Tensor  # (keys,) cache slots of every key it sees
+    mask: torch.Tensor | None  # additive, 0 where a new token sees a key, -inf elsewhere
+    exact: bool
+
+
+def prefill_seq(begin: int, start_pos: int, key_slots: torch.Tensor, dtype: torch.dtype,
+                device: torch.device) -> PrefillSeq:
+    """key_slots: (L,) every key's slot, the n = L - start_pos new tokens' included. Built once per
+    step; every layer shares it. Exact when batch invariance is on (see models.layers)."""
+    tile = row_tile()
+    exact = tile is not None
+    total = key_slots.shape[0]
+    n = total - start_pos
+    if not exact:
+        if start_pos == 0:
+            return PrefillSeq(begin, begin + n, key_slots.to(device), None, False)
+        mask = _causal_mask(start_pos, n, total, n, dtype, device)
+        return PrefillSeq(begin, begin + n, key_slots.to(device), mask, False)
+    padded = -(-total // _KEY_BLOCK) * _KEY_BLOCK
+    key_slots = torch.cat((key_slots, key_slots.new_zeros(padded - total)))
+    rows = -(-n // tile) * tile
+    mask = _causal_mask(start_pos, rows, padded, n, dtype, device).view(-1, 1, tile, padded)
+    return PrefillSeq(begin, begin + n, key_slots.to(device), mask, True)
+
+
+def _causal_mask(start_pos: int, rows: int, keys: int, n: int, dtype: torch.dtype,
+                 device: torch.device) -> torch.Tensor:
+    """(rows, keys) additive mask; rows past the n new tokens repeat the last one's."""
+    query_pos = torch.arange(start_pos, start_pos + rows, device=device).clamp(max=start_pos + n - 1)
+    hidden = torch.arange(keys, device=device)[None, :] > query_pos[:, None]
+    return torch.zeros(hidden.shape, dtype=dtype, device=device).masked_fill_(hidden, float("-inf"))
 
 
 class KVCache:
@@ -63,25 +151,28 @@ class PagedAttention:
     """The attention handle a model sees for one step: `attend(layer, q, k, v)`."""
 
     def __init__(self, cache: KVCache, slot_mapping: torch.Tensor, decode: DecodeGroup | None,
-                 prefills: list[PrefillSeq]) -> None:
+                 prefills: list[PrefillSeq], long_decodes: list[LongDecode] = ()) -> None:
         self.cache = cache
         self.slot_mapping = slot_mapping  # (T,) where each new token's K/V goes
         self.decode = decode
         self.prefills = prefills
+        self.long_decodes = long_decodes
 
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q: (T, H, D); k, v: (T, KVH, D) -> (T, H, D)."""
         k_cache, v_cache = self.cache.tensor[layer_idx]  # (KVH, slots, D) each
         k_cache.index_copy_(1, self.slot_mapping, k.transpose(0, 1))
         v_cache.index_copy_(1, self.slot_mapping, v.transpose(0, 1))
-        if self.decode is not None and not self.prefills:
+        if self.decode is not None and not self.prefills and not self.long_decodes:
             return self._decode(q, k_cache, v_cache)
         out = torch.empty_like(q)
         if self.decode is not None:
             out[self.decode.token_index] = self._decode(q[self.decode.token_index], k_cache, v_cache)
+        for seq in self.long_decodes:
+            out[seq.row] = _long_decode(q[seq.row], k_cache, v_cache, seq)
         for seq in self.prefills:
             out[seq.begin:seq.end] = _prefill(q[seq.begin:seq.end], k_cache[:, seq.key_slots],
-                                              v_cache[:, seq.key_slots], seq.start_pos)
+                                              v_cache[:, seq.key_slots], seq)
         return out
 
     def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
@@ -104,29 +195,48 @@ class PagedAttention:
         return out.view(kv_heads, batch, -1, head_dim).transpose(0, 1).reshape(batch, heads, head_dim)
 
 
-def _prefill(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start_pos: int) -> torch.Tensor:
-    """Causal attention of n new tokens over all L = start_pos + n keys of one sequence.
+def _long_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq: LongDecode) -> torch.Tensor:
+    """One new token over a long sequence, chunk by chunk. q: (H, D) -> (H, D).
 
-    q: (n, H, D); keys, values: (KVH, L, D) -> (n, H, D).
+    Torch's CPU flash kernel reads cache views through their strides (a matmul would copy them
+    first); the G query heads of a KV head are its G query rows, and the chunks of a run are its
+    batch. Chunk outputs are merged by their log-sum-exps in float32.
+    """
+    heads, head_dim = q.shape
+    kv_heads = k_cache.shape[0]
+    grouped_q = q.view(1, kv_heads, heads // kv_heads, head_dim)  # (1, KVH, G, D)
+    outs, lses = [], []
+    for piece, count in seq.pieces:
+        # (KVH, count * keys, D) -> (count, KVH, keys, D)
+        keys = k_cache[:, piece].unflatten(1, (count, -1)).transpose(0, 1)
+        values = v_cache[:, piece].unflatten(1, (count, -1)).transpose(0, 1)
+        out, lse = _flash_cpu(grouped_q.expand(count, -1, -1, -1), keys, values)[:2]
+        outs.append(out)
+        lses.append(lse)
+    weights = torch.softmax(torch.cat(lses), dim=0)  # (chunks, KVH, G): each chunk's share of the mass
+    out = (weights[..., None] * torch.cat(outs).float()).sum(dim=0)  # (KVH, G, D)
+    return out.view(heads, head_dim).to(q.dtype)
+
+
+def _prefill(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, seq: PrefillSeq) -> torch.Tensor:
+    """Causal attention of n new tokens over every key of one sequence, theirs included.
+
+    q: (n, H, D); keys, values: (KVH, keys, D) -> (n, H, D). Fused attention (a flash kernel on
+    CPU) streams over key blocks with an online softmax, so no (n, keys) score matrix is held.
+    The kernel sizes its query blocks by the number of rows, and its last key block by the
+    number of keys; the exact mode fixes both (padded rows are dropped, padded keys masked).
     """
     n, heads, head_dim = q.shape
-    kv_heads, total = keys.shape[0], keys.shape[1]
-    group = heads // kv_heads
-    # One batch entry per query head, so a tile's rows are query positions (up to the row tile).
-    k = keys.repeat_interleave(group, dim=0).transpose(1, 2) if group > 1 else keys.transpose(1, 2)  # (H, D, L)
-    v = values.repeat_interleave(group, dim=0) if group > 1 else values  # (H, L, D)
-    q_by_head = q.transpose(0, 1)  # (H, n, D)
-    out = torch.empty(n, heads, head_dim, dtype=q.dtype, device=q.device)
-    key_pos = torch.arange(total, device=q.device)
-    rows_per_tile = max(1, _MAX_SCORE_ELEMENTS // (heads * total))
-    tile = row_tile()
-    if tile is not None:  # keep each matmul at most `tile` rows, as the linears do
-        rows_per_tile = min(rows_per_tile, tile)
-    for lo in range(0, n, rows_per_tile):
-        hi = min(n, lo + rows_per_tile)
-        scores = torch.bmm(q_by_head[:, lo:hi], k).float() * head_dim ** -0.5  # (H, rows, L)
-        query_pos = torch.arange(start_pos + lo, start_pos + hi, device=q.device)
-        scores.masked_fill_(key_pos[None, :] > query_pos[:, None], float("-inf"))
-        probs = torch.softmax(scores, dim=-1).to(q.dtype)
-        out[lo:hi] = torch.bmm(probs, v).transpose(0, 1)
-    return out
+    gqa = keys.shape[0] != heads
+    if not seq.exact:
+        out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], keys[None], values[None],
+                                             attn_mask=seq.mask, is_causal=seq.mask is None, enable_gqa=gqa)
+        return out[0].transpose(0, 1)
+    count, tile = seq.mask.shape[0], seq.mask.shape[2]
+    tiles = F.pad(q, (0, 0, 0, 0, 0, count * tile - n)).view(count, tile, heads, head_dim).transpose(1, 2)
+    # (count, H, tile, D), every tile reading the same keys
+    out = F.scaled_dot_product_attention(tiles, keys.expand(count, -1, -1, -1), values.expand(count, -1, -1, -1),
+                                         attn_mask=seq.mask, enable_gqa=gqa)
+    return out.transpose(1, 2).reshape(-1, heads, head_dim)[:n]
+
+

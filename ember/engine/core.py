@@ -70,6 +70,8 @@ class EngineCore:
         if config.num_threads and device.type == "cpu":
             torch.set_num_threads(config.num_threads)
         model_config = ModelConfig.from_hf(source.hf_config)
+        if config.rope_scaling:
+            model_config = model_config.with_rope_scaling(config.rope_scaling)
         model = build_model(model_config, dtype, device, config.max_model_len)
         model.load_weights(source.weights())
         if device.type == "cpu" and dtype == torch.bfloat16:

@@ -70,6 +70,9 @@ class AsyncEngine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._ids = itertools.count()
+        # The engine's counters as of its last step or message, published by the engine thread so
+        # that readers (health, metrics) never wait for a step to end.
+        self.latest_stats = core.stats()
         self._handlers = {
             AddRequest: self._handle_add,
             AbortRequest: self._handle_abort,
@@ -166,6 +169,7 @@ class AsyncEngine:
                     message = self._inbox.get_nowait()
                 except queue.Empty:
                     message = None
+            self.latest_stats = core.stats()
             if not core.has_unfinished():
                 continue
             try:
@@ -174,6 +178,7 @@ class AsyncEngine:
                 logger.exception("engine step failed")
                 self.failed = f"{type(exc).__name__}: {exc}"
                 outputs = core.fail_all(self.failed)
+            self.latest_stats = core.stats()
             self._send(outputs)
 
     def _send(self, outputs: list[StepOutput]) -> None:

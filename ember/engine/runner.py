@@ -6,7 +6,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ember.engine.attention import DecodeGroup, KVCache, PagedAttention, PrefillSeq
+from ember.engine.attention import (LONG_DECODE_CHUNK, DecodeGroup, KVCache, LongDecode, PagedAttention, PrefillSeq,
+                                    long_decode, long_decode_available, prefill_seq)
 from ember.engine.sampler import Sampler, SamplingRow
 from ember.engine.scheduler import ScheduledRequest
 from ember.types import TokenLogprob
@@ -58,25 +59,31 @@ class ModelRunner:
         decode_tables: list[list[int]] = []
         decode_lengths: list[int] = []
         prefills: list[PrefillSeq] = []
+        long_decodes: list[LongDecode] = []
+        # On CPU, long sequences decode alone, reading the cache in place (see engine.attention)
+        long_from = LONG_DECODE_CHUNK if self.device.type == "cpu" and long_decode_available() else None
         for item in scheduled:
             request, start, count = item.request, item.start, item.num_new_tokens
             begin = len(token_ids)
             token_ids.extend(request.token_ids[start:start + count])
             positions.extend(range(start, start + count))
-            if count == 1:
-                slots.append(request.block_ids[start // block_size] * block_size + start % block_size)
-                decode_rows.append(begin)
-                decode_tables.append(request.block_ids[: start // block_size + 1])
-                decode_lengths.append(start + 1)
-            else:
+            if count > 1:
                 seq_slots = _slots_of(request.block_ids, start + count, block_size)
                 slots.extend(seq_slots[start:].tolist())
-                prefills.append(PrefillSeq(begin, begin + count, start, seq_slots.to(self.device)))
+                prefills.append(prefill_seq(begin, start, seq_slots, self.cache.tensor.dtype, self.device))
+            else:
+                slots.append(request.block_ids[start // block_size] * block_size + start % block_size)
+                if long_from is not None and start >= long_from:
+                    long_decodes.append(long_decode(begin, request.block_ids, start + 1, block_size, self.device))
+                else:
+                    decode_rows.append(begin)
+                    decode_tables.append(request.block_ids[: start // block_size + 1])
+                    decode_lengths.append(start + 1)
             if item.samples:
                 sample_rows.append(begin + count - 1)
         decode = self._decode_group(decode_rows, decode_tables, decode_lengths) if decode_rows else None
         to_device = lambda values: torch.tensor(values, dtype=torch.long).to(self.device, non_blocking=True)
-        attn = PagedAttention(self.cache, to_device(slots), decode, prefills)
+        attn = PagedAttention(self.cache, to_device(slots), decode, prefills, long_decodes)
         return to_device(token_ids), to_device(positions), sample_rows, attn
 
     def _decode_group(self, rows: list[int], tables: list[list[int]], lengths: list[int]) -> DecodeGroup:

@@ -252,7 +252,8 @@ class RunResult:
         stamps = [c.timings for c in self.choices if c.timings is not None]
         scheduled = _earliest(t.scheduled for t in stamps)
         first = _earliest(t.first_token for t in stamps)
-        finished = _latest(t.finished for t in stamps)
+        # A reply cut short (its client gone) or still running counts its decode up to now.
+        finished = _latest(t.finished for t in stamps) if all(t.finished for t in stamps) else time.time()
         cache_n = self.num_cached_tokens
         prompt_n = max(self.num_prompt_tokens - cache_n, 0)
         predicted_n = self.num_completion_tokens

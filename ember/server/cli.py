@@ -8,6 +8,7 @@ EMBER_CACHE_DIR (where converted GGUF models are cached).
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import socket
@@ -71,6 +72,10 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     engine.add_argument("--max-model-len", type=int, default=None,
                         help="context window in tokens, prompt and output together (default: the model's "
                              "trained length; a larger value is allowed with a warning)")
+    engine.add_argument("--rope-scaling", type=_json_object, default=None, metavar="JSON",
+                        help="stretch the model's rotary positions to serve past its trained length, e.g. "
+                             "'{\"rope_type\": \"yarn\", \"factor\": 4}' (linear or yarn; the trained length "
+                             "times the factor becomes the default window)")
     engine.add_argument("--max-num-seqs", type=int, default=_ENGINE_DEFAULTS.max_num_seqs,
                         help=f"most sequences running at once; further requests wait "
                              f"(default {_ENGINE_DEFAULTS.max_num_seqs})")
@@ -127,7 +132,7 @@ def build_config(args: argparse.Namespace, environ=os.environ) -> ServerConfig:
                           max_num_batched_tokens=args.max_num_batched_tokens,
                           enable_prefix_caching=not args.no_prefix_caching,
                           batch_invariant=not args.no_batch_invariant, dtype=args.dtype, device=args.device,
-                          seed=args.seed)
+                          seed=args.seed, rope_scaling=args.rope_scaling)
     if args.max_request_mb <= 0:
         raise ValueError("--max-request-mb must be positive")
     return ServerConfig(
@@ -139,6 +144,16 @@ def build_config(args: argparse.Namespace, environ=os.environ) -> ServerConfig:
         tool_call_parser=args.tool_call_parser, default_thinking_budget=args.default_thinking_budget,
         log_stats_interval=args.log_stats_interval, response_store_max_records=args.response_store_max_records,
         response_store_max_mb=args.response_store_max_mb, engine=engine)
+
+
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("expected a JSON object")
+    return value
 
 
 def _split(values: list[str]) -> list[str]:

@@ -25,7 +25,6 @@ from ember.server.config import ServerConfig
 logger = logging.getLogger("ember.server")
 
 _SAMPLING_DEFAULTS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
-_STATS_TIMEOUT_S = 2.0
 _PROMPT_TAIL_TOKENS = 16  # enough to see whether the prompt leaves a think block open
 
 
@@ -210,11 +209,7 @@ class ServerState:
         return self.loaded.tokenizer.decode(token_ids)
 
     async def engine_stats(self) -> dict[str, Any] | None:
-        """The engine's counters (read between steps), or None when it does not answer in time."""
+        """The engine's counters as of its last step: answered at once, even while a step runs."""
         if self.status != "ok":
             return None
-        try:
-            stats = await asyncio.wait_for(self.engine.call(lambda core: core.stats()), _STATS_TIMEOUT_S)
-        except Exception:
-            return None
-        return asdict(stats) if hasattr(stats, "__dataclass_fields__") else dict(stats)
+        return asdict(self.engine.latest_stats)

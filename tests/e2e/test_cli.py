@@ -13,7 +13,7 @@ from ember.server.cli import add_serve_parser, build_config
 FLAGS = ["--host", "--port", "--served-model-name", "--api-key", "--max-model-len", "--max-num-seqs",
          "--max-num-batched-tokens", "--max-pending", "--pending-timeout", "--max-request-mb", "--cors-origins",
          "--no-prefix-caching", "--dtype", "--seed", "--chat-template", "--default-max-tokens", "--log-level",
-         "--request-log", "--log-stats-interval"]
+         "--request-log", "--log-stats-interval", "--rope-scaling"]
 
 
 def parse(*argv: str) -> argparse.Namespace:
@@ -52,10 +52,20 @@ def test_settings_from_flags_and_environment(tmp_path):
     assert config.chat_template == "{{ messages[0]['content'] }}"
     assert build_config(parse("--host", "0.0.0.0", "--allow-no-api-key"), environ={}).api_key is None
     assert build_config(parse("--host", "::1"), environ={}).host == "::1"
+    yarn = build_config(parse("--rope-scaling", '{"rope_type": "yarn", "factor": 4}'), environ={})
+    assert yarn.engine.rope_scaling == {"rope_type": "yarn", "factor": 4}
+
+
+def test_rope_scaling_that_is_not_a_json_object_is_a_usage_error(capsys):
+    for text in ("yarn", "[4]"):
+        with pytest.raises(SystemExit):
+            parse("--rope-scaling", text)
+        assert "--rope-scaling" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("argv", [["--host", "192.168.1.5"], ["--chat-template", "/no/such/file"],
-                                  ["--max-request-mb", "0"], ["--log-stats-interval", "-1"]])
+                                  ["--max-request-mb", "0"], ["--log-stats-interval", "-1"],
+                                  ["--rope-scaling", '{"rope_type": "yarn", "factor": 0.5}']])
 def test_bad_settings_are_refused_with_a_message(argv):
     with pytest.raises(ValueError):
         build_config(parse(*argv), environ={})

@@ -1,6 +1,7 @@
 """The asyncio client: concurrent streams, early exit aborts, invariants checked on the engine thread."""
 
 import asyncio
+import threading
 
 import pytest
 
@@ -77,3 +78,25 @@ def test_a_call_its_caller_gave_up_on_leaves_the_engine_running(llm):
     last, stats, failed = asyncio.run(main())
     assert last.finished and len(last.token_ids) == 40
     assert failed is None and stats.num_running == 0
+
+
+def test_published_statistics_are_current_after_each_step_and_readable_while_the_thread_is_busy(llm):
+    async def main():
+        engine = AsyncEngine(llm.engine, llm.tokenizer)
+        engine.start()
+        before = engine.latest_stats.generation_tokens
+        params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+        async for _ in engine.generate(llm.tokenizer.encode("The river runs"), params):
+            pass
+        release = threading.Event()
+        held = asyncio.ensure_future(engine.call(lambda core: release.wait(30)))  # a step that does not end
+        await asyncio.sleep(0.1)
+        during = engine.latest_stats  # read with no help from the engine thread
+        release.set()
+        await held
+        engine.shutdown()
+        return before, during
+
+    before, during = asyncio.run(main())
+    assert during.generation_tokens == before + 12
+    assert during.num_running == 0 and during.kv_blocks_used == 0

@@ -30,18 +30,47 @@ PROMPTS = [
 ]
 
 
-def test_greedy_matches_transformers_on_default_model(llm_fp32):
+def _reference_model(llm, **config):
+    """transformers' model on the same GGUF file, in float32."""
     transformers = pytest.importorskip("transformers")
-    source = llm_fp32.source
-    reference = transformers.AutoModelForCausalLM.from_pretrained(
-        str(Path(source.path).parent), gguf_file=Path(source.path).name, dtype=torch.float32).eval()
+    path = Path(llm.source.path)
+    return transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                             dtype=torch.float32, **config).eval()
+
+
+def _greedy_pair(llm, reference, chat, max_tokens: int) -> tuple[list[int], list[int]]:
+    """(ember's greedy tokens, transformers' greedy tokens) for one chat."""
+    prompt = llm.encode_prompt(chat)
+    ours = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=max_tokens))[0]
+    with torch.no_grad():
+        theirs = reference.generate(torch.tensor([prompt]), max_new_tokens=max_tokens, do_sample=False,
+                                    eos_token_id=sorted(llm.engine.eos_token_ids), pad_token_id=0)
+    return ours.token_ids, theirs[0, len(prompt):].tolist()
+
+
+def test_greedy_matches_transformers_on_default_model(llm_fp32):
+    reference = _reference_model(llm_fp32)
     for chat in CHATS:
-        prompt = llm_fp32.encode_prompt(chat)
-        ours = llm_fp32.generate([prompt], SamplingParams(temperature=0.0, max_tokens=32))[0]
-        with torch.no_grad():
-            theirs = reference.generate(torch.tensor([prompt]), max_new_tokens=32, do_sample=False,
-                                        eos_token_id=sorted(llm_fp32.engine.eos_token_ids), pad_token_id=0)
-        assert ours.token_ids == theirs[0, len(prompt):].tolist()
+        ours, theirs = _greedy_pair(llm_fp32, reference, chat, 32)
+        assert ours == theirs
+
+
+def test_rope_scaling_override_stretches_the_window_and_matches_transformers(llm_fp32):
+    from ember.llm import LLM
+    yarn = {"rope_type": "yarn", "factor": 4.0}
+    llm = LLM(dtype="float32", rope_scaling=yarn, kv_cache_tokens=4096)
+    assert llm.engine.max_model_len == 4 * 8192  # SmolLM2-135M's trained length, times the factor
+    reference = _reference_model(llm, max_position_embeddings=4 * 8192, rope_scaling={
+        **yarn, "original_max_position_embeddings": 8192, "rope_theta": llm.engine.model_config.rope_theta})
+    assert reference.config.rope_parameters["rope_type"] == "yarn"
+    changed = 0
+    for chat in CHATS[:2]:
+        ours, theirs = _greedy_pair(llm, reference, chat, 24)
+        assert ours == theirs
+        plain = llm_fp32.generate([llm_fp32.encode_prompt(chat)], SamplingParams(temperature=0.0, max_tokens=24))[0]
+        changed += ours != plain.token_ids
+    assert changed  # the stretched positions do change what the model says
+    llm.engine.check_invariants()
 
 
 def _greedy(n):
@@ -75,18 +104,23 @@ def test_prefix_cache_serves_shared_prefix(llm):
     suffix_b = llm.tokenizer.encode(" Summarise this list in one word.")
     first = llm.generate([prefix + suffix_a], _greedy(16))[0]
     assert first.num_cached_tokens == 0
-    second = llm.generate([prefix + suffix_b], _greedy(16))[0]
+    with_logprobs = SamplingParams(temperature=0.0, max_tokens=16, logprobs=0)
+    second = llm.generate([prefix + suffix_b], with_logprobs)[0]
     block = engine.config.block_size
     assert second.num_cached_tokens == 200 // block * block
 
+    # The same bits with no cache: each query row runs over all its keys in one pass, however
+    # much of the prompt came from the cache.
     uncached = _sibling_engine(engine, enable_prefix_caching=False)
-    uncached.add_request("x", prefix + suffix_b, _greedy(16))
-    tokens = []
+    uncached.add_request("x", prefix + suffix_b, with_logprobs)
+    tokens, logprobs = [], []
     while uncached.has_unfinished():
         for out in uncached.step():
             tokens += out.new_token_ids
+            logprobs += [lp.logprob for lp in out.logprobs or []]
             assert out.num_cached_tokens == 0
     assert tokens == second.token_ids
+    assert logprobs == [lp.logprob for lp in second.logprobs]
     uncached.check_invariants()
 
 

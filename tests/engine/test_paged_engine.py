@@ -58,7 +58,10 @@ def test_logprobs_match_transformers_through_paged_cache():
             assert lp.logprob == pytest.approx(float(expected[token]), rel=1e-4, abs=1e-4)
 
 
-def test_preemption_and_mixed_batches_give_identical_tokens():
+@pytest.mark.parametrize("long_decode_chunk", [None, 8], ids=["batched-decode", "long-decodes-in-chunks-of-8"])
+def test_preemption_and_mixed_batches_give_identical_tokens(long_decode_chunk, monkeypatch):
+    if long_decode_chunk:  # most sequences here decode past 8 keys: the chunked path, blocks scattered
+        monkeypatch.setattr("ember.engine.runner.LONG_DECODE_CHUNK", long_decode_chunk)
     reference = _tiny_llama()
     torch.manual_seed(2)
     prompts = [torch.randint(0, 256, (n,)).tolist() for n in (30, 7, 22, 13, 40, 9)]
@@ -71,6 +74,11 @@ def test_preemption_and_mixed_batches_give_identical_tokens():
     together, _ = _run(tight, prompts, params)
     assert tight.stats().num_preemptions > 0
     assert together == alone
+
+
+def test_long_decodes_in_chunks_match_transformers(monkeypatch):
+    monkeypatch.setattr("ember.engine.runner.LONG_DECODE_CHUNK", 8)
+    test_logprobs_match_transformers_through_paged_cache()
 
 
 def test_prefill_progress_outputs_are_opt_in():

@@ -148,6 +148,32 @@ def test_lru_evicts_least_recently_freed_and_chain_tails_first(make_kv):
     assert kv.get_computed_blocks(make_request("b_again", range(100, 109))) == ([4, 5], 8)
 
 
+def test_a_growing_request_takes_the_block_after_its_last_when_that_one_is_plain_and_free(make_kv):
+    kv = make_kv(num_blocks=12)
+    a, b = make_request("a", range(40)), make_request("b", range(40))
+    assert kv.allocate_slots(a, 8) and kv.allocate_slots(b, 4)
+    assert a.block_ids == [1, 2] and b.block_ids == [3]
+    a.num_computed_tokens = 8
+    assert kv.allocate_slots(a, 8)  # block 3 is b's: a starts a new run from the queue's front
+    b.num_computed_tokens = 4
+    assert kv.allocate_slots(b, 8)  # block 4 went to a, so b's run restarts too
+    a.num_computed_tokens = 16
+    assert kv.allocate_slots(a, 8)
+    assert a.block_ids == [1, 2, 4, 5, 8, 9] and b.block_ids == [3, 6, 7]
+    assert kv.free_block_ids == [10, 11]
+
+
+def test_the_next_block_is_not_taken_out_of_turn_when_it_holds_a_cached_prefix(make_kv):
+    kv = make_kv()
+    a = make_request("a", range(8))
+    admit_and_compute(kv, a)
+    kv.free(a)  # blocks 1 and 2 stay cached; plain blocks 3..7 come first
+    e = make_request("e", [0, 1, 2, 3, 90, 91, 92, 93, 94])
+    assert admit_and_compute(kv, e) == [1]
+    assert e.block_ids == [1, 3, 4]  # block 2 (a's second block) stays cached
+    assert kv.get_computed_blocks(make_request("a_again", range(9))) == ([1, 2], 8)
+
+
 def test_plain_free_blocks_are_reused_before_cached_ones(make_kv):
     kv = make_kv()
     a = make_request("a", range(10))
