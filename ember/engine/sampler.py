@@ -7,6 +7,7 @@ keeps it reproducible across batches, preemptions and restarts.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -161,18 +162,14 @@ def _apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int],
             logits[i] = torch.zeros_like(logits[i]).masked_fill(~allowed, float("-inf"))
 
 
-_KERNEL: list = []
-
-
+@functools.cache
 def _bitmask_kernel():
     """xgrammar's apply_token_bitmask_inplace (a native kernel, ~4x the torch ops here) when installed."""
-    if not _KERNEL:
-        try:
-            from xgrammar import apply_token_bitmask_inplace
-        except ImportError:
-            apply_token_bitmask_inplace = None
-        _KERNEL.append(apply_token_bitmask_inplace)
-    return _KERNEL[0]
+    try:
+        from xgrammar import apply_token_bitmask_inplace
+    except ImportError:
+        return None
+    return apply_token_bitmask_inplace
 
 
 def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:

@@ -104,14 +104,19 @@ def read_flat_format(fmt: Fields, *, allow_text: bool = True, allow_json_object:
         return None
     if kind == JSON_OBJECT:
         return json_object_spec(fmt.path)
-    fmt.string("name")
-    fmt.string("description")
-    fmt.boolean("strict")
-    schema = fmt.raw("schema")
+    return _read_json_schema(fmt)
+
+
+def _read_json_schema(spec: Fields) -> GrammarSpec:
+    """{"name", "description", "strict", "schema"}: the schema is required, the rest checked for type."""
+    spec.string("name")
+    spec.string("description")
+    spec.boolean("strict")
+    schema = spec.raw("schema")
     if schema is None:
-        raise InvalidRequest(f"{fmt.at('schema')} is required: the JSON schema the reply must match",
-                             param=fmt.at("schema"))
-    return json_schema_spec(schema, fmt.at("schema"))
+        raise InvalidRequest(f"{spec.at('schema')} is required: the JSON schema the reply must match",
+                             param=spec.at("schema"))
+    return json_schema_spec(schema, spec.at("schema"))
 
 
 def check_grammar_with_tools(grammar: GrammarSpec | None, tool_choice: str, tool_choice_param: str = "tool_choice"
@@ -166,14 +171,7 @@ def read_response_format(rf: Fields) -> GrammarSpec | None:
     spec = rf.object("json_schema")
     if spec is None:
         raise InvalidRequest(f"{rf.at('json_schema')} is required for type json_schema", param=rf.at("json_schema"))
-    spec.string("name")
-    spec.string("description")
-    spec.boolean("strict")
-    schema = spec.raw("schema")
-    if schema is None:
-        raise InvalidRequest(f"{spec.at('schema')} is required: the JSON schema the reply must match",
-                             param=spec.at("schema"))
-    return json_schema_spec(schema, spec.at("schema"))
+    return _read_json_schema(spec)
 
 
 def _read_structured_outputs(so: Fields) -> GrammarSpec | None:

@@ -7,6 +7,7 @@ import transformers
 
 from ember import SamplingParams
 from ember.config import EngineConfig, ModelConfig
+from ember.engine import runner
 from ember.engine.core import EngineCore, build_model
 
 
@@ -41,7 +42,9 @@ def _run(engine: EngineCore, prompts, params):
     return [tokens[str(i)] for i in range(len(prompts))], [logprobs[str(i)] for i in range(len(prompts))]
 
 
-def test_logprobs_match_transformers_through_paged_cache():
+@pytest.mark.parametrize("long_decode_chunk", [None, 8], ids=["batched-decode", "long-decodes-in-chunks-of-8"])
+def test_logprobs_match_transformers_through_paged_cache(long_decode_chunk, monkeypatch):
+    long_decodes = _count_long_decodes(monkeypatch, long_decode_chunk)
     reference = _tiny_llama()
     engine = _engine(reference, torch.float32)
     torch.manual_seed(1)
@@ -56,12 +59,27 @@ def test_logprobs_match_transformers_through_paged_cache():
             expected = ref[len(prompt) - 1 + step]
             assert token == int(expected.argmax())
             assert lp.logprob == pytest.approx(float(expected[token]), rel=1e-4, abs=1e-4)
+    assert (long_decodes[0] > 0) == bool(long_decode_chunk)
+
+
+def _count_long_decodes(monkeypatch, chunk: int | None) -> list[int]:
+    """With a chunk, sequences decode past `chunk` keys on the chunked path; the count says how often."""
+    calls = [0]
+    real = runner.long_decode
+
+    def counted(*args, **kwargs):
+        calls[0] += 1
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(runner, "long_decode", counted)
+    if chunk:
+        monkeypatch.setattr(runner, "LONG_DECODE_CHUNK", chunk)
+    return calls
 
 
 @pytest.mark.parametrize("long_decode_chunk", [None, 8], ids=["batched-decode", "long-decodes-in-chunks-of-8"])
 def test_preemption_and_mixed_batches_give_identical_tokens(long_decode_chunk, monkeypatch):
-    if long_decode_chunk:  # most sequences here decode past 8 keys: the chunked path, blocks scattered
-        monkeypatch.setattr("ember.engine.runner.LONG_DECODE_CHUNK", long_decode_chunk)
+    long_decodes = _count_long_decodes(monkeypatch, long_decode_chunk)  # with 8: blocks scattered by preemption
     reference = _tiny_llama()
     torch.manual_seed(2)
     prompts = [torch.randint(0, 256, (n,)).tolist() for n in (30, 7, 22, 13, 40, 9)]
@@ -74,11 +92,7 @@ def test_preemption_and_mixed_batches_give_identical_tokens(long_decode_chunk, m
     together, _ = _run(tight, prompts, params)
     assert tight.stats().num_preemptions > 0
     assert together == alone
-
-
-def test_long_decodes_in_chunks_match_transformers(monkeypatch):
-    monkeypatch.setattr("ember.engine.runner.LONG_DECODE_CHUNK", 8)
-    test_logprobs_match_transformers_through_paged_cache()
+    assert (long_decodes[0] > 0) == bool(long_decode_chunk)
 
 
 def test_prefill_progress_outputs_are_opt_in():

@@ -50,7 +50,7 @@ def row(constraint=None, **params) -> SamplingRow:
 def kernel(request, monkeypatch):
     """Both ways of applying the bitmask: xgrammar's kernel and the plain torch fallback."""
     if request.param == "torch":
-        monkeypatch.setattr(sampler_module, "_KERNEL", [None])
+        monkeypatch.setattr(sampler_module, "_bitmask_kernel", lambda: None)
     return request.param
 
 
