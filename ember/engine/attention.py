@@ -1,11 +1,13 @@
 """Paged attention over the engine's KV cache: the reference backend, plain torch.
 
 Every sequence attends only to its own keys, and padding never changes a result: scores are
-masked to -inf, softmax runs in float32 and padded probabilities are exact zeros. With matmuls
-kept to the row tile (see models.layers) and prefill in fixed tiles and key blocks (PrefillSeq),
-a sequence's output is the same alone or inside any batch, however its prompt was chunked. What
-still moves results in bfloat16 is a token decoded in one step and recomputed in a prefill later
-(after a preemption): the two paths round differently in the last bits.
+masked to -inf, softmax runs in float32 and padded probabilities are exact zeros. In exact mode
+(the batch-invariant default) no shape a sequence's arithmetic sees depends on its neighbours:
+decoding sequences are grouped by their own padded width, long decodes run chunk by chunk,
+and prefill runs in fixed query tiles and key blocks (PrefillSeq). A sequence's output is then
+the same alone or inside any batch, however its prompt was chunked. What still moves results
+is a token decoded in one step and recomputed in a prefill later (after a preemption): the two
+paths round differently in the last bits.
 
 On CPU, a decoding sequence with more than LONG_DECODE_CHUNK keys does not join the padded
 batch, whose gather would copy its whole KV at every layer and step: its keys are read in fixed
@@ -21,8 +23,6 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ember.models.layers import row_tile
-
 
 @dataclass(slots=True)
 class DecodeGroup:
@@ -33,7 +33,7 @@ class DecodeGroup:
     key_mask: torch.Tensor  # (1, B, 1, max_blocks * block_size) True where a key exists
 
 
-# Keys per chunk of a long decode: one fused attention call per layer and run of chunks.
+# Keys per chunk of a long decode: one fused attention call per layer and chunk (or run of chunks).
 LONG_DECODE_CHUNK = 2048
 
 # (out, logsumexp, ...) of softmax attention without a mask, reading strided inputs in place; a
@@ -59,8 +59,13 @@ def long_decode_available() -> bool:
 
 
 def long_decode(row: int, block_ids: list[int], length: int, block_size: int, device: torch.device,
-                chunk: int = LONG_DECODE_CHUNK) -> LongDecode:
-    """The pieces of a sequence attending to `length` keys (its new token's included)."""
+                chunk: int = LONG_DECODE_CHUNK, exact: bool = True) -> LongDecode:
+    """The pieces of a sequence attending to `length` keys (its new token's included).
+
+    Exact: one piece per chunk, so every chunk goes through the same call whatever the layout
+    (a float32 call over a run of chunks rounds differently from calls over each). Else a run
+    of consecutive whole chunks is one piece, read in one call.
+    """
     pieces: list[tuple[slice | torch.Tensor, int]] = []
     for lo in range(0, length, chunk):
         hi = min(length, lo + chunk)
@@ -69,7 +74,8 @@ def long_decode(row: int, block_ids: list[int], length: int, block_size: int, de
         if blocks != list(range(blocks[0], blocks[0] + len(blocks))):
             slots = (torch.tensor(blocks)[:, None] * block_size + torch.arange(block_size)).flatten()
             pieces.append((slots[:hi - lo].to(device, non_blocking=True), 1))
-        elif hi - lo == chunk and pieces and isinstance(pieces[-1][0], slice) and pieces[-1][0].stop == start:
+        elif (not exact and hi - lo == chunk and pieces and isinstance(pieces[-1][0], slice)
+              and pieces[-1][0].stop == start):
             run, count = pieces[-1]  # only the last chunk is ever short, so a run holds whole chunks
             pieces[-1] = (slice(run.start, start + chunk), count + 1)
         else:
@@ -77,9 +83,10 @@ def long_decode(row: int, block_ids: list[int], length: int, block_size: int, de
     return LongDecode(row, pieces)
 
 
-# Exact prefill (batch-invariant mode): query rows go through the flash kernel in tiles of the
-# linears' row tile, keys in whole blocks of _KEY_BLOCK, so a row's arithmetic never depends on
-# how its prompt was cut into chunks or how much of it came from the prefix cache.
+# Exact prefill (batch-invariant mode): query rows go through the flash kernel in tiles of
+# _QUERY_TILE, keys in whole blocks of _KEY_BLOCK, so a row's arithmetic never depends on how its
+# prompt was cut into chunks or how much of it came from the prefix cache.
+_QUERY_TILE = 32
 _KEY_BLOCK = 512  # the CPU flash kernel's key split once there are that many keys
 
 
@@ -99,11 +106,10 @@ class PrefillSeq:
 
 
 def prefill_seq(begin: int, start_pos: int, key_slots: torch.Tensor, dtype: torch.dtype,
-                device: torch.device) -> PrefillSeq:
+                device: torch.device, exact: bool) -> PrefillSeq:
     """key_slots: (L,) every key's slot, the n = L - start_pos new tokens' included. Built once per
-    step; every layer shares it. Exact when batch invariance is on (see models.layers)."""
-    tile = row_tile()
-    exact = tile is not None
+    step; every layer shares it."""
+    tile = _QUERY_TILE
     total = key_slots.shape[0]
     n = total - start_pos
     if not exact:
@@ -150,11 +156,11 @@ class KVCache:
 class PagedAttention:
     """The attention handle a model sees for one step: `attend(layer, q, k, v)`."""
 
-    def __init__(self, cache: KVCache, slot_mapping: torch.Tensor, decode: DecodeGroup | None,
+    def __init__(self, cache: KVCache, slot_mapping: torch.Tensor, decodes: list[DecodeGroup],
                  prefills: list[PrefillSeq], long_decodes: list[LongDecode] = ()) -> None:
         self.cache = cache
         self.slot_mapping = slot_mapping  # (T,) where each new token's K/V goes
-        self.decode = decode
+        self.decodes = decodes
         self.prefills = prefills
         self.long_decodes = long_decodes
 
@@ -163,11 +169,11 @@ class PagedAttention:
         k_cache, v_cache = self.cache.tensor[layer_idx]  # (KVH, slots, D) each
         k_cache.index_copy_(1, self.slot_mapping, k.transpose(0, 1))
         v_cache.index_copy_(1, self.slot_mapping, v.transpose(0, 1))
-        if self.decode is not None and not self.prefills and not self.long_decodes:
-            return self._decode(q, k_cache, v_cache)
+        if len(self.decodes) == 1 and not self.prefills and not self.long_decodes:
+            return self._decode(q, k_cache, v_cache, self.decodes[0])
         out = torch.empty_like(q)
-        if self.decode is not None:
-            out[self.decode.token_index] = self._decode(q[self.decode.token_index], k_cache, v_cache)
+        for group in self.decodes:
+            out[group.token_index] = self._decode(q[group.token_index], k_cache, v_cache, group)
         for seq in self.long_decodes:
             out[seq.row] = _long_decode(q[seq.row], k_cache, v_cache, seq)
         for seq in self.prefills:
@@ -175,8 +181,8 @@ class PagedAttention:
                                               v_cache[:, seq.key_slots], seq)
         return out
 
-    def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
-        group = self.decode
+    def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                group: DecodeGroup) -> torch.Tensor:
         batch, heads, head_dim = q.shape
         kv_heads = k_cache.shape[0]
         block_size = self.cache.block_size

@@ -19,7 +19,8 @@ from ember.engine.scheduler import Scheduler, SchedulerConfig
 from ember.engine.stats import EngineCounters, EngineStats
 from ember.errors import ContextLengthExceeded, InvalidRequest
 from ember.models import get_model_class
-from ember.models.layers import pack_for_cpu, set_batch_invariant
+from ember.engine import invariance
+from ember.models.layers import pack_for_cpu
 from ember.types import FinishReason, SamplingParams, StepOutput, TokenConstraint
 
 logger = logging.getLogger("ember.engine")
@@ -43,7 +44,6 @@ class EngineCore:
         if self.max_model_len > model_config.max_position_embeddings:
             logger.warning("max_model_len %d is above the model's trained length %d; quality may drop",
                            self.max_model_len, model_config.max_position_embeddings)
-        set_batch_invariant(config.batch_invariant and device.type == "cpu")
         num_blocks = self._num_kv_blocks()
         self.kv_manager = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
@@ -52,7 +52,7 @@ class EngineCore:
         cache = KVCache(model_config.num_hidden_layers, num_blocks, config.block_size,
                         model_config.num_key_value_heads, model_config.head_dim, dtype, device)
         sampler = Sampler(model_config.vocab_size, device, config.seed)
-        self.runner = ModelRunner(model, cache, sampler, device)
+        self.runner = ModelRunner(model, cache, sampler, device, exact=config.batch_invariant and device.type == "cpu")
         self.kv_capacity_tokens = (num_blocks - 1) * config.block_size
         self._scheduled_at: dict[str, float] = {}
         self._progress_ids: set[str] = set()  # requests that asked for prefill progress outputs
@@ -61,6 +61,22 @@ class EngineCore:
         logger.info("KV cache: %d blocks of %d tokens (%d tokens, %.2f GiB, %s)", num_blocks - 1,
                     config.block_size, self.kv_capacity_tokens,
                     self.kv_cache_bytes / 2**30, dtype)
+        self.invariance = self._check_invariance()
+
+    def _check_invariance(self) -> invariance.InvarianceReport:
+        """Batch invariance: checked on this processor (engine.invariance), or not promised. A model
+        is built with whole-batch linears; only the check gives it another row plan."""
+        if not self.config.batch_invariant:
+            return invariance.not_promised("turned off (--no-batch-invariant)")
+        if self.device.type != "cpu":
+            return invariance.not_promised(f"not promised on {self.device.type} devices")
+        report = invariance.check(self)
+        if report.holds:
+            logger.info("batch invariance holds: %s (%.1f s)", report.reason, report.seconds)
+        else:
+            logger.warning("batch invariance does NOT hold: %s. A request's bits may depend on its batch.",
+                           report.reason)
+        return report
 
     @classmethod
     def from_source(cls, source, config: EngineConfig) -> "EngineCore":

@@ -25,11 +25,15 @@ class RunnerOutput:
 
 
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, cache: KVCache, sampler: Sampler, device: torch.device) -> None:
+    """`exact`: attention shapes never depend on a sequence's neighbours (see engine.attention)."""
+
+    def __init__(self, model: torch.nn.Module, cache: KVCache, sampler: Sampler, device: torch.device,
+                 exact: bool) -> None:
         self.model = model
         self.cache = cache
         self.sampler = sampler
         self.device = device
+        self.exact = exact
         self.block_size = cache.block_size
 
     @torch.inference_mode()
@@ -70,24 +74,37 @@ class ModelRunner:
             if count > 1:
                 seq_slots = _slots_of(request.block_ids, start + count, block_size)
                 slots.extend(seq_slots[start:].tolist())
-                prefills.append(prefill_seq(begin, start, seq_slots, self.cache.tensor.dtype, self.device))
+                prefills.append(prefill_seq(begin, start, seq_slots, self.cache.tensor.dtype, self.device, self.exact))
             else:
                 slots.append(request.block_ids[start // block_size] * block_size + start % block_size)
                 if long_from is not None and start >= long_from:
-                    long_decodes.append(long_decode(begin, request.block_ids, start + 1, block_size, self.device))
+                    long_decodes.append(long_decode(begin, request.block_ids, start + 1, block_size, self.device,
+                                                    exact=self.exact))
                 else:
                     decode_rows.append(begin)
                     decode_tables.append(request.block_ids[: start // block_size + 1])
                     decode_lengths.append(start + 1)
             if item.samples:
                 sample_rows.append(begin + count - 1)
-        decode = self._decode_group(decode_rows, decode_tables, decode_lengths) if decode_rows else None
         to_device = lambda values: torch.tensor(values, dtype=torch.long).to(self.device, non_blocking=True)
-        attn = PagedAttention(self.cache, to_device(slots), decode, prefills, long_decodes)
+        decodes = self._decode_groups(decode_rows, decode_tables, decode_lengths)
+        attn = PagedAttention(self.cache, to_device(slots), decodes, prefills, long_decodes)
         return to_device(token_ids), to_device(positions), sample_rows, attn
 
-    def _decode_group(self, rows: list[int], tables: list[list[int]], lengths: list[int]) -> DecodeGroup:
-        width = -(-max(len(t) for t in tables) // _BLOCK_TABLE_BUCKET) * _BLOCK_TABLE_BUCKET
+    def _decode_groups(self, rows: list[int], tables: list[list[int]], lengths: list[int]) -> list[DecodeGroup]:
+        """Exact: one group per padded width, so a sequence's keys are padded by its own length
+        alone; else one group padded to the longest."""
+        widths = [-(-len(t) // _BLOCK_TABLE_BUCKET) * _BLOCK_TABLE_BUCKET for t in tables]
+        if not self.exact:
+            widths = [max(widths, default=0)] * len(widths)
+        groups = []
+        for width in sorted(set(widths)):
+            members = [i for i, w in enumerate(widths) if w == width]
+            groups.append(self._decode_group([rows[i] for i in members], [tables[i] for i in members],
+                                             [lengths[i] for i in members], width))
+        return groups
+
+    def _decode_group(self, rows: list[int], tables: list[list[int]], lengths: list[int], width: int) -> DecodeGroup:
         padded = [t + [0] * (width - len(t)) for t in tables]
         block_table = torch.tensor(padded, dtype=torch.long)
         key_mask = torch.arange(width * self.block_size)[None, :] < torch.tensor(lengths)[:, None]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -17,26 +18,35 @@ from torch import nn
 from ember.errors import ModelLoadError
 
 
-# Batch invariance on CPU: oneDNN's bfloat16 matmul gives each row the same bits as a lone row
-# when it sees at most 32 rows, but switches kernels above that, where some rows round
-# differently depending on their place in the batch. With a row tile set, larger inputs are
-# cut into tiles of at most that many rows, so a token's result never depends on its neighbours.
-_row_tile: int | None = None
+@dataclass(frozen=True, slots=True)
+class RowPlan:
+    """How a linear layer cuts its input rows into matmul calls.
+
+    A matmul kernel may pick its reduction order from the number of rows it is handed (oneDNN's
+    bfloat16 kernel rounds a lone row differently from two on AMD Zen 4, and rows past 32
+    differently on Intel with AMX; MKL's float32 kernel has classes of 1, 2-3 and 4 or more
+    rows). A plan keeps every call inside one such class: calls are padded with zero rows up to
+    `min_rows` and cut into tiles of at most `max_rows`. Rows never mix inside a matmul, so a
+    row's bits then depend on its own values alone. The engine's self-check picks the plan on
+    the CPU it runs on (see engine.invariance).
+    """
+
+    min_rows: int = 1
+    max_rows: int | None = None
+
+    def describe(self) -> str:
+        parts = [f"calls padded to {self.min_rows} rows"] if self.min_rows > 1 else []
+        if self.max_rows is not None:
+            parts.append(f"tiles of at most {self.max_rows} rows")
+        return ", ".join(parts) or "whole batches"
 
 
-def set_batch_invariant(enabled: bool, rows: int = 32) -> None:
-    """Process-wide switch (like torch.backends flags); the engine sets it from its config."""
-    global _row_tile
-    _row_tile = rows if enabled else None
-
-
-def row_tile() -> int | None:
-    return _row_tile
+WHOLE_BATCH = RowPlan()
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           packed: torch.Tensor | None = None) -> torch.Tensor:
-    """x W^T (+ b) over (T, in), row-tiled when batch invariance is on.
+           packed: torch.Tensor | None = None, rows: RowPlan = WHOLE_BATCH) -> torch.Tensor:
+    """x W^T (+ b) over (T, in), its rows cut into calls by `rows`.
 
     `packed` is the weight prepacked by `pack_for_cpu`; it gives the same bits as `weight`.
     """
@@ -46,18 +56,29 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     else:
         def matmul(part: torch.Tensor) -> torch.Tensor:
             return F.linear(part, weight, bias)
-    tile = _row_tile
-    if tile is None or x.shape[0] <= tile:
+    count = x.shape[0]
+    if count < rows.min_rows:
+        return matmul(F.pad(x, (0, 0, 0, rows.min_rows - count)))[:count]
+    if rows.max_rows is None or count <= rows.max_rows:
         return matmul(x)
-    return torch.cat([matmul(part) for part in x.split(tile)])
+    tiles = list(x.split(rows.max_rows))
+    if tiles[-1].shape[0] < rows.min_rows:
+        tiles[-1] = F.pad(tiles[-1], (0, 0, 0, rows.min_rows - tiles[-1].shape[0]))
+    return torch.cat([matmul(part) for part in tiles])[:count]
+
+
+def set_row_plan(model: nn.Module, rows: RowPlan) -> None:
+    """Give every linear layer of `model`, and an embedding serving as its LM head, this plan."""
+    for module in model.modules():
+        if isinstance(module, (Linear, Embedding)):
+            module.rows = rows
 
 
 def pack_for_cpu(model: nn.Module, head: nn.Module | None = None) -> bool:
     """Prepack bfloat16 weights into oneDNN's blocked layout, once, instead of on every call.
 
     Unpacked, oneDNN reorders the whole weight at each matmul, which dominates at one to a few
-    rows (decode). Packed for one row, the results are bit-identical to the unpacked ones and
-    rows stay independent of their batch up to the row tile. `head` is an embedding used as the
+    rows (decode). Packed for one row, the results are bit-identical to the unpacked ones. `head` is an embedding used as the
     LM head (tied weights): it keeps its plain weight for lookups and gains a packed copy.
     Returns False (and changes nothing) where the packing ops are missing.
     """
@@ -86,9 +107,10 @@ class Linear(nn.Module):
         self.weight = _param(out_features, in_features)
         self.bias = _param(out_features) if bias else None
         self.packed: torch.Tensor | None = None  # set by pack_for_cpu
+        self.rows = WHOLE_BATCH  # set by set_row_plan
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self.packed)
+        return linear(x, self.weight, self.bias, self.packed, self.rows)
 
 
 class MergedLinear(Linear):
@@ -106,7 +128,7 @@ class MergedLinear(Linear):
         return param.data.narrow(0, self.offsets[index], self.out_sizes[index])
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return linear(x, self.weight, self.bias, self.packed).split(self.out_sizes, dim=-1)
+        return linear(x, self.weight, self.bias, self.packed, self.rows).split(self.out_sizes, dim=-1)
 
 
 class QKVLinear(MergedLinear):
@@ -143,6 +165,7 @@ class Embedding(nn.Module):
         super().__init__()
         self.weight = _param(num_embeddings, dim)
         self.packed: torch.Tensor | None = None  # a packed copy, when it also serves as the LM head
+        self.rows = WHOLE_BATCH  # the row plan of its use as the LM head
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return F.embedding(ids, self.weight)

@@ -98,7 +98,8 @@ class Model(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """(N, hidden) -> (N, vocab) float32; the matmul runs in the weights' dtype."""
-        return linear(hidden, self.lm_head.weight, packed=self.lm_head.packed).float()
+        head = self.lm_head
+        return linear(hidden, head.weight, packed=head.packed, rows=head.rows).float()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Hugging Face names; a tied head ignores any lm_head.weight the checkpoint also has."""

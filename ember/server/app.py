@@ -137,6 +137,9 @@ def health_counters(state: ServerState, observability: Observability, stats: dic
         "requests_waiting": state.admission.num_waiting,
         "requests_finished": observability.requests_finished,
     }
+    invariance = state.loaded.batch_invariance
+    if invariance:
+        body.update(batch_invariant=invariance["holds"], batch_invariant_reason=invariance["reason"])
     if stats is not None:
         body.update(prompt_tokens_total=stats.get("admitted_prompt_tokens"),
                     cached_tokens_total=stats.get("cached_prompt_tokens"),

@@ -40,12 +40,12 @@ class Observability:
     def server_ready(self, loaded) -> None:
         identity = model_identity(self.state, loaded)
         engine = engine_settings(self.state.config.engine, loaded)
-        self.metrics.set_info({**identity, **engine})
+        self.metrics.set_info({**identity, **engine, "batch_invariant": loaded.batch_invariance.get("holds")})
         if self.request_log is not None:
             config = self.state.config
             self.request_log.write(
                 "server_start", ember_version=ember.__version__, model=identity, engine=engine,
-                memory=memory_budget(loaded), server={
+                memory=memory_budget(loaded), batch_invariance=loaded.batch_invariance, server={
                     "host": config.host, "port": config.port, "api_key_required": bool(config.api_key),
                     "max_pending": config.max_pending, "pending_timeout_seconds": config.pending_timeout,
                     "max_request_bytes": config.max_request_bytes, "default_max_tokens": config.default_max_tokens,

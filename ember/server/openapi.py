@@ -155,6 +155,10 @@ HEALTH = {
                    "requests_finished": _TOTAL, "prompt_tokens_total": _TOTAL, "cached_tokens_total": _TOTAL,
                    "completion_tokens_total": _TOTAL, "prefill_seconds_total": _TOTAL,
                    "decode_seconds_total": _TOTAL,
+                   "batch_invariant": {"type": "boolean", "description": "Whether a greedy or seeded request gets the "
+                                       "same bits alone as in any batch, as checked on this processor at startup."},
+                   "batch_invariant_reason": {"type": "string", "description": "How the check decided, or why "
+                                              "the promise is not made."},
                    "engine": {"type": "object", "description": "The engine's counters (KV blocks, sequences, tokens)."}},
 }
 

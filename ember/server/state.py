@@ -42,6 +42,7 @@ class LoadedModel:
     dtype: str = ""
     chat: ChatFeatures = field(default_factory=ChatFeatures)
     grammars: Any = None  # ember.grammar.compiler.Grammars, None without xgrammar
+    batch_invariance: dict[str, Any] = field(default_factory=dict)  # the engine's InvarianceReport.as_dict()
 
 
 def load_model(config: ServerConfig) -> LoadedModel:
@@ -68,7 +69,8 @@ def load_model(config: ServerConfig) -> LoadedModel:
         engine=AsyncEngine(core, tokenizer), tokenizer=tokenizer, name=source.name,
         max_model_len=core.max_model_len, vocab_size=core.model_config.vocab_size,
         kv_capacity_tokens=getattr(core, "kv_capacity_tokens", None), sampling_defaults=defaults,
-        dtype=str(getattr(core, "dtype", "")).replace("torch.", ""), chat=chat, grammars=grammars)
+        dtype=str(getattr(core, "dtype", "")).replace("torch.", ""), chat=chat, grammars=grammars,
+        batch_invariance=core.invariance.as_dict())
 
 
 def _warm_up(core, tokenizer) -> None:

@@ -20,29 +20,38 @@ def messages(topic: str) -> list[dict]:
 
 
 def test_twenty_concurrent_streams_equal_their_solo_runs(client, server, http):
-    solo = [client.chat.completions.create(model=MODEL, messages=messages(t), max_tokens=16, temperature=0)
-            for t in TOPICS]
+    """Text, finish and every log probability (exact floats through JSON), greedy and seeded."""
+    sampling = [{"temperature": 0} if i % 2 else {"temperature": 1.0, "seed": 100 + i} for i in range(len(TOPICS))]
+    solo = [client.chat.completions.create(model=MODEL, messages=messages(t), max_tokens=16, logprobs=True,
+                                           top_logprobs=2, **s) for t, s in zip(TOPICS, sampling)]
 
-    async def stream(aclient: openai.AsyncOpenAI, topic: str) -> tuple[str, str]:
+    async def stream(aclient: openai.AsyncOpenAI, topic: str, sample: dict) -> tuple[str, str, list]:
         chunks = await aclient.chat.completions.create(model=MODEL, messages=messages(topic), max_tokens=16,
-                                                       temperature=0, stream=True)
-        text, finish = [], None
+                                                       logprobs=True, top_logprobs=2, stream=True, **sample)
+        text, finish, logprobs = [], None, []
         async for chunk in chunks:
             if chunk.choices:
-                text.append(chunk.choices[0].delta.content or "")
-                finish = chunk.choices[0].finish_reason or finish
-        return "".join(text), finish
+                choice = chunk.choices[0]
+                text.append(choice.delta.content or "")
+                finish = choice.finish_reason or finish
+                logprobs += _numbers(choice.logprobs.content if choice.logprobs else [])
+        return "".join(text), finish, logprobs
 
-    async def run_all() -> list[tuple[str, str]]:
+    async def run_all() -> list[tuple[str, str, list]]:
         async with openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0,
                                       timeout=300) as aclient:
-            return await asyncio.gather(*(stream(aclient, t) for t in TOPICS))
+            return await asyncio.gather(*(stream(aclient, t, s) for t, s in zip(TOPICS, sampling)))
 
     together = asyncio.run(run_all())
-    for alone, (text, finish) in zip(solo, together):
+    for alone, (text, finish, logprobs) in zip(solo, together):
         assert text == alone.choices[0].message.content
         assert finish == alone.choices[0].finish_reason
+        assert logprobs == _numbers(alone.choices[0].logprobs.content)
     wait_idle(http)
+
+
+def _numbers(entries) -> list:
+    return [(e.token, e.logprob, [(t.token, t.logprob) for t in e.top_logprobs]) for e in entries]
 
 
 def test_a_client_leaving_mid_stream_frees_its_kv_blocks(server, http):

@@ -120,8 +120,11 @@ def test_metrics_and_health_counters_follow_a_known_sequence(observed, http, cli
     info = next(dict(labels) for (name, labels) in after if name == "ember:model_info")
     assert info["model"] == first.model and info["max_model_len"] == "1024"
     assert info["max_num_batched_tokens"] == "64"
+    assert info["batch_invariant"] == "True"  # the self-check's verdict
 
     assert health["max_model_len"] == 1024
+    # the startup self-check kept the promise on this processor, and says how
+    assert health["batch_invariant"] is True and health["batch_invariant_reason"].startswith("checked on this processor")
     assert health["requests_finished"] - health_before["requests_finished"] == 3
     assert health["prompt_tokens_total"] - health_before["prompt_tokens_total"] == prompt
     assert health["cached_tokens_total"] - health_before["cached_tokens_total"] == cached
@@ -192,6 +195,8 @@ def test_the_request_log_has_one_terminal_event_per_started_request_and_no_text(
     assert server_start["model"]["max_model_len"] == 1024 and server_start["memory"]["kv_cache_blocks"] > 0
     assert server_start["engine"]["max_num_batched_tokens"] == 64
     assert "--api-key=<redacted>" in server_start["argv"]
+    invariance = server_start["batch_invariance"]
+    assert invariance["holds"] is True and invariance["check_seconds"] > 0 and invariance["row_plan"]
 
     rejected = [e for e in events if e["event"] == "request_rejected"]
     assert any(e["status"] == 400 and e["param"] == "temperature" and e["type"] == "invalid_request_error"

@@ -6,7 +6,6 @@ import pytest
 import torch
 
 from ember.engine.attention import DecodeGroup, KVCache, PagedAttention, long_decode, prefill_seq
-from ember.models.layers import row_tile, set_batch_invariant
 
 BLOCK_SIZE, KV_HEADS, HEADS, HEAD_DIM = 4, 2, 6, 16
 LENGTH = 45  # keys, the new token's included: 12 blocks, the last one partial
@@ -25,7 +24,7 @@ def _long_decode(q, keys, values, block_ids, dtype, chunk):
     cache, slots = _cache_holding(keys, values, block_ids, dtype)
     new_slot = slots[-1:]  # the new token's own key is the last one, rewritten by attend
     seq = long_decode(0, block_ids, LENGTH, BLOCK_SIZE, torch.device("cpu"), chunk=chunk)
-    attn = PagedAttention(cache, new_slot, None, [], [seq])
+    attn = PagedAttention(cache, new_slot, [], [], [seq])
     return attn.attend(0, q.to(dtype), keys[:, -1:].transpose(0, 1).to(dtype), values[:, -1:].transpose(0, 1).to(dtype)), seq
 
 
@@ -33,7 +32,7 @@ def _padded_batch_decode(q, keys, values, block_ids, dtype):
     cache, slots = _cache_holding(keys, values, block_ids, dtype)
     table = torch.tensor([block_ids + [0] * 4])
     key_mask = (torch.arange(table.shape[1] * BLOCK_SIZE) < LENGTH)[None, None, None, :]
-    attn = PagedAttention(cache, slots[-1:], DecodeGroup(torch.tensor([0]), table, key_mask), [])
+    attn = PagedAttention(cache, slots[-1:], [DecodeGroup(torch.tensor([0]), table, key_mask)], [])
     return attn.attend(0, q.to(dtype), keys[:, -1:].transpose(0, 1).to(dtype), values[:, -1:].transpose(0, 1).to(dtype))
 
 
@@ -53,7 +52,11 @@ SCATTERED = [30, 2, 5, 33, 17, 18, 19, 20, 8, 9, 25, 26]  # gather, in place, ga
 
 def test_pieces_read_runs_in_place_and_gather_only_broken_chunks():
     cpu = torch.device("cpu")
-    assert long_decode(0, CONSECUTIVE, LENGTH, BLOCK_SIZE, cpu, chunk=16).pieces == [(slice(12, 44), 2), (slice(44, 57), 1)]
+    # exact (the default): one piece per chunk, whatever the layout; else runs of whole chunks merge
+    assert long_decode(0, CONSECUTIVE, LENGTH, BLOCK_SIZE, cpu, chunk=16).pieces == [
+        (slice(12, 28), 1), (slice(28, 44), 1), (slice(44, 57), 1)]
+    assert long_decode(0, CONSECUTIVE, LENGTH, BLOCK_SIZE, cpu, chunk=16, exact=False).pieces == [
+        (slice(12, 44), 2), (slice(44, 57), 1)]
     assert long_decode(0, RUNS_APART, LENGTH, BLOCK_SIZE, cpu, chunk=16).pieces == [
         (slice(12, 28), 1), (slice(80, 96), 1), (slice(32, 45), 1)]
     seq = long_decode(7, SCATTERED, LENGTH, BLOCK_SIZE, cpu, chunk=16)
@@ -82,20 +85,15 @@ def test_a_long_decode_gives_the_same_bits_wherever_its_blocks_lie(tensors, dtyp
 
 def _prefill_rows(q, keys, values, start, end, dtype, exact):
     """Rows [start, end) of a sequence prefilled as one chunk from `start` (keys [0, start) cached)."""
-    before = row_tile()
-    set_batch_invariant(exact)
-    try:
-        total = keys.shape[1]
-        cache = KVCache(1, total // BLOCK_SIZE + 2, BLOCK_SIZE, KV_HEADS, HEAD_DIM, dtype, torch.device("cpu"))
-        slots = torch.arange(BLOCK_SIZE, BLOCK_SIZE + end)  # blocks 1.. in order; block 0 is the null block
-        cache.tensor[0, 0][:, slots[:start]] = keys[:, :start].to(dtype)
-        cache.tensor[0, 1][:, slots[:start]] = values[:, :start].to(dtype)
-        seq = prefill_seq(0, start, slots, dtype, torch.device("cpu"))
-        attn = PagedAttention(cache, slots[start:], None, [seq])
-        new_k, new_v = keys[:, start:end].transpose(0, 1).to(dtype), values[:, start:end].transpose(0, 1).to(dtype)
-        return attn.attend(0, q[start:end].to(dtype), new_k, new_v)
-    finally:
-        set_batch_invariant(before is not None, before or 32)
+    total = keys.shape[1]
+    cache = KVCache(1, total // BLOCK_SIZE + 2, BLOCK_SIZE, KV_HEADS, HEAD_DIM, dtype, torch.device("cpu"))
+    slots = torch.arange(BLOCK_SIZE, BLOCK_SIZE + end)  # blocks 1.. in order; block 0 is the null block
+    cache.tensor[0, 0][:, slots[:start]] = keys[:, :start].to(dtype)
+    cache.tensor[0, 1][:, slots[:start]] = values[:, :start].to(dtype)
+    seq = prefill_seq(0, start, slots, dtype, torch.device("cpu"), exact)
+    attn = PagedAttention(cache, slots[start:], [], [seq])
+    new_k, new_v = keys[:, start:end].transpose(0, 1).to(dtype), values[:, start:end].transpose(0, 1).to(dtype)
+    return attn.attend(0, q[start:end].to(dtype), new_k, new_v)
 
 
 def _naive_causal(q, keys, values):
