@@ -115,19 +115,31 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     enable_prefix_caching: bool = True
-    # CPU: cut matmuls into row tiles so a request's tokens never depend on its batch (exact,
-    # slower prefill). Off: whole-batch matmuls, faster prefill, results may vary in the last bits.
+    # CPU: a request's bits never depend on its batch (row plans for the linears chosen by a
+    # startup self-check, attention shapes independent of the neighbours; see engine.invariance).
+    # Off: whole-batch matmuls and one padded decode batch; results may vary in the last bits.
     batch_invariant: bool = True
+    # CPU: ember's compiled kernels (ember.kernels) for quantized linears and decode attention;
+    # off, or where they cannot be built, the plain torch paths run instead.
+    cpu_kernels: bool = True
+    # Linear-layer weights on the CPU: auto keeps a GGUF file's own precision (its 4- and 8-bit
+    # blocks) and bfloat16 otherwise; int4 / int8 quantize every layer (the LM head to 8 bits);
+    # none dequantizes to the model dtype. Blocks need the CPU kernels (ember.kernels).
+    quantization: str = "auto"
     dtype: str = "auto"  # auto: bfloat16 (batch-invariant and fastest on CPU and GPU)
     device: str = "auto"  # auto: cuda when available, else cpu
     seed: int = 0
     num_threads: int | None = None  # torch CPU threads; None: leave torch's choice
 
     def __post_init__(self) -> None:
+        if self.num_threads is not None and (not isinstance(self.num_threads, int) or self.num_threads < 1):
+            raise ValueError(f"num_threads must be a positive integer, got {self.num_threads!r}")
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.quantization not in ("auto", "none", "int8", "int4"):
+            raise ValueError(f"quantization must be auto, none, int8 or int4, got {self.quantization!r}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         if self.max_model_len is not None and self.max_model_len < 1:

@@ -54,6 +54,7 @@ class OfflineSettings:
     max_num_seqs: int | None = None  # None: the largest concurrency of the run, at least 16
     enable_prefix_caching: bool = True
     batch_invariant: bool = True
+    quantization: str = "auto"
 
 
 @dataclass(slots=True, frozen=True)

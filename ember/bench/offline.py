@@ -27,7 +27,7 @@ class EngineTransport:
                        max_model_len=settings.max_model_len,
                        max_num_seqs=settings.max_num_seqs or max(largest, _MIN_MAX_NUM_SEQS),
                        enable_prefix_caching=settings.enable_prefix_caching,
-                       batch_invariant=settings.batch_invariant)
+                       batch_invariant=settings.batch_invariant, quantization=settings.quantization)
         self.engine = AsyncEngine(self.llm.engine, self.llm.tokenizer)
         self.endpoint = config.endpoint
         self.temperature = config.temperature

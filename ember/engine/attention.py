@@ -33,6 +33,17 @@ class DecodeGroup:
     key_mask: torch.Tensor  # (1, B, 1, max_blocks * block_size) True where a key exists
 
 
+@dataclass(slots=True)
+class KernelDecode:
+    """Sequences that add one token this step, attended by ember's paged decode kernel
+    (ember.kernels), which reads their blocks in place in fixed key splits: batch-invariant by
+    construction, whatever the lengths around them."""
+
+    token_index: torch.Tensor  # (B,) rows of the step's flat token batch
+    block_table: torch.Tensor  # (B, max_blocks) int32; entries past a sequence's length are not read
+    lengths: torch.Tensor  # (B,) int32 keys of each sequence, its new token's included
+
+
 # Keys per chunk of a long decode: one fused attention call per layer and chunk (or run of chunks).
 LONG_DECODE_CHUNK = 2048
 
@@ -143,9 +154,15 @@ class KVCache:
                  head_dim: int, dtype: torch.dtype, device: torch.device) -> None:
         self.block_size = block_size
         self.num_blocks = num_blocks
-        # (layers, k/v, kv_heads, slots, head_dim)
-        self.tensor = torch.zeros(num_layers, 2, num_kv_heads, num_blocks * block_size, head_dim,
-                                  dtype=dtype, device=device)
+        # (layers, k/v, kv_heads, slots, head_dim). On the CPU the pool is not written up front, so
+        # the process holds only the pages its requests have used: a fresh allocation of this size
+        # is the operating system's zero-filled memory. The null block is zeroed in any case.
+        shape = (num_layers, 2, num_kv_heads, num_blocks * block_size, head_dim)
+        if device.type == "cpu":
+            self.tensor = torch.empty(shape, dtype=dtype, device=device)
+            self.tensor[:, :, :, :block_size].zero_()
+        else:
+            self.tensor = torch.zeros(shape, dtype=dtype, device=device)
 
     @staticmethod
     def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
@@ -157,21 +174,28 @@ class PagedAttention:
     """The attention handle a model sees for one step: `attend(layer, q, k, v)`."""
 
     def __init__(self, cache: KVCache, slot_mapping: torch.Tensor, decodes: list[DecodeGroup],
-                 prefills: list[PrefillSeq], long_decodes: list[LongDecode] = ()) -> None:
+                 prefills: list[PrefillSeq], long_decodes: list[LongDecode] = (),
+                 kernel_decode: KernelDecode | None = None) -> None:
         self.cache = cache
         self.slot_mapping = slot_mapping  # (T,) where each new token's K/V goes
         self.decodes = decodes
         self.prefills = prefills
         self.long_decodes = long_decodes
+        self.kernel_decode = kernel_decode
 
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q: (T, H, D); k, v: (T, KVH, D) -> (T, H, D)."""
         k_cache, v_cache = self.cache.tensor[layer_idx]  # (KVH, slots, D) each
         k_cache.index_copy_(1, self.slot_mapping, k.transpose(0, 1))
         v_cache.index_copy_(1, self.slot_mapping, v.transpose(0, 1))
+        kernel = self.kernel_decode
+        if kernel is not None and not self.prefills:  # every row decodes
+            return self._kernel_decode(q, k_cache, v_cache, kernel)
         if len(self.decodes) == 1 and not self.prefills and not self.long_decodes:
             return self._decode(q, k_cache, v_cache, self.decodes[0])
         out = torch.empty_like(q)
+        if kernel is not None:
+            out[kernel.token_index] = self._kernel_decode(q[kernel.token_index], k_cache, v_cache, kernel)
         for group in self.decodes:
             out[group.token_index] = self._decode(q[group.token_index], k_cache, v_cache, group)
         for seq in self.long_decodes:
@@ -180,6 +204,11 @@ class PagedAttention:
             out[seq.begin:seq.end] = _prefill(q[seq.begin:seq.end], k_cache[:, seq.key_slots],
                                               v_cache[:, seq.key_slots], seq)
         return out
+
+    def _kernel_decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                       kernel: KernelDecode) -> torch.Tensor:
+        return torch.ops.ember.paged_decode_attention(q.contiguous(), k_cache, v_cache, kernel.block_table,
+                                                      kernel.lengths, self.cache.block_size, q.shape[-1] ** -0.5)
 
     def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 group: DecodeGroup) -> torch.Tensor:

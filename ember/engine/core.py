@@ -19,8 +19,9 @@ from ember.engine.scheduler import Scheduler, SchedulerConfig
 from ember.engine.stats import EngineCounters, EngineStats
 from ember.errors import ContextLengthExceeded, InvalidRequest
 from ember.models import get_model_class
+from ember import kernels
 from ember.engine import invariance
-from ember.models.layers import pack_for_cpu
+from ember.models.layers import prepare_linears, use_fused_ops
 from ember.types import FinishReason, SamplingParams, StepOutput, TokenConstraint
 
 logger = logging.getLogger("ember.engine")
@@ -52,7 +53,9 @@ class EngineCore:
         cache = KVCache(model_config.num_hidden_layers, num_blocks, config.block_size,
                         model_config.num_key_value_heads, model_config.head_dim, dtype, device)
         sampler = Sampler(model_config.vocab_size, device, config.seed)
-        self.runner = ModelRunner(model, cache, sampler, device, exact=config.batch_invariant and device.type == "cpu")
+        self.uses_cpu_kernels = config.cpu_kernels and device.type == "cpu" and kernels.available()
+        self.runner = ModelRunner(model, cache, sampler, device, exact=config.batch_invariant and device.type == "cpu",
+                                  decode_kernel=self.uses_cpu_kernels)
         self.kv_capacity_tokens = (num_blocks - 1) * config.block_size
         self._scheduled_at: dict[str, float] = {}
         self._progress_ids: set[str] = set()  # requests that asked for prefill progress outputs
@@ -89,9 +92,12 @@ class EngineCore:
         if config.rope_scaling:
             model_config = model_config.with_rope_scaling(config.rope_scaling)
         model = build_model(model_config, dtype, device, config.max_model_len)
-        model.load_weights(source.weights())
-        if device.type == "cpu" and dtype == torch.bfloat16:
-            pack_for_cpu(model, head=model.lm_head if model_config.tie_word_embeddings else None)
+        block_kernels = device.type == "cpu" and config.cpu_kernels and kernels.available()
+        model.load_weights(source.weights(blocks=block_kernels and config.quantization != "none"))
+        formats = prepare_linears(model, config.quantization, block_kernels)
+        if block_kernels and dtype in (torch.bfloat16, torch.float32):
+            use_fused_ops(model)
+        logger.info("linear layers: %s", ", ".join(f"{count} {name}" for name, count in formats.items()))
         eos = set(model_config.eos_token_ids) | set(source.tokenizer.eos_token_ids)
         generation_eos = source.generation_config.get("eos_token_id")
         if generation_eos is not None:

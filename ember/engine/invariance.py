@@ -110,19 +110,19 @@ class _LayerProbe:
     """Rows (with a few columns 30 times larger, as real activations have) through one layer:
     alone, then placed among filler rows in batches of every probed size up to max_rows."""
 
-    def __init__(self, name: str, layer: tuple, generator: torch.Generator, max_rows: int) -> None:
+    def __init__(self, name: str, weights, generator: torch.Generator, max_rows: int) -> None:
         self.name = name
-        self.weight, self.bias, self.packed = layer
-        outputs, width = self.weight.shape
+        self.weights = weights
+        outputs, width = weights.out_features, weights.in_features
         rows = min(_MAX_PROBE_ROWS, max(_MIN_PROBE_ROWS, _PROBE_OUTPUTS // outputs))
         x = torch.randn(rows, width, generator=generator)
         x[:, :: max(1, width // 5)] *= 30
-        self.x = x.to(self.weight.dtype)
+        self.x = x.to(weights.dtype)
         self.sizes = [s for s in _BATCH_SIZES if s <= max_rows]
         self._alone: dict[int, torch.Tensor] = {}  # min_rows -> every row's lone result
 
     def run(self, rows: torch.Tensor, plan: RowPlan) -> torch.Tensor:
-        return linear(rows, self.weight, self.bias, self.packed, plan)
+        return linear(rows, self.weights, plan)
 
     def keeps_bits(self, plan: RowPlan) -> bool:
         x = self.x
@@ -145,20 +145,18 @@ class _LayerProbe:
         return True
 
 
-def _distinct_linears(model: torch.nn.Module) -> dict[str, tuple]:
-    """(weight, bias, packed) of one layer per distinct weight shape, dtype and packing, from the
-    middle of the model, and of the LM head under the name "lm_head"."""
+def _distinct_linears(model: torch.nn.Module) -> dict[str, object]:
+    """The weights (models.weights formats) of one layer per distinct format, shape, dtype and
+    bias, from the middle of the model, and of the LM head under the name "lm_head"."""
     modules = [(name, m) for name, m in model.named_modules() if isinstance(m, Linear)]
     half = len(modules) // 2
-    found: dict[tuple, tuple[str, tuple]] = {}
+    found: dict[tuple, tuple[str, object]] = {}
     for name, module in modules[half:] + modules[:half]:
-        weight = module.packed if module.packed is not None else module.weight
-        key = (tuple(weight.shape), weight.dtype, module.packed is not None, module.bias is not None)
-        found.setdefault(key, (name, (weight, module.bias, module.packed)))
+        w = module.weights
+        key = (w.name, w.out_features, w.in_features, w.dtype, w.bias is not None)
+        found.setdefault(key, (name, w))
     layers = dict(found.values())  # the LM head, the costliest, comes last
-    head = model.lm_head
-    head_weight = head.packed if head.packed is not None else head.weight
-    layers["lm_head"] = (head_weight, getattr(head, "bias", None), head.packed)
+    layers["lm_head"] = model.lm_head.weights
     return layers
 
 

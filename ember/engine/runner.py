@@ -6,8 +6,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ember.engine.attention import (LONG_DECODE_CHUNK, DecodeGroup, KVCache, LongDecode, PagedAttention, PrefillSeq,
-                                    long_decode, long_decode_available, prefill_seq)
+from ember.engine.attention import (LONG_DECODE_CHUNK, DecodeGroup, KernelDecode, KVCache, LongDecode, PagedAttention,
+                                    PrefillSeq, long_decode, long_decode_available, prefill_seq)
 from ember.engine.sampler import Sampler, SamplingRow
 from ember.engine.scheduler import ScheduledRequest
 from ember.types import TokenLogprob
@@ -25,15 +25,17 @@ class RunnerOutput:
 
 
 class ModelRunner:
-    """`exact`: attention shapes never depend on a sequence's neighbours (see engine.attention)."""
+    """`exact`: attention shapes never depend on a sequence's neighbours (see engine.attention).
+    `decode_kernel`: decoding sequences go through ember's paged decode kernel (ember.kernels)."""
 
     def __init__(self, model: torch.nn.Module, cache: KVCache, sampler: Sampler, device: torch.device,
-                 exact: bool) -> None:
+                 exact: bool, decode_kernel: bool = False) -> None:
         self.model = model
         self.cache = cache
         self.sampler = sampler
         self.device = device
         self.exact = exact
+        self.decode_kernel = decode_kernel
         self.block_size = cache.block_size
 
     @torch.inference_mode()
@@ -66,6 +68,7 @@ class ModelRunner:
         long_decodes: list[LongDecode] = []
         # On CPU, long sequences decode alone, reading the cache in place (see engine.attention)
         long_from = LONG_DECODE_CHUNK if self.device.type == "cpu" and long_decode_available() else None
+        kernel_rows: list[int] = []
         for item in scheduled:
             request, start, count = item.request, item.start, item.num_new_tokens
             begin = len(token_ids)
@@ -77,7 +80,11 @@ class ModelRunner:
                 prefills.append(prefill_seq(begin, start, seq_slots, self.cache.tensor.dtype, self.device, self.exact))
             else:
                 slots.append(request.block_ids[start // block_size] * block_size + start % block_size)
-                if long_from is not None and start >= long_from:
+                if self.decode_kernel:
+                    kernel_rows.append(begin)
+                    decode_tables.append(request.block_ids[: start // block_size + 1])
+                    decode_lengths.append(start + 1)
+                elif long_from is not None and start >= long_from:
                     long_decodes.append(long_decode(begin, request.block_ids, start + 1, block_size, self.device,
                                                     exact=self.exact))
                 else:
@@ -87,8 +94,15 @@ class ModelRunner:
             if item.samples:
                 sample_rows.append(begin + count - 1)
         to_device = lambda values: torch.tensor(values, dtype=torch.long).to(self.device, non_blocking=True)
-        decodes = self._decode_groups(decode_rows, decode_tables, decode_lengths)
-        attn = PagedAttention(self.cache, to_device(slots), decodes, prefills, long_decodes)
+        if kernel_rows:
+            width = max(len(t) for t in decode_tables)
+            kernel = KernelDecode(to_device(kernel_rows),
+                                  torch.tensor([t + [0] * (width - len(t)) for t in decode_tables], dtype=torch.int32),
+                                  torch.tensor(decode_lengths, dtype=torch.int32))
+            attn = PagedAttention(self.cache, to_device(slots), [], prefills, [], kernel)
+        else:
+            decodes = self._decode_groups(decode_rows, decode_tables, decode_lengths)
+            attn = PagedAttention(self.cache, to_device(slots), decodes, prefills, long_decodes)
         return to_device(token_ids), to_device(positions), sample_rows, attn
 
     def _decode_groups(self, rows: list[int], tables: list[list[int]], lengths: list[int]) -> list[DecodeGroup]:

@@ -14,6 +14,8 @@ from ember.errors import ModelLoadError
 if TYPE_CHECKING:
     import torch
 
+    from ember.models.weights import QuantBlocks
+
     from ember.tokenization.tokenizer import Tokenizer
 
 DEFAULT_CACHE_DIR = pathlib.Path("~/.cache/ember")
@@ -31,15 +33,23 @@ class ModelSource:
     hf_config: dict[str, Any]  # config.json shaped
     tokenizer: "Tokenizer"
     generation_config: dict[str, Any]  # eos_token_id (list) and any default sampling values
-    read_weights: Callable[[], Iterator[tuple[str, "torch.Tensor"]]] = field(repr=False)
+    # read_weights(skip): the float tensors, those named in skip left unread
+    read_weights: Callable[[frozenset[str]], Iterator[tuple[str, "torch.Tensor"]]] = field(repr=False)
     format: str = "hf"  # "hf" or "gguf"
     cache_path: str | None = None  # a GGUF's converted cache entry, when there is one
     from_cache: bool = False  # True when a GGUF was served from its cache (no parse, no dequantize)
+    read_blocks: Callable[[], Iterator[tuple[str, "QuantBlocks"]]] | None = field(default=None, repr=False)
 
-    def weights(self) -> Iterator[tuple[str, "torch.Tensor"]]:
-        """(HF checkpoint name, float tensor) pairs, read lazily: HF folders yield the stored
-        dtype, GGUF files yield float32."""
-        return self.read_weights()
+    def weights(self, blocks: bool = False) -> Iterator[tuple[str, "torch.Tensor | QuantBlocks"]]:
+        """(HF checkpoint name, tensor) pairs, read lazily: HF folders yield the stored dtype, GGUF
+        files float32. With `blocks`, a GGUF's quantized weights come as QuantBlocks instead
+        (models.weights), read from the file without a float round trip where the formats map."""
+        if not blocks or self.read_blocks is None:
+            yield from self.read_weights(frozenset())
+            return
+        quantized = dict(self.read_blocks())
+        yield from self.read_weights(frozenset(quantized))
+        yield from quantized.items()
 
     @property
     def model_type(self) -> str:

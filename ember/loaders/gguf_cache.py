@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from ember.loaders import ModelSource, check_architecture
+from ember.loaders.gguf_blocks import read_blocks
 from ember.loaders.gguf_file import GGUFModel, model_name_from_file
 from ember.loaders.hf_folder import read_json, read_safetensors
 from ember.tokenization.tokenizer import Tokenizer, gguf_eos_token_ids
@@ -68,7 +69,8 @@ def load_or_convert(path: pathlib.Path, cache_dir: pathlib.Path) -> ModelSource:
         return ModelSource(
             name=model_name_from_file(path), path=str(path), hf_config=hf_config,
             tokenizer=tokenizer, generation_config=generation_config,
-            read_weights=lambda: model.weights(hf_config), format="gguf")
+            read_weights=lambda skip: model.weights(hf_config, skip=skip), format="gguf",
+            read_blocks=lambda: read_blocks(path, hf_config))
     _remove_older_entries(entry, path)
     return _source(entry, path, hf_config, generation_config, tokenizer, from_cache=False)
 
@@ -79,12 +81,12 @@ def _source(entry: pathlib.Path, path: pathlib.Path, hf_config: dict[str, Any],
     weights_file = entry / _WEIGHTS
     return ModelSource(
         name=model_name_from_file(path), path=str(path), hf_config=hf_config, tokenizer=tokenizer,
-        generation_config=generation_config, read_weights=lambda: _float32(weights_file),
-        format="gguf", cache_path=str(entry), from_cache=from_cache)
+        generation_config=generation_config, read_weights=lambda skip: _float32(weights_file, skip),
+        format="gguf", cache_path=str(entry), from_cache=from_cache, read_blocks=lambda: read_blocks(path, hf_config))
 
 
-def _float32(weights_file: pathlib.Path) -> Iterator[tuple[str, torch.Tensor]]:
-    for name, tensor in read_safetensors([weights_file]):
+def _float32(weights_file: pathlib.Path, skip: frozenset[str]) -> Iterator[tuple[str, torch.Tensor]]:
+    for name, tensor in read_safetensors([weights_file], skip):
         yield name, tensor if tensor.dtype == torch.float32 else tensor.float()
 
 

@@ -283,10 +283,10 @@ class GGUFModel:
             array = array.copy()  # never hand out a view of the memory-mapped file
         return torch.from_numpy(array)
 
-    def weights(self, hf_config: Mapping[str, Any], *,
-                keep_half: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
-        """(HF name, float32 tensor) for every weight, Q/K rows back in HF order. With keep_half,
-        F16 and BF16 tensors stay in their own (exact) dtype instead."""
+    def weights(self, hf_config: Mapping[str, Any], *, keep_half: bool = False,
+                skip: frozenset[str] = frozenset()) -> Iterator[tuple[str, torch.Tensor]]:
+        """(HF name, float32 tensor) for every weight not named in skip, Q/K rows back in HF order.
+        With keep_half, F16 and BF16 tensors stay in their own (exact) dtype instead."""
         num_layers = hf_config["num_hidden_layers"]
         heads = hf_config["num_attention_heads"]
         kv_heads = hf_config["num_key_value_heads"]
@@ -294,6 +294,8 @@ class GGUFModel:
             if name in _NOT_WEIGHTS:
                 continue
             hf_name = hf_tensor_name(name, num_layers)
+            if hf_name in skip:
+                continue
             tensor = dequantize_tensor(self, name)
             if keep_half and self.tensor_type(name) in _HALF_TYPES:
                 tensor = tensor.to(_HALF_TYPES[self.tensor_type(name)])

@@ -54,7 +54,7 @@ def load_hf_folder(folder: pathlib.Path) -> "ModelSource":
     return ModelSource(
         name=folder.name, path=str(folder), hf_config=hf_config, tokenizer=tokenizer,
         generation_config=generation_config,
-        read_weights=lambda: read_safetensors(weight_files), format="hf")
+        read_weights=lambda skip: read_safetensors(weight_files, skip), format="hf")
 
 
 def safetensors_files(folder: pathlib.Path) -> list[pathlib.Path]:
@@ -79,12 +79,13 @@ def safetensors_files(folder: pathlib.Path) -> list[pathlib.Path]:
     return files
 
 
-def read_safetensors(files: list[pathlib.Path]) -> Iterator[tuple[str, Any]]:
+def read_safetensors(files: list[pathlib.Path], skip: frozenset[str] = frozenset()) -> Iterator[tuple[str, Any]]:
     from safetensors import safe_open
     for file in files:
         with safe_open(str(file), framework="pt") as reader:
             for name in reader.keys():
-                yield name, reader.get_tensor(name)
+                if name not in skip:
+                    yield name, reader.get_tensor(name)
 
 
 def _check_safetensors(file: pathlib.Path) -> None:

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ember.errors import ModelLoadError
+from ember.models.weights import QBLOCK, BlockWeights, DenseWeights, PackedBF16Weights, QuantBlocks
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,18 +45,9 @@ class RowPlan:
 WHOLE_BATCH = RowPlan()
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           packed: torch.Tensor | None = None, rows: RowPlan = WHOLE_BATCH) -> torch.Tensor:
-    """x W^T (+ b) over (T, in), its rows cut into calls by `rows`.
-
-    `packed` is the weight prepacked by `pack_for_cpu`; it gives the same bits as `weight`.
-    """
-    if packed is not None:
-        def matmul(part: torch.Tensor) -> torch.Tensor:
-            return torch.ops.mkldnn._linear_pointwise(part, packed, bias, "none", [], "")
-    else:
-        def matmul(part: torch.Tensor) -> torch.Tensor:
-            return F.linear(part, weight, bias)
+def linear(x: torch.Tensor, weights: Any, rows: RowPlan = WHOLE_BATCH) -> torch.Tensor:
+    """x W^T (+ b) over (T, in) in `weights`' format (models.weights), its rows cut into calls by `rows`."""
+    matmul = weights.matmul
     count = x.shape[0]
     if count < rows.min_rows:
         return matmul(F.pad(x, (0, 0, 0, rows.min_rows - count)))[:count]
@@ -68,31 +60,53 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 def set_row_plan(model: nn.Module, rows: RowPlan) -> None:
-    """Give every linear layer of `model`, and an embedding serving as its LM head, this plan."""
+    """Give every linear layer of `model` (an embedding serving as its LM head included) this plan;
+    formats that are batch-invariant by construction keep whole batches."""
     for module in model.modules():
         if isinstance(module, (Linear, Embedding)):
-            module.rows = rows
+            module.rows = WHOLE_BATCH if module.weights.invariant_by_construction else rows
 
 
-def pack_for_cpu(model: nn.Module, head: nn.Module | None = None) -> bool:
-    """Prepack bfloat16 weights into oneDNN's blocked layout, once, instead of on every call.
+def prepare_linears(model: nn.Module, quantization: str, block_kernels: bool) -> dict[str, int]:
+    """Give every linear layer (and a tied LM head) its format once the checkpoint is loaded.
 
-    Unpacked, oneDNN reorders the whole weight at each matmul, which dominates at one to a few
-    rows (decode). Packed for one row, the results are bit-identical to the unpacked ones. `head` is an embedding used as the
-    LM head (tied weights): it keeps its plain weight for lookups and gains a packed copy.
-    Returns False (and changes nothing) where the packing ops are missing.
+    Block-quantized when `block_kernels` (ember's CPU kernels run here): with quantization
+    "auto", blocks the loader staged stay as they are (a GGUF keeps its own precision); with
+    "int4" or "int8" every layer is quantized to that width (the LM head to 8 bits in both cases:
+    it is the layer most sensitive to rounding). Otherwise staged blocks are dequantized, and bfloat16
+    weights on the CPU are prepacked for oneDNN. Returns how many layers took each format.
     """
-    ops = torch.ops.mkldnn
-    if not (torch.backends.mkldnn.is_available() and hasattr(ops, "_reorder_linear_weight")
-            and hasattr(ops, "_linear_pointwise")):
-        return False
+    bits = {"int4": 4, "int8": 8}.get(quantization)
+    head = model.lm_head
+    counts: dict[str, int] = {}
     for module in model.modules():
-        if isinstance(module, Linear) and module.weight.dtype == torch.bfloat16 and module.weight.device.type == "cpu":
-            module.packed = ops._reorder_linear_weight(module.weight.data, 1)
-            module.weight.data = torch.empty(0, dtype=module.weight.dtype)  # the packed copy replaces it
-    if head is not None and head.weight.dtype == torch.bfloat16 and head.weight.device.type == "cpu":
-        head.packed = ops._reorder_linear_weight(head.weight.data, 1)
-    return True
+        if not isinstance(module, (Linear, Embedding)):
+            continue
+        blocks = module.staged_blocks()
+        module.blocks = None
+        if isinstance(module, Embedding) and module is not head:  # a table only: float rows for lookups
+            if blocks is not None:
+                module.weight.data = blocks.dequantize().to(module.weight.dtype)
+            continue
+        weight = module.weight.data
+        target = None if bits is None else 8 if module is head else bits
+        if block_kernels and target is not None and module.in_features % QBLOCK == 0:
+            if blocks is None:
+                blocks = QuantBlocks.quantize(weight, target)
+            elif blocks.bits != target:
+                blocks = QuantBlocks.quantize(blocks.dequantize(), target)
+        if block_kernels and blocks is not None:
+            module.weights = BlockWeights(blocks, module.bias, weight.dtype)
+            module.weight.data = torch.empty(0, dtype=weight.dtype)  # lookups of a tied table read the blocks
+        else:
+            if blocks is not None:
+                module.weight.data = weight = blocks.dequantize().to(weight.dtype)
+            if weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and PackedBF16Weights.supported():
+                module.weights = PackedBF16Weights(weight, module.bias)
+                if isinstance(module, Linear):  # the packed copy replaces it; a table keeps it for lookups
+                    module.weight.data = torch.empty(0, dtype=weight.dtype)
+        counts[module.weights.name] = counts.get(module.weights.name, 0) + 1
+    return counts
 
 
 def _param(*shape: int) -> nn.Parameter:
@@ -100,17 +114,32 @@ def _param(*shape: int) -> nn.Parameter:
 
 
 class Linear(nn.Module):
-    """y = x W^T (+ b), with W uninitialised until load_weights fills it."""
+    """y = x W^T (+ b). W is uninitialised until load_weights fills it (or stages quantized blocks
+    for it), then held in a format of models.weights, dense until prepare_linears chooses."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
         super().__init__()
+        self.in_features, self.out_features = in_features, out_features
         self.weight = _param(out_features, in_features)
         self.bias = _param(out_features) if bias else None
-        self.packed: torch.Tensor | None = None  # set by pack_for_cpu
+        self.weights: Any = DenseWeights(self.weight, self.bias)
+        self.blocks: list[QuantBlocks | None] | None = None  # quantized shards the loader staged
         self.rows = WHOLE_BATCH  # set by set_row_plan
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self.packed, self.rows)
+        return linear(x, self.weights, self.rows)
+
+    def stage_blocks(self, index: int, blocks: QuantBlocks) -> None:
+        """Keep the quantized blocks of shard `index` (its float rows stay unloaded)."""
+        if self.blocks is None:
+            self.blocks = [None] * len(getattr(self, "out_sizes", [self.out_features]))
+        self.blocks[index] = blocks
+
+    def staged_blocks(self) -> QuantBlocks | None:
+        """Every shard's blocks stacked; None unless all of them were staged."""
+        if self.blocks is None or any(b is None for b in self.blocks):
+            return None
+        return self.blocks[0] if len(self.blocks) == 1 else QuantBlocks.cat(self.blocks)
 
 
 class MergedLinear(Linear):
@@ -128,7 +157,7 @@ class MergedLinear(Linear):
         return param.data.narrow(0, self.offsets[index], self.out_sizes[index])
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return linear(x, self.weight, self.bias, self.packed, self.rows).split(self.out_sizes, dim=-1)
+        return linear(x, self.weights, self.rows).split(self.out_sizes, dim=-1)
 
 
 class QKVLinear(MergedLinear):
@@ -154,36 +183,64 @@ class GatedMLP(nn.Module):
         super().__init__()
         self.gate_up_proj = MergedLinear(hidden_size, [intermediate_size, intermediate_size], bias)
         self.down_proj = Linear(intermediate_size, hidden_size, bias)
+        self.fused = False  # silu(gate) * up in one kernel call (use_fused_ops)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused:
+            gate_up = linear(x, self.gate_up_proj.weights, self.gate_up_proj.rows)
+            return self.down_proj(torch.ops.ember.silu_mul(gate_up))
         gate, up = self.gate_up_proj(x)
         return self.down_proj(F.silu(gate) * up)
 
 
 class Embedding(nn.Module):
+    """A lookup table; `weights` is its format when it also serves as the LM head (tied). A table
+    whose head is block-quantized is looked up from the blocks, with no float copy kept."""
+
     def __init__(self, num_embeddings: int, dim: int) -> None:
         super().__init__()
+        self.in_features, self.out_features = dim, num_embeddings
         self.weight = _param(num_embeddings, dim)
-        self.packed: torch.Tensor | None = None  # a packed copy, when it also serves as the LM head
+        self.bias = None
+        self.weights: Any = DenseWeights(self.weight, None)
+        self.blocks: list[QuantBlocks | None] | None = None
         self.rows = WHOLE_BATCH  # the row plan of its use as the LM head
 
+    stage_blocks = Linear.stage_blocks
+    staged_blocks = Linear.staged_blocks
+
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.weight.numel() == 0:
+            return self.weights.rows(ids)
         return F.embedding(ids, self.weight)
 
 
 class RMSNorm(nn.Module):
-    """Normalise in float32, cast back to the input dtype, then scale (transformers' order)."""
+    """Normalise in float32, cast back to the input dtype, then scale (transformers' order).
+    `fused`: one call of ember's CPU kernel per step instead of six torch ops (use_fused_ops)."""
 
     def __init__(self, dim: int, eps: float = 1e-6) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
         self.eps = eps
+        self.fused = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused:
+            return torch.ops.ember.rms_norm(x, self.weight, self.eps)
         dtype = x.dtype
         x = x.to(torch.float32)
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x.to(dtype)
+
+    def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(residual + x, its norm); before the first layer (no residual yet), (x, its norm)."""
+        if residual is None:
+            return x, self(x)
+        if self.fused:
+            return torch.ops.ember.add_rms_norm(residual, x, self.weight, self.eps)
+        total = residual + x
+        return total, self(total)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -292,51 +349,78 @@ class RotaryEmbedding(nn.Module):
         return cos, sin
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: (T, heads, head_dim). Same products and sums as transformers' rotate_half form."""
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fused: bool = False) -> torch.Tensor:
+    """x: (T, heads, head_dim). Same products and sums as transformers' rotate_half form; fused:
+    in place, by ember's CPU kernel (each output in one float rounding)."""
+    if fused:
+        torch.ops.ember.rotary_(x, cos, sin)
+        return x
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+def use_fused_ops(model: nn.Module) -> None:
+    """Run norms, rotary embeddings and the MLP's activation through ember's CPU kernels."""
+    for module in model.modules():
+        if hasattr(module, "fused"):
+            module.fused = True
 
 
 # ---------------------------------------------------------------------------------------------
 # Weight loading
 
-def load_checkpoint(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
+def load_checkpoint(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor | QuantBlocks]],
                     fused: dict[str, tuple[str, ...]], skip: tuple[str, ...] = ()) -> None:
     """Copy checkpoint tensors into `model`'s parameters, casting to each parameter's dtype.
+    A linear layer's (or embedding's) weight may come as QuantBlocks instead: they are staged on
+    the module for prepare_linears, and its float parameter is released.
 
     fused: fused module name -> the checkpoint's names of its shards, in order, e.g.
     "qkv_proj" -> ("q_proj", "k_proj", "v_proj"). skip: substrings of harmless names to ignore.
     Raises ModelLoadError for an unknown name, a shape mismatch or a tensor never loaded.
     """
     modules = dict(model.named_modules())
-    expected: dict[str, torch.Tensor] = {}  # checkpoint name -> destination (a view of a param)
+    # checkpoint name -> (destination view of a param, owner module, shard index, leaf name)
+    expected: dict[str, tuple[torch.Tensor, nn.Module, int, str]] = {}
     for pname, param in model.named_parameters():
         owner_name, leaf = pname.rsplit(".", 1)
         owner = modules[owner_name]
         parts = fused.get(owner_name.rsplit(".", 1)[-1]) if isinstance(owner, MergedLinear) else None
         if parts is None:
-            expected[pname] = param.data
+            expected[pname] = (param.data, owner, 0, leaf)
             continue
         prefix = owner_name.rsplit(".", 1)[0]
         for index, part in enumerate(parts):
-            expected[f"{prefix}.{part}.{leaf}"] = owner.shard(param, index)
+            expected[f"{prefix}.{part}.{leaf}"] = (owner.shard(param, index), owner, index, leaf)
 
     seen: set[str] = set()
+    staged: set[nn.Module] = set()
     with torch.no_grad():
         for name, tensor in weights:
             if any(part in name for part in skip):
                 continue
-            dst = expected.pop(name, None)
-            if dst is None:
+            target = expected.pop(name, None)
+            if target is None:
                 what = "twice" if name in seen else "which this model does not know"
                 raise ModelLoadError(f"the checkpoint has the tensor {name} {what}")
             seen.add(name)
+            dst, owner, index, leaf = target
             if tuple(tensor.shape) != tuple(dst.shape):
                 raise ModelLoadError(f"the checkpoint's tensor {name} has shape "
                                      f"{tuple(tensor.shape)}, the model expects {tuple(dst.shape)}")
-            dst.copy_(tensor)
+            if isinstance(tensor, QuantBlocks):
+                if leaf != "weight" or not hasattr(owner, "stage_blocks"):
+                    raise ModelLoadError(f"the checkpoint's tensor {name} is quantized, which ember "
+                                         f"supports for linear and embedding weights only")
+                owner.stage_blocks(index, tensor)
+                staged.add(owner)
+            else:
+                dst.copy_(tensor)
     if expected:
         missing = sorted(expected)
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
         raise ModelLoadError(f"the checkpoint lacks the tensor {missing[0]}{more}")
+    for owner in staged:
+        if owner.staged_blocks() is None:
+            raise ModelLoadError(f"{type(owner).__name__} got quantized blocks for some of its shards only")
+        owner.weight.data = torch.empty(0, dtype=owner.weight.dtype, device=owner.weight.device)

@@ -33,6 +33,7 @@ class Attention(nn.Module):
                                   bias if qkv_bias is None else qkv_bias)
         self.o_proj = Linear(config.num_attention_heads * config.head_dim, config.hidden_size,
                              bias if o_bias is None else o_bias)
+        self.fused = False  # rotary embeddings in place by ember's CPU kernel (use_fused_ops)
 
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(T, hidden) -> q (T, heads, head_dim), k and v (T, kv_heads, head_dim), before rotary."""
@@ -40,7 +41,7 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: Any) -> torch.Tensor:
         q, k, v = self.project(x)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        q, k = apply_rotary(q, cos, sin, self.fused), apply_rotary(k, cos, sin, self.fused)
         out = attn.attend(self.layer_idx, q, k, v)  # (T, heads, head_dim)
         return self.o_proj(out.reshape(out.shape[0], -1))
 
@@ -53,9 +54,13 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: Any) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
+                attn: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: the last layer's output, still to be added to the residual stream (T, hidden);
+        returns this layer's output and the stream so far (the sum happens in the next norm)."""
+        residual, h = self.input_layernorm.add_and_norm(x, residual)
+        residual, h = self.post_attention_layernorm.add_and_norm(self.self_attn(h, cos, sin, attn), residual)
+        return self.mlp(h), residual
 
 
 class Decoder(nn.Module):
@@ -73,9 +78,10 @@ class Decoder(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: Any) -> torch.Tensor:
         x = self.embed_tokens(input_ids)  # (T, hidden)
         cos, sin = self.rotary(positions, x.dtype)  # shared by every layer
+        residual = None
         for layer in self.layers:
-            x = layer(x, cos, sin, attn)
-        return self.norm(x)
+            x, residual = layer(x, residual, cos, sin, attn)
+        return self.norm.add_and_norm(x, residual)[1]
 
 
 class Model(nn.Module):
@@ -98,8 +104,7 @@ class Model(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """(N, hidden) -> (N, vocab) float32; the matmul runs in the weights' dtype."""
-        head = self.lm_head
-        return linear(hidden, head.weight, packed=head.packed, rows=head.rows).float()
+        return linear(hidden, self.lm_head.weights, self.lm_head.rows).float()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Hugging Face names; a tied head ignores any lm_head.weight the checkpoint also has."""

@@ -57,6 +57,12 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     model.add_argument("--device", default="auto", help="cpu, cuda, cuda:1 ... (auto: cuda when available)")
     model.add_argument("--seed", type=int, default=0,
                        help="seed of the engine's sampler, for requests without their own seed (default 0)")
+    model.add_argument("--quantization", default="auto", choices=["auto", "none", "int8", "int4"],
+                       help="linear-layer weights on the CPU: auto keeps a GGUF file's own 4- or 8-bit blocks "
+                            "(K-quants requantized to 4 or 8 bits) and bfloat16 otherwise; int8 / int4 quantize every "
+                            "layer in blocks of 32 (the LM head to 8 bits); none dequantizes to --dtype (default auto)")
+    model.add_argument("--threads", type=int, default=None, metavar="N",
+                       help="CPU threads the engine computes with (default: torch's choice, one per core)")
     chat = p.add_argument_group("reasoning and tool calls")
     chat.add_argument("--reasoning-parser", default="auto", choices=["auto", "none", *REASONING_PARSERS],
                       help="how replies separate reasoning from the answer: think reads <think>...</think> into "
@@ -86,6 +92,9 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                         help="most requests waiting for a slot; one more gets 429 with Retry-After (default 128)")
     engine.add_argument("--pending-timeout", type=float, default=120.0,
                         help="seconds a request may wait for a slot before it gets 503 (default 120; 0: no limit)")
+    engine.add_argument("--no-cpu-kernels", action="store_true",
+                        help="CPU: run the plain torch paths instead of ember's compiled kernels (quantized linear "
+                             "layers, paged decode attention), which are built on first use")
     engine.add_argument("--no-batch-invariant", action="store_true",
                         help="on CPU, run whole-batch matmuls: faster prefill, but a request's tokens may then "
                              "differ in the last bits with what shares its batch (default: batch-invariant)")
@@ -132,7 +141,8 @@ def build_config(args: argparse.Namespace, environ=os.environ) -> ServerConfig:
                           max_num_batched_tokens=args.max_num_batched_tokens,
                           enable_prefix_caching=not args.no_prefix_caching,
                           batch_invariant=not args.no_batch_invariant, dtype=args.dtype, device=args.device,
-                          seed=args.seed, rope_scaling=args.rope_scaling)
+                          seed=args.seed, rope_scaling=args.rope_scaling, num_threads=args.threads,
+                          cpu_kernels=not args.no_cpu_kernels, quantization=args.quantization)
     if args.max_request_mb <= 0:
         raise ValueError("--max-request-mb must be positive")
     return ServerConfig(

@@ -13,8 +13,9 @@ def llm() -> LLM:
 
 @pytest.fixture(scope="session")
 def llm_fp32() -> LLM:
-    """The default model in float32, for parity with transformers."""
-    return LLM(dtype="float32", max_model_len=2048, kv_cache_tokens=16 * 1024)
+    """The default model in float32 with its weights dequantized: the reference transformers also
+    computes, for parity."""
+    return LLM(dtype="float32", quantization="none", max_model_len=2048, kv_cache_tokens=16 * 1024)
 
 
 @pytest.fixture(autouse=True)

@@ -129,3 +129,67 @@ def test_exact_prefill_rows_keep_their_bits_however_the_prompt_is_chunked(long_p
     for start, end in ((300, 600), (577, 600), (13, 600), (511, 513)):
         part = _prefill_rows(q, keys, values, start, end, torch.bfloat16, exact=True)
         assert torch.equal(part, whole[start:end]), (start, end)
+
+
+# ---- ember's paged decode kernel (ember.kernels) ----------------------------------------------
+
+KERNEL_LENGTHS = [1, 17, 255, 256, 257, 1000]  # around the kernel's 256-key splits
+
+
+def _kernel_case(dtype, seed=0):
+    """Keys and values of sequences of KERNEL_LENGTHS in scattered blocks of a 4-token cache."""
+    from ember import kernels
+    assert kernels.available(), kernels.status()
+    generator = torch.Generator().manual_seed(seed)
+    blocks_needed = [-(-n // BLOCK_SIZE) for n in KERNEL_LENGTHS]
+    order = (torch.randperm(sum(blocks_needed), generator=generator) + 1).tolist()  # block 0 stays null
+    tables, at = [], 0
+    for count in blocks_needed:
+        tables.append(order[at:at + count])
+        at += count
+    cache = KVCache(1, sum(blocks_needed) + 1, BLOCK_SIZE, KV_HEADS, HEAD_DIM, dtype, torch.device("cpu"))
+    cache.tensor.normal_(generator=generator)
+    q = torch.randn(len(KERNEL_LENGTHS), HEADS, HEAD_DIM, generator=generator).to(dtype)
+    return cache, tables, q
+
+
+def _kernel_decode(cache, tables, lengths, q):
+    width = max(len(t) for t in tables)
+    table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+    k_cache, v_cache = cache.tensor[0]
+    return torch.ops.ember.paged_decode_attention(q, k_cache, v_cache, table, torch.tensor(lengths, dtype=torch.int32),
+                                                  BLOCK_SIZE, HEAD_DIM ** -0.5)
+
+
+def _dense_reference(cache, tables, q):
+    outs = []
+    for b, (table, length) in enumerate(zip(tables, KERNEL_LENGTHS)):
+        slots = (torch.tensor(table)[:, None] * BLOCK_SIZE + torch.arange(BLOCK_SIZE)).flatten()[:length]
+        keys, values = cache.tensor[0, 0][:, slots].float(), cache.tensor[0, 1][:, slots].float()
+        grouped = q[b].float().view(KV_HEADS, HEADS // KV_HEADS, HEAD_DIM)
+        probs = (torch.einsum("kgd,kld->kgl", grouped, keys) * HEAD_DIM ** -0.5).softmax(-1)
+        outs.append(torch.einsum("kgl,kld->kgd", probs, values).reshape(HEADS, HEAD_DIM))
+    return torch.stack(outs)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_decode_kernel_matches_plain_attention(dtype):
+    cache, tables, q = _kernel_case(dtype)
+    out = _kernel_decode(cache, tables, KERNEL_LENGTHS, q)
+    expected = _dense_reference(cache, tables, q)
+    torch.testing.assert_close(out.float(), expected, rtol=1e-5 if dtype == torch.float32 else 2e-2,
+                               atol=1e-5 if dtype == torch.float32 else 2e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_decode_kernel_gives_a_sequence_the_same_bits_alone_and_wherever_its_blocks_lie(dtype):
+    cache, tables, q = _kernel_case(dtype)
+    together = _kernel_decode(cache, tables, KERNEL_LENGTHS, q)
+    for b, (table, length) in enumerate(zip(tables, KERNEL_LENGTHS)):
+        assert torch.equal(_kernel_decode(cache, [table], [length], q[b:b + 1])[0], together[b]), length
+    # the longest sequence's keys copied into the blocks in another order give the same bits
+    table, length = tables[-1], KERNEL_LENGTHS[-1]
+    moved = list(reversed(table))
+    slots_of = lambda blocks: (torch.tensor(blocks)[:, None] * BLOCK_SIZE + torch.arange(BLOCK_SIZE)).flatten()
+    cache.tensor[0][:, :, slots_of(moved)] = cache.tensor[0][:, :, slots_of(table)].clone()
+    assert torch.equal(_kernel_decode(cache, [moved], [length], q[-1:])[0], together[-1])

@@ -97,22 +97,25 @@ def test_the_self_check_holds_on_this_processor_and_says_how(llm):
     assert report.reason == f"checked on this processor: linear rows in {report.rows.describe()}"
     assert report.rows in invariance.CANDIDATE_PLANS and report.seconds > 0
     model = llm.engine.runner.model
-    assert all(layer.rows is report.rows for layer in model.modules() if hasattr(layer, "rows"))
+    for layer in (m for m in model.modules() if hasattr(m, "rows")):
+        assert layer.rows == (RowPlan() if layer.weights.invariant_by_construction else report.rows)
 
 
 def test_turned_off_the_promise_is_not_made_and_the_model_is_left_alone(llm):
+    plans = lambda: [m.rows for m in llm.engine.runner.model.modules() if hasattr(m, "rows")]
+    before = plans()
     off = _sibling_engine(llm.engine, batch_invariant=False)
     assert not off.invariance.holds and off.invariance.reason == "turned off (--no-batch-invariant)"
     assert not off.runner.exact
-    assert llm.engine.runner.model.lm_head.rows is llm.engine.invariance.rows  # the shared model keeps its plan
+    assert plans() == before  # the shared model keeps its plans
 
 
-def _rows_move(weight: torch.Tensor, plan: RowPlan, sizes=(2, 3, 5, 8, 33, 100)) -> bool:
+def _rows_move(weights, plan: RowPlan, sizes=(2, 3, 5, 8, 33, 100)) -> bool:
     """Measured directly, without the probe: does any row's result move between a lone call and a batch?"""
     generator = torch.Generator().manual_seed(5)
-    x = (torch.randn(100, weight.shape[1], generator=generator) * 3).to(weight.dtype)
-    alone = torch.cat([linear(x[i:i + 1], weight, rows=plan) for i in range(len(x))])
-    return any(not torch.equal(torch.cat([linear(part, weight, rows=plan) for part in x.split(size)]), alone)
+    x = (torch.randn(100, weights.in_features, generator=generator) * 3).to(weights.dtype)
+    alone = torch.cat([linear(x[i:i + 1], weights, plan) for i in range(len(x))])
+    return any(not torch.equal(torch.cat([linear(part, weights, plan) for part in x.split(size)]), alone)
                for size in sizes)
 
 
@@ -123,13 +126,13 @@ def test_the_linear_probe_rejects_only_plans_that_really_break(llm_fp32):
     report = llm_fp32.engine.invariance
     assert report.holds, report.reason
     for layer in (model.model.layers[0].mlp.down_proj, model.model.layers[-1].self_attn.qkv_proj):
-        assert not _rows_move(layer.weight, report.rows)
+        assert not _rows_move(layer.weights, report.rows)
     modules = dict(model.named_modules())
     for plan in invariance.CANDIDATE_PLANS[:invariance.CANDIDATE_PLANS.index(report.rows)]:
         verdict, broken = invariance.choose_row_plan(model, 128, 64, candidates=(plan,))
         assert verdict is None  # the chosen plan is the first that passes
         layer = model.lm_head if broken == "lm_head" else modules[broken]
-        assert _rows_move(layer.weight, plan), (plan, broken)
+        assert _rows_move(layer.weights, plan), (plan, broken)
 
 
 def test_the_engine_probe_catches_a_plan_that_breaks(llm_fp32):

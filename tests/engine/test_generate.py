@@ -58,7 +58,7 @@ def test_greedy_matches_transformers_on_default_model(llm_fp32):
 def test_rope_scaling_override_stretches_the_window_and_matches_transformers(llm_fp32):
     from ember.llm import LLM
     yarn = {"rope_type": "yarn", "factor": 4.0}
-    llm = LLM(dtype="float32", rope_scaling=yarn, kv_cache_tokens=4096)
+    llm = LLM(dtype="float32", quantization="none", rope_scaling=yarn, kv_cache_tokens=4096)
     assert llm.engine.max_model_len == 4 * 8192  # SmolLM2-135M's trained length, times the factor
     reference = _reference_model(llm, max_position_embeddings=4 * 8192, rope_scaling={
         **yarn, "original_max_position_embeddings": 8192, "rope_theta": llm.engine.model_config.rope_theta})

@@ -11,6 +11,12 @@ def case(request) -> str:
     return request.param
 
 
+@pytest.fixture(params=[False, True], ids=["torch-ops", "fused-kernels"])
+def fused(request) -> bool:
+    """The model's norms, rotary embeddings and MLP activation as torch ops, or ember's CPU kernels."""
+    return request.param
+
+
 def pytest_terminal_summary(terminalreporter) -> None:
     if LARGEST_ERRORS:
         label, error = max(LARGEST_ERRORS.items(), key=lambda item: item[1])

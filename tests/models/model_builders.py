@@ -5,8 +5,10 @@ from __future__ import annotations
 import torch
 import transformers
 
+from ember import kernels
 from ember.config import ModelConfig
 from ember.models import get_model_class
+from ember.models.layers import use_fused_ops
 
 TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=160, num_hidden_layers=3,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
@@ -50,8 +52,9 @@ def randomize_(model: torch.nn.Module, seed: int = 0) -> None:
                 p.copy_(noise * p.shape[1] ** -0.5)
 
 
-def build_pair(case: str, dtype: torch.dtype = torch.float32):
-    """(transformers model in float32, ember model in `dtype`, ember config), same weights."""
+def build_pair(case: str, dtype: torch.dtype = torch.float32, fused: bool = False):
+    """(transformers model in float32, ember model in `dtype`, ember config), same weights.
+    fused: norms, rotary embeddings and the MLP activation through ember's CPU kernels."""
     config_cls, model_cls, overrides = CASES[case]
     hf_config = getattr(transformers, config_cls)(**{**TINY, **overrides})
     hf_config._attn_implementation = "eager"
@@ -66,6 +69,9 @@ def build_pair(case: str, dtype: torch.dtype = torch.float32):
     finally:
         torch.set_default_dtype(previous)
     model.load_weights(hf_model.state_dict().items())
+    if fused:
+        assert kernels.available(), kernels.status()
+        use_fused_ops(model)
     return hf_model, model, config
 
 

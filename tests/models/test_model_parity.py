@@ -25,8 +25,8 @@ def reference(hf_model, vocab_size: int, length: int, seed: int = 1):
 
 
 @torch.inference_mode()
-def test_prefill_then_decode_matches_transformers(case):
-    hf_model, model, config = build_pair(case)
+def test_prefill_then_decode_matches_transformers(case, fused):
+    hf_model, model, config = build_pair(case, fused=fused)
     ids, ref = reference(hf_model, config.vocab_size, PROMPT_LEN + DECODE_STEPS)
     attn = ReferenceAttention()
     logits = ember_logits(model, attn, ids[:PROMPT_LEN], 0)
@@ -38,8 +38,8 @@ def test_prefill_then_decode_matches_transformers(case):
 
 
 @torch.inference_mode()
-def test_chunked_prefill_matches_transformers(case):
-    hf_model, model, config = build_pair(case)
+def test_chunked_prefill_matches_transformers(case, fused):
+    hf_model, model, config = build_pair(case, fused=fused)
     ids, ref = reference(hf_model, config.vocab_size, PROMPT_LEN, seed=2)
     attn = ReferenceAttention()
     for start, end in ((0, 23), (23, 50), (50, PROMPT_LEN)):
@@ -61,10 +61,10 @@ def test_hidden_states_are_final_normed(case):
 
 
 @torch.inference_mode()
-def test_bfloat16_rows_do_not_depend_on_the_batch(case):
+def test_bfloat16_rows_do_not_depend_on_the_batch(case, fused):
     """A sequence's rows are bit-identical alone and flattened with another sequence, in prefill
     and in a mixed step (one sequence decoding, the other mid-prefill)."""
-    hf_model, model, config = build_pair(case, torch.bfloat16)
+    hf_model, model, config = build_pair(case, torch.bfloat16, fused=fused)
     assert model.model.embed_tokens.weight.dtype == torch.bfloat16
     ids = torch.randint(config.vocab_size, (30,), generator=torch.Generator().manual_seed(3))
     a, b = ids[:7], ids[7:]

@@ -332,3 +332,27 @@ def test_cache_marker_records_the_source(tmp_path):
     entry = pathlib.Path(load_model_source(str(path), cache_dir=tmp_path / "cache").cache_path)
     marker = json.loads((entry / "source.json").read_text())
     assert marker["source"] == str(path.resolve()) and marker["size"] == path.stat().st_size
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q4_K, Q.Q6_K], ids=lambda q: q.name)
+def test_quantized_tensors_come_as_blocks_that_dequantize_like_the_float_path(tmp_path, qtype):
+    """Q4_0, Q4_1 and Q8_0 map onto ember's blocks exactly: their dequantized values are the float
+    loader's, bit for bit (q/k rows un-permuted alike). K-quants are quantized again in their
+    precision class (Q4_K to 4 bits, Q6_K to 8), within half a step of their own values."""
+    model = tiny_model("llama", **_big_enough_for_k_quants("llama"))
+    path = write_gguf(tmp_path / "tiny.gguf", "llama", model.config.to_dict(), state_dict_of(model),
+                      tensor_type=qtype)
+    source = load_model_source(str(path), cache_dir=tmp_path / "cache")
+    floats = dict(source.weights())
+    mixed = dict(source.weights(blocks=True))
+    assert mixed.keys() == floats.keys()
+    blocks = {name: value for name, value in mixed.items() if not isinstance(value, torch.Tensor)}
+    assert set(blocks) == {name for name, t in floats.items() if t.dim() == 2}  # every 2-D weight, norms apart
+    bits = 8 if qtype in (Q.Q8_0, Q.Q6_K) else 4
+    for name, value in blocks.items():
+        assert value.bits == bits and value.shape == tuple(floats[name].shape), name
+        if qtype in (Q.Q4_0, Q.Q4_1, Q.Q8_0):
+            assert torch.equal(value.dequantize(), floats[name]), name
+        else:
+            step = value.scales.float().repeat_interleave(32, dim=1)
+            assert ((value.dequantize() - floats[name]).abs() <= 0.5 * step + 1e-6).all(), name

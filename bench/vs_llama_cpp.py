@@ -1,0 +1,191 @@
+"""ember against llama.cpp's server on the same GGUF file, with the same threads and the same
+workloads, measured by `ember bench` in one run; prints one table of ratios.
+
+    python bench/vs_llama_cpp.py --llama-server PATH/TO/llama-server [--model FILE.gguf] [--threads 2]
+        [--only one-stream,32-streams,...] [--json results.json] [--ember-arg=--quantization=int4 ...]
+
+Each server is started in turn (never both at once), waited for, measured on every workload and
+stopped. Resident memory is read from /proc after the server is ready and at its peak during the
+workloads. The default model's GGUF is used unless --model names another file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+
+@dataclass(frozen=True)
+class Workload:
+    name: str
+    args: tuple[str, ...]
+    # (label, summary key, statistic, higher is better)
+    metrics: tuple[tuple[str, str, str, bool], ...]
+
+
+WORKLOADS = (
+    Workload("one-stream", ("--concurrency", "1", "--input-len", "128", "--output-len", "128", "--num-requests", "8"),
+             (("one stream, output tok/s", "output_tokens_per_s", "", True),)),
+    Workload("32-streams", ("--concurrency", "32", "--input-len", "128", "--output-len", "128", "--num-requests", "64"),
+             (("32 streams, output tok/s", "output_tokens_per_s", "", True),)),
+    Workload("prompt-1500", ("--concurrency", "1", "--input-len", "1500", "--output-len", "4", "--num-requests", "3"),
+             (("1,500-token prompt, time to first token s", "ttft", "p50", False),)),
+    Workload("prompt-8000", ("--concurrency", "1", "--input-len", "8000", "--output-len", "48", "--num-requests", "2"),
+             (("8,000-token prompt, time to first token s", "ttft", "p50", False),
+              ("decode at 8,000 tokens of context, ms per token", "tpot", "p50", False))),
+    Workload("multiturn", ("--workload", "multiturn", "--turns", "6", "--concurrency", "1", "--input-len", "600",
+                           "--output-len", "64"),
+             (("6-turn conversation (600 new tokens a turn), mean time to first token s", "ttft", "mean", False),
+              ("6-turn conversation, output tok/s per request", "request_output_tokens_per_s", "p50", True))),
+)
+_CONTEXT = 16384  # room for the 8,000-token prompt and the conversation
+_SLOTS = 32
+
+
+@dataclass
+class Server:
+    name: str
+    command: list[str]
+    url: str
+    process: subprocess.Popen | None = None
+    rss_after_load_mib: float = 0.0
+    rss_peak_mib: float = 0.0
+    results: dict[str, dict] = field(default_factory=dict)
+
+    def start(self, log: Path) -> None:
+        self.process = subprocess.Popen(self.command, stdout=log.open("w"), stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise SystemExit(f"{self.name} exited with status {self.process.returncode}; see {log}")
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    self.rss_after_load_mib = self.rss_mib()
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        raise SystemExit(f"{self.name} did not get ready in 600 s; see {log}")
+
+    def rss_mib(self) -> float:
+        for line in Path(f"/proc/{self.process.pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+        return 0.0
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(30)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_workload(server: Server, workload: Workload, folder: Path) -> dict:
+    out = folder / f"{server.name}-{workload.name}.json"
+    command = [sys.executable, "-m", "ember.cli", "bench", "--base-url", server.url, "--quiet", "--json", str(out),
+               *workload.args]
+    peak = [server.rss_peak_mib]
+    done = threading.Event()
+
+    def watch() -> None:
+        while not done.wait(0.5):
+            peak[0] = max(peak[0], server.rss_mib())
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    try:
+        subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
+    finally:
+        done.set()
+        watcher.join()
+    server.rss_peak_mib = peak[0]
+    return json.loads(out.read_text())["levels"][0]["summary"]
+
+
+def value(summary: dict, key: str, statistic: str) -> float:
+    item = summary[key]
+    number = item[statistic] if statistic else item
+    return number * 1000 if key in ("tpot", "itl") else number
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--llama-server", required=True, help="path of a built llama-server binary")
+    parser.add_argument("--model", default=None, help="a GGUF file (default: the default model's)")
+    parser.add_argument("--threads", type=int, default=2, help="threads for each server (default 2)")
+    parser.add_argument("--only", default=None, help="comma-separated workload names: "
+                        + ", ".join(w.name for w in WORKLOADS))
+    parser.add_argument("--json", default=None, help="write every number here")
+    parser.add_argument("--ember-arg", action="append", default=[], help="an extra `ember serve` argument")
+    args = parser.parse_args()
+    if args.model is None:
+        from ember.loaders.default_model import default_model_path
+        args.model = str(default_model_path())
+    workloads = [w for w in WORKLOADS if args.only is None or w.name in args.only.split(",")]
+
+    ember_port, llama_port = free_port(), free_port()
+    servers = [
+        Server("ember", [sys.executable, "-m", "ember.cli", "serve", args.model, "--port", str(ember_port),
+                         "--threads", str(args.threads), "--max-model-len", str(_CONTEXT),
+                         "--max-num-seqs", str(_SLOTS), "--log-level", "warning", *args.ember_arg],
+               f"http://127.0.0.1:{ember_port}"),
+        Server("llama-server", [args.llama_server, "-m", args.model, "--port", str(llama_port), "-t", str(args.threads),
+                                "-tb", str(args.threads), "-c", str(_CONTEXT * 2), "-np", str(_SLOTS), "-kvu",
+                                "--no-webui"],
+               f"http://127.0.0.1:{llama_port}"),
+    ]
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp)
+        for server in servers:
+            server.start(folder / f"{server.name}.log")
+            try:
+                for workload in workloads:
+                    print(f"{server.name}: {workload.name} ...", file=sys.stderr, flush=True)
+                    server.results[workload.name] = run_workload(server, workload, folder)
+            finally:
+                server.stop()
+
+    ember, llama = servers
+    rows = []
+    for workload in workloads:
+        for label, key, statistic, higher_better in workload.metrics:
+            a, b = value(ember.results[workload.name], key, statistic), value(llama.results[workload.name], key, statistic)
+            rows.append((label, a, b, a / b if b else float("nan"), higher_better))
+    rows.append(("resident memory after load, MiB", ember.rss_after_load_mib, llama.rss_after_load_mib,
+                 ember.rss_after_load_mib / llama.rss_after_load_mib, False))
+    rows.append(("resident memory at its peak, MiB", ember.rss_peak_mib, llama.rss_peak_mib,
+                 ember.rss_peak_mib / llama.rss_peak_mib, False))
+    print(f"model {Path(args.model).name}, {args.threads} threads each, "
+          f"ember args: {' '.join(args.ember_arg) or '(defaults)'}")
+    print("| measure | ember | llama-server | ember / llama-server |")
+    print("| --- | --- | --- | --- |")
+    for label, a, b, ratio, higher_better in rows:
+        better = "higher is better" if higher_better else "lower is better"
+        print(f"| {label} | {a:.2f} | {b:.2f} | {ratio:.2f}x ({better}) |")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"model": args.model, "threads": args.threads,
+                                               "ember_args": args.ember_arg, "rows": rows,
+                                               "results": {s.name: s.results for s in servers}}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,67 @@
+"""ember's compiled CPU kernels (cpu_kernels.cpp): block-quantized linear layers and paged decode
+attention, both batch-invariant by construction.
+
+They are built on first use with the C++ compiler torch's extensions use, for the processor at
+hand (-march=native), and cached by torch under its extensions folder
+($TORCH_EXTENSIONS_DIR, default ~/.cache/torch_extensions), keyed by the source, the compiler
+flags and the processor, so a second start loads them in milliseconds. Where no compiler is
+found or the build fails, `available()` is False, `status()` says why, and the engine keeps its
+plain torch paths.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import platform
+import time
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger("ember.kernels")
+
+_SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
+_FLAGS = ["-O3", "-march=native", "-fopenmp"]
+_status = "not loaded yet"
+
+
+def _processor() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+@functools.cache
+def available() -> bool:
+    """Build (or load the cached build of) the kernels once per process; True when they run here."""
+    global _status
+    if hasattr(torch.ops, "ember") and hasattr(torch.ops.ember, "quantized_linear"):
+        _status = "loaded"
+        return True
+    from torch.utils import cpp_extension
+
+    source = _SOURCE.read_bytes()
+    key = hashlib.sha256(source + " ".join(_FLAGS).encode() + _processor().encode() + torch.__version__.encode())
+    name = f"ember_cpu_{key.hexdigest()[:16]}"
+    began = time.perf_counter()
+    try:
+        cpp_extension.load(name=name, sources=[str(_SOURCE)], extra_cflags=_FLAGS, extra_ldflags=["-fopenmp"],
+                           is_python_module=False, verbose=False)
+    except Exception as exc:  # no compiler, no ninja, a failed build: the torch paths serve instead
+        _status = f"unavailable ({type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''})"
+        logger.warning("ember's CPU kernels could not be built; using plain torch paths: %s", _status)
+        return False
+    vector = "AVX-512 VNNI" if torch.ops.ember.vector_path() else "plain C++"
+    _status = f"loaded ({vector}, {time.perf_counter() - began:.1f} s to build or load)"
+    logger.info("ember's CPU kernels: %s", _status)
+    return True
+
+
+def status() -> str:
+    return _status

@@ -1,0 +1,141 @@
+"""Linear-layer weight formats (models.weights): dense, oneDNN-packed bfloat16, and ember's 4- and
+8-bit blocks through its CPU kernel; the row plans; whole models in each format."""
+
+import pytest
+import torch
+from model_builders import build_pair
+from reference_attention import ReferenceAttention
+
+from ember import kernels
+from ember.models.layers import Linear, RowPlan, linear, prepare_linears
+from ember.models.weights import BlockWeights, DenseWeights, PackedBF16Weights, QuantBlocks
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _kernels():
+    assert kernels.available(), kernels.status()  # the suite needs a C++ compiler (see README)
+
+
+def _weights(out=200, width=192, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(out, width, generator=generator) * 0.05
+
+
+def _block_reference(x: torch.Tensor, blocks: QuantBlocks) -> torch.Tensor:
+    """float64: the kernel's arithmetic written out. Activations in blocks of 32: scale = the
+    block's largest magnitude / 127, codes rounded to the nearest integer."""
+    rows, width = x.shape
+    xb = x.double().view(rows, width // 32, 32)
+    scale = xb.abs().amax(-1, keepdim=True) / 127
+    codes = torch.where(scale > 0, torch.round(xb / scale), torch.zeros_like(xb))
+    return (codes * scale).view(rows, width) @ blocks.dequantize().double().T
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_quantized_blocks_round_trip_within_half_a_step(bits):
+    w = _weights()
+    blocks = QuantBlocks.quantize(w, bits)
+    assert blocks.codes.dtype == torch.uint8 and blocks.scales.shape == (200, 6)
+    step = blocks.scales.float().repeat_interleave(32, dim=1)
+    assert ((blocks.dequantize() - w).abs() <= 0.5 * step + 1e-6).all()
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_block_kernel_computes_the_block_arithmetic(bits, dtype):
+    blocks = QuantBlocks.quantize(_weights(out=200), bits)  # 200 rows: a partial last column block
+    layer = BlockWeights(blocks, None, dtype)
+    x = torch.randn(9, 192).to(dtype)
+    expected = _block_reference(x.float(), blocks)
+    got = layer.matmul(x)
+    assert got.dtype == dtype and got.shape == (9, 200)
+    tolerance = 2e-6 if dtype == torch.float32 else 8e-3
+    assert ((got.double() - expected).abs().max() / expected.abs().max()).item() < tolerance
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_block_kernel_rows_keep_their_bits_in_any_batch(bits):
+    layer = BlockWeights(QuantBlocks.quantize(_weights(out=576, width=1536), bits), None, torch.bfloat16)
+    x = (torch.randn(70, 1536) * 3).to(torch.bfloat16)
+    alone = torch.cat([layer.matmul(x[i:i + 1]) for i in range(70)])
+    for size in (2, 3, 4, 5, 8, 33, 70):
+        assert torch.equal(torch.cat([layer.matmul(part) for part in x.split(size)]), alone), size
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_a_tied_table_is_looked_up_from_its_blocks(bits):
+    blocks = QuantBlocks.quantize(_weights(out=100), bits)
+    layer = BlockWeights(blocks, None, torch.float32)
+    ids = torch.tensor([0, 15, 16, 17, 99, 16])
+    assert torch.equal(layer.rows(ids), blocks.dequantize()[ids])
+
+
+def test_fused_shards_and_row_selection_keep_every_row():
+    a, b = QuantBlocks.quantize(_weights(out=40), 4), QuantBlocks.quantize(_weights(out=24, seed=1), 4)
+    both = QuantBlocks.cat([a, b])
+    assert torch.equal(both.dequantize(), torch.cat((a.dequantize(), b.dequantize())))
+    order = torch.randperm(64, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(both.select_rows(order).dequantize(), both.dequantize()[order])
+
+
+@pytest.mark.parametrize("plan", [RowPlan(), RowPlan(2, 32)])
+def test_packed_bfloat16_gives_the_dense_bits(plan):
+    if not PackedBF16Weights.supported():
+        pytest.skip("this torch build has no oneDNN packing ops")
+    weight = _weights(out=384, width=1536).to(torch.bfloat16)
+    packed, dense = PackedBF16Weights(weight, None), DenseWeights(weight, None)
+    x = torch.randn(70, 1536).to(torch.bfloat16)
+    for rows in (1, 2, 5, 31, 32, 33, 70):
+        assert torch.equal(linear(x[:rows], packed, plan), linear(x[:rows], dense, plan)), rows
+
+
+def test_a_row_plan_pads_and_tiles_without_changing_what_is_computed():
+    generator = torch.Generator().manual_seed(0)
+    weight, bias = torch.randn(24, 16, dtype=torch.float64, generator=generator), torch.randn(24, dtype=torch.float64)
+    x = torch.randn(70, 16, dtype=torch.float64, generator=generator)
+    expected = x @ weight.T + bias
+    for plan in (RowPlan(), RowPlan(8), RowPlan(1, 32), RowPlan(8, 32), RowPlan(32, 32)):
+        for rows in (1, 7, 32, 33, 70):
+            out = linear(x[:rows], DenseWeights(weight, bias), plan)
+            assert out.shape == (rows, 24)
+            torch.testing.assert_close(out, expected[:rows], rtol=1e-12, atol=1e-12)
+
+
+def _logits(model, ids):
+    attn = ReferenceAttention()
+    attn.set_positions(torch.arange(len(ids)))
+    with torch.inference_mode():
+        return model.compute_logits(model(ids, torch.arange(len(ids)), attn))
+
+
+def test_packed_model_logits_are_bit_identical(case):
+    _, plain_model, config = build_pair(case, torch.bfloat16)
+    _, packed_model, _ = build_pair(case, torch.bfloat16)
+    counts = prepare_linears(packed_model, "auto", block_kernels=False)
+    if not PackedBF16Weights.supported():
+        pytest.skip("this torch build has no oneDNN packing ops")
+    assert counts == {"bfloat16 packed": sum(isinstance(m, Linear) for m in packed_model.modules())
+                      + (1 if config.tie_word_embeddings else 0)}
+    ids = torch.randint(0, config.vocab_size, (40,), generator=torch.Generator().manual_seed(0))
+    assert torch.equal(_logits(plain_model, ids), _logits(packed_model, ids))
+
+
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+def test_block_quantized_models_compute_their_dequantized_weights(case, quantization):
+    """Every layer in blocks (the LM head in 8 bits) against the same model with those blocks
+    dequantized into dense float32 weights: what is left is the rounding of the activations to
+    8-bit blocks, which moves the logits by about a percent and keeps the greedy choices."""
+    _, model, config = build_pair(case)
+    prepare_linears(model, quantization, block_kernels=True)
+    layers = [m for m in model.modules() if isinstance(m, Linear)]
+    assert model.lm_head.weights.name == "int8 blocks"
+    assert all(m.weights.name == f"{quantization} blocks" for m in layers if m is not model.lm_head)
+    _, twin, _ = build_pair(case)
+    for ours, theirs in zip([*layers, model.lm_head], [*(m for m in twin.modules() if isinstance(m, Linear)),
+                                                      twin.lm_head]):
+        weights = ours.weights
+        theirs.weights = DenseWeights(weights.rows(torch.arange(weights.out_features)), ours.bias)
+    ids = torch.randint(0, config.vocab_size, (30,), generator=torch.Generator().manual_seed(1))
+    reference, got = _logits(twin, ids), _logits(model, ids)
+    assert ((got - reference).abs().max() / reference.abs().max()).item() < 0.03
+    assert (got.argmax(-1) == reference.argmax(-1)).sum().item() >= 25  # of 30 (random models have near ties)
