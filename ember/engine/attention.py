@@ -163,6 +163,7 @@ class KVCache:
             self.tensor[:, :, :, :block_size].zero_()
         else:
             self.tensor = torch.zeros(shape, dtype=dtype, device=device)
+        self.layers = [(self.tensor[i, 0], self.tensor[i, 1]) for i in range(num_layers)]  # (k, v) views
 
     @staticmethod
     def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
@@ -183,11 +184,22 @@ class PagedAttention:
         self.long_decodes = long_decodes
         self.kernel_decode = kernel_decode
 
-    def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """q: (T, H, D); k, v: (T, KVH, D) -> (T, H, D)."""
-        k_cache, v_cache = self.cache.tensor[layer_idx]  # (KVH, slots, D) each
-        k_cache.index_copy_(1, self.slot_mapping, k.transpose(0, 1))
-        v_cache.index_copy_(1, self.slot_mapping, v.transpose(0, 1))
+    def rotate_and_store(self, layer_idx: int, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                         heads: int, kv_heads: int) -> torch.Tensor:
+        """One kernel call (ember.kernels) for a fused qkv projection (T, (H + 2 KVH) D): rotary
+        embeddings on q and k in place, the new k and v into the cache. Returns q (T, H, D), a
+        view; attend it with k and v left out."""
+        k_cache, v_cache = self.cache.layers[layer_idx]
+        torch.ops.ember.rotary_store_(qkv, cos, sin, k_cache, v_cache, self.slot_mapping, heads, kv_heads)
+        return qkv[:, :heads * k_cache.shape[-1]].view(qkv.shape[0], heads, -1)
+
+    def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor | None = None,
+               v: torch.Tensor | None = None) -> torch.Tensor:
+        """q: (T, H, D); k, v: (T, KVH, D), or None when rotate_and_store wrote them -> (T, H, D)."""
+        k_cache, v_cache = self.cache.layers[layer_idx]  # (KVH, slots, D) each
+        if k is not None:
+            k_cache.index_copy_(1, self.slot_mapping, k.transpose(0, 1))
+            v_cache.index_copy_(1, self.slot_mapping, v.transpose(0, 1))
         kernel = self.kernel_decode
         if kernel is not None and not self.prefills:  # every row decodes
             return self._kernel_decode(q, k_cache, v_cache, kernel)
@@ -207,7 +219,7 @@ class PagedAttention:
 
     def _kernel_decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                        kernel: KernelDecode) -> torch.Tensor:
-        return torch.ops.ember.paged_decode_attention(q.contiguous(), k_cache, v_cache, kernel.block_table,
+        return torch.ops.ember.paged_decode_attention(q, k_cache, v_cache, kernel.block_table,
                                                       kernel.lengths, self.cache.block_size, q.shape[-1] ** -0.5)
 
     def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

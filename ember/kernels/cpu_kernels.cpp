@@ -471,7 +471,7 @@ void split_values(const float* probs, const T* vals, const int64_t* slots, int64
 }
 
 template <typename T>
-void decode_attention_impl(const T* q, const T* k_cache, const T* v_cache, int64_t kv_head_stride,
+void decode_attention_impl(const T* q, int64_t q_stride, const T* k_cache, const T* v_cache, int64_t kv_head_stride,
                            const int32_t* block_table, int64_t table_width, const int32_t* lengths, int64_t B,
                            int64_t H, int64_t KVH, int64_t D, int64_t block_size, float scale, T* out) {
   const int64_t G = H / KVH;
@@ -494,7 +494,7 @@ void decode_attention_impl(const T* q, const T* k_cache, const T* v_cache, int64
       const int64_t kvh = local % KVH, split = local / KVH;
       const int64_t lo = split * SPLIT, hi = std::min<int64_t>(lengths[b], lo + SPLIT), n = hi - lo;
       for (int64_t g = 0; g < G; ++g) {
-        load_row(q + (b * H + kvh * G + g) * D, qf.data() + g * D, D);
+        load_row(q + b * q_stride + (kvh * G + g) * D, qf.data() + g * D, D);
         for (int64_t i = 0; i < D; ++i) qf[g * D + i] *= scale;
       }
       const T* keys = k_cache + kvh * kv_head_stride;
@@ -547,7 +547,8 @@ void decode_attention_impl(const T* q, const T* k_cache, const T* v_cache, int64
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                   const at::Tensor& block_table, const at::Tensor& lengths, int64_t block_size,
                                   double scale) {
-  TORCH_CHECK(q.dim() == 3 && q.is_contiguous(), "q must be a contiguous (sequences, heads, head_dim) tensor");
+  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2),
+              "q must be (sequences, heads, head_dim) with contiguous heads");
   TORCH_CHECK(k_cache.dim() == 3 && k_cache.stride(2) == 1 && k_cache.stride(1) == k_cache.size(2),
               "k_cache must be (kv_heads, slots, head_dim) with contiguous slots");
   TORCH_CHECK(v_cache.sizes() == k_cache.sizes() && v_cache.strides() == k_cache.strides(), "v_cache unlike k_cache");
@@ -558,17 +559,17 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2), KVH = k_cache.size(0);
   TORCH_CHECK(H % KVH == 0 && k_cache.size(2) == D, "heads must be a multiple of kv_heads");
   TORCH_CHECK(block_table.size(0) == B && lengths.numel() == B, "one block table row and length per sequence");
-  auto out = at::empty_like(q);
+  auto out = at::empty({B, H, D}, q.options());
   if (B == 0) return out;
   if (q.scalar_type() == at::kBFloat16) {
-    decode_attention_impl<at::BFloat16>(q.data_ptr<at::BFloat16>(), k_cache.data_ptr<at::BFloat16>(),
+    decode_attention_impl<at::BFloat16>(q.data_ptr<at::BFloat16>(), q.stride(0), k_cache.data_ptr<at::BFloat16>(),
                                         v_cache.data_ptr<at::BFloat16>(), k_cache.stride(0),
                                         block_table.data_ptr<int32_t>(), block_table.size(1),
                                         lengths.data_ptr<int32_t>(), B, H, KVH, D, block_size, float(scale),
                                         out.data_ptr<at::BFloat16>());
   } else {
     TORCH_CHECK(q.scalar_type() == at::kFloat, "q must be bfloat16 or float32");
-    decode_attention_impl<float>(q.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(),
+    decode_attention_impl<float>(q.data_ptr<float>(), q.stride(0), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(),
                                  k_cache.stride(0), block_table.data_ptr<int32_t>(), block_table.size(1),
                                  lengths.data_ptr<int32_t>(), B, H, KVH, D, block_size, float(scale),
                                  out.data_ptr<float>());
@@ -690,6 +691,48 @@ void rotary_(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
   });
 }
 
+// One token row of a fused qkv projection (T, (H + 2 KVH) D): rotate its q and k heads in place,
+// as rotary_ does, and write its k and v heads into the cache (KVH, slots, D) at slots[t].
+void rotary_store_(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k_cache,
+                   at::Tensor& v_cache, const at::Tensor& slots, int64_t heads, int64_t kv_heads) {
+  const int64_t T = qkv.size(0), D = k_cache.size(2), half = D / 2, width = (heads + 2 * kv_heads) * D;
+  TORCH_CHECK(qkv.dim() == 2 && qkv.size(1) == width && qkv.stride(1) == 1, "qkv must be (T, (H + 2 KVH) D) rows");
+  TORCH_CHECK(k_cache.size(0) == kv_heads && k_cache.stride(2) == 1 && k_cache.stride(1) == D &&
+              v_cache.sizes() == k_cache.sizes() && v_cache.strides() == k_cache.strides() &&
+              k_cache.scalar_type() == qkv.scalar_type(), "caches must be (KVH, slots, D) in qkv's dtype");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.numel() == T, "one int64 slot per row");
+  TORCH_CHECK(cos.size(0) == T && cos.size(-1) == half && cos.stride(-1) == 1 && sin.strides() == cos.strides() &&
+              sin.sizes() == cos.sizes() && cos.scalar_type() == qkv.scalar_type(), "cos and sin: (T, D / 2) rows");
+  const int64_t row_stride = cos.stride(0);
+  dispatch_float_or_bf16(qkv.scalar_type(), [&](auto tag) {
+    using T_ = decltype(tag);
+    at::parallel_for(0, T, 8, [&](int64_t begin, int64_t end) {
+      std::vector<float> c(half), s(half);
+      for (int64_t t = begin; t < end; ++t) {
+        for (int64_t i = 0; i < half; ++i) {
+          c[i] = to_float<T_>(cos.data_ptr<T_>()[t * row_stride + i]);
+          s[i] = to_float<T_>(sin.data_ptr<T_>()[t * row_stride + i]);
+        }
+        T_* row = qkv.data_ptr<T_>() + t * qkv.stride(0);
+        for (int64_t h = 0; h < heads + kv_heads; ++h) {
+          T_* x = row + h * D;
+          for (int64_t i = 0; i < half; ++i) {
+            const float x1 = to_float<T_>(x[i]), x2 = to_float<T_>(x[i + half]);
+            x[i] = from_float<T_>(std::fma(x1, c[i], -x2 * s[i]));
+            x[i + half] = from_float<T_>(std::fma(x2, c[i], x1 * s[i]));
+          }
+        }
+        const int64_t slot = slots.data_ptr<int64_t>()[t];
+        for (int64_t h = 0; h < kv_heads; ++h) {
+          std::memcpy(k_cache.data_ptr<T_>() + h * k_cache.stride(0) + slot * D, row + (heads + h) * D, D * sizeof(T_));
+          std::memcpy(v_cache.data_ptr<T_>() + h * v_cache.stride(0) + slot * D, row + (heads + kv_heads + h) * D,
+                      D * sizeof(T_));
+        }
+      }
+    });
+  });
+}
+
 // (T, 2I) gate | up -> (T, I): silu(gate) rounded to the dtype, times up.
 at::Tensor silu_mul(const at::Tensor& gate_up) {
   TORCH_CHECK(gate_up.dim() == 2 && gate_up.stride(1) == 1, "gate_up must be (T, 2I) with contiguous rows");
@@ -729,6 +772,8 @@ TORCH_LIBRARY(ember, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("add_rms_norm(Tensor x, Tensor addend, Tensor weight, float eps) -> (Tensor, Tensor)");
   m.def("rotary_(Tensor(a!) x, Tensor cos, Tensor sin) -> ()");
+  m.def("rotary_store_(Tensor(a!) qkv, Tensor cos, Tensor sin, Tensor(b!) k_cache, Tensor(c!) v_cache, Tensor slots, "
+        "int heads, int kv_heads) -> ()");
   m.def("silu_mul(Tensor gate_up) -> Tensor");
   m.def("vector_path() -> int", &vector_path);
 }
@@ -739,5 +784,6 @@ TORCH_LIBRARY_IMPL(ember, CPU, m) {
   m.impl("rms_norm", &rms_norm);
   m.impl("add_rms_norm", &add_rms_norm);
   m.impl("rotary_", &rotary_);
+  m.impl("rotary_store_", &rotary_store_);
   m.impl("silu_mul", &silu_mul);
 }

@@ -23,10 +23,13 @@ HARMLESS = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cach
 
 
 class Attention(nn.Module):
+    qk_norm = False  # architectures that normalise q and k before rotary set this
+
     def __init__(self, config: ModelConfig, layer_idx: int, qkv_bias: bool | None = None,
                  o_bias: bool | None = None) -> None:
         super().__init__()
         self.layer_idx = layer_idx
+        self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
         bias = config.attention_bias
         self.qkv_proj = QKVLinear(config.hidden_size, config.num_attention_heads,
                                   config.num_key_value_heads, config.head_dim,
@@ -40,9 +43,14 @@ class Attention(nn.Module):
         return self.qkv_proj(x)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: Any) -> torch.Tensor:
-        q, k, v = self.project(x)
-        q, k = apply_rotary(q, cos, sin, self.fused), apply_rotary(k, cos, sin, self.fused)
-        out = attn.attend(self.layer_idx, q, k, v)  # (T, heads, head_dim)
+        if self.fused and not self.qk_norm and hasattr(attn, "rotate_and_store"):
+            qkv = linear(x, self.qkv_proj.weights, self.qkv_proj.rows)  # (T, (heads + 2 kv_heads) head_dim)
+            q = attn.rotate_and_store(self.layer_idx, qkv, cos, sin, self.num_heads, self.num_kv_heads)
+            out = attn.attend(self.layer_idx, q)
+        else:
+            q, k, v = self.project(x)
+            q, k = apply_rotary(q, cos, sin, self.fused), apply_rotary(k, cos, sin, self.fused)
+            out = attn.attend(self.layer_idx, q, k, v)  # (T, heads, head_dim)
         return self.o_proj(out.reshape(out.shape[0], -1))
 
 

@@ -11,6 +11,8 @@ from ember.models.layers import RMSNorm
 
 
 class Attention(llama.Attention):
+    qk_norm = True
+
     def __init__(self, config: ModelConfig, layer_idx: int) -> None:
         super().__init__(config, layer_idx)
         self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
