@@ -33,17 +33,6 @@ class DecodeGroup:
     key_mask: torch.Tensor  # (1, B, 1, max_blocks * block_size) True where a key exists
 
 
-@dataclass(slots=True)
-class KernelDecode:
-    """Sequences that add one token this step, attended by ember's paged decode kernel
-    (ember.kernels), which reads their blocks in place in fixed key splits: batch-invariant by
-    construction, whatever the lengths around them."""
-
-    token_index: torch.Tensor  # (B,) rows of the step's flat token batch
-    block_table: torch.Tensor  # (B, max_blocks) int32; entries past a sequence's length are not read
-    lengths: torch.Tensor  # (B,) int32 keys of each sequence, its new token's included
-
-
 # Keys per chunk of a long decode: one fused attention call per layer and chunk (or run of chunks).
 LONG_DECODE_CHUNK = 2048
 
@@ -146,23 +135,28 @@ def _causal_mask(start_pos: int, rows: int, keys: int, n: int, dtype: torch.dtyp
 class KVCache:
     """The paged K/V tensors of every layer. Slot s of a layer is block s // block_size.
 
-    Heads come before slots, so a gathered run of blocks is already (kv_heads, keys, head_dim),
-    the layout the attention matmuls read without a copy.
+    Torch layout: (kv_heads, slots, head_dim) per layer, heads before slots, so a gathered run of
+    blocks is already (kv_heads, keys, head_dim), the layout the attention matmuls read without a
+    copy. Kernel layout (`kernel_layout`, blocks of 16): (kv_heads, blocks, 16 * head_dim) per
+    layer, each block arranged for ember's attention kernel (see ember/kernels/attention.cpp).
     """
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
-                 head_dim: int, dtype: torch.dtype, device: torch.device) -> None:
+                 head_dim: int, dtype: torch.dtype, device: torch.device, kernel_layout: bool = False) -> None:
         self.block_size = block_size
         self.num_blocks = num_blocks
-        # (layers, k/v, kv_heads, slots, head_dim). On the CPU the pool is not written up front, so
-        # the process holds only the pages its requests have used: a fresh allocation of this size
-        # is the operating system's zero-filled memory. The null block is zeroed in any case.
-        shape = (num_layers, 2, num_kv_heads, num_blocks * block_size, head_dim)
-        if device.type == "cpu":
-            self.tensor = torch.empty(shape, dtype=dtype, device=device)
-            self.tensor[:, :, :, :block_size].zero_()
+        self.kernel_layout = kernel_layout
+        # (layers, k/v, kv_heads, slots, head_dim), or (layers, k/v, kv_heads, blocks, 16 * head_dim)
+        if kernel_layout:
+            # The kernel never reads a slot past a row's keys, so the pool need not be written up
+            # front: the process holds only the pages its requests have used.
+            self.tensor = torch.empty(num_layers, 2, num_kv_heads, num_blocks, block_size * head_dim,
+                                      dtype=dtype, device=device)
+            self.tensor[:, :, :, 0].zero_()  # the null block
         else:
-            self.tensor = torch.zeros(shape, dtype=dtype, device=device)
+            # The torch paths weigh padded slots by exact zeros, which must not meet a NaN.
+            self.tensor = torch.zeros(num_layers, 2, num_kv_heads, num_blocks * block_size, head_dim,
+                                      dtype=dtype, device=device)
         self.layers = [(self.tensor[i, 0], self.tensor[i, 1]) for i in range(num_layers)]  # (k, v) views
 
     @staticmethod
@@ -175,39 +169,21 @@ class PagedAttention:
     """The attention handle a model sees for one step: `attend(layer, q, k, v)`."""
 
     def __init__(self, cache: KVCache, slot_mapping: torch.Tensor, decodes: list[DecodeGroup],
-                 prefills: list[PrefillSeq], long_decodes: list[LongDecode] = (),
-                 kernel_decode: KernelDecode | None = None) -> None:
+                 prefills: list[PrefillSeq], long_decodes: list[LongDecode] = ()) -> None:
         self.cache = cache
         self.slot_mapping = slot_mapping  # (T,) where each new token's K/V goes
         self.decodes = decodes
         self.prefills = prefills
         self.long_decodes = long_decodes
-        self.kernel_decode = kernel_decode
 
-    def rotate_and_store(self, layer_idx: int, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                         heads: int, kv_heads: int) -> torch.Tensor:
-        """One kernel call (ember.kernels) for a fused qkv projection (T, (H + 2 KVH) D): rotary
-        embeddings on q and k in place, the new k and v into the cache. Returns q (T, H, D), a
-        view; attend it with k and v left out."""
-        k_cache, v_cache = self.cache.layers[layer_idx]
-        torch.ops.ember.rotary_store_(qkv, cos, sin, k_cache, v_cache, self.slot_mapping, heads, kv_heads)
-        return qkv[:, :heads * k_cache.shape[-1]].view(qkv.shape[0], heads, -1)
-
-    def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor | None = None,
-               v: torch.Tensor | None = None) -> torch.Tensor:
-        """q: (T, H, D); k, v: (T, KVH, D), or None when rotate_and_store wrote them -> (T, H, D)."""
+    def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q: (T, H, D); k, v: (T, KVH, D) -> (T, H, D)."""
         k_cache, v_cache = self.cache.layers[layer_idx]  # (KVH, slots, D) each
-        if k is not None:
-            k_cache.index_copy_(1, self.slot_mapping, k.transpose(0, 1))
-            v_cache.index_copy_(1, self.slot_mapping, v.transpose(0, 1))
-        kernel = self.kernel_decode
-        if kernel is not None and not self.prefills:  # every row decodes
-            return self._kernel_decode(q, k_cache, v_cache, kernel)
+        k_cache.index_copy_(1, self.slot_mapping, k.transpose(0, 1))
+        v_cache.index_copy_(1, self.slot_mapping, v.transpose(0, 1))
         if len(self.decodes) == 1 and not self.prefills and not self.long_decodes:
             return self._decode(q, k_cache, v_cache, self.decodes[0])
         out = torch.empty_like(q)
-        if kernel is not None:
-            out[kernel.token_index] = self._kernel_decode(q[kernel.token_index], k_cache, v_cache, kernel)
         for group in self.decodes:
             out[group.token_index] = self._decode(q[group.token_index], k_cache, v_cache, group)
         for seq in self.long_decodes:
@@ -216,11 +192,6 @@ class PagedAttention:
             out[seq.begin:seq.end] = _prefill(q[seq.begin:seq.end], k_cache[:, seq.key_slots],
                                               v_cache[:, seq.key_slots], seq)
         return out
-
-    def _kernel_decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                       kernel: KernelDecode) -> torch.Tensor:
-        return torch.ops.ember.paged_decode_attention(q, k_cache, v_cache, kernel.block_table,
-                                                      kernel.lengths, self.cache.block_size, q.shape[-1] ** -0.5)
 
     def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 group: DecodeGroup) -> torch.Tensor:

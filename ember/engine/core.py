@@ -11,6 +11,7 @@ import torch
 
 from ember.config import EngineConfig, ModelConfig
 from ember.engine.attention import KVCache
+from ember.engine.kernel_attention import KERNEL_BLOCK_SIZE
 from ember.engine.kv_cache import KVCacheManager
 from ember.engine.request import Request, RequestStatus
 from ember.engine.runner import ModelRunner
@@ -50,12 +51,14 @@ class EngineCore:
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len),
             self.kv_manager)
+        self.uses_cpu_kernels = (config.cpu_kernels and device.type == "cpu" and config.block_size == KERNEL_BLOCK_SIZE
+                                 and dtype in (torch.bfloat16, torch.float32) and model_config.head_dim % 16 == 0
+                                 and kernels.available())
         cache = KVCache(model_config.num_hidden_layers, num_blocks, config.block_size,
-                        model_config.num_key_value_heads, model_config.head_dim, dtype, device)
+                        model_config.num_key_value_heads, model_config.head_dim, dtype, device,
+                        kernel_layout=self.uses_cpu_kernels)
         sampler = Sampler(model_config.vocab_size, device, config.seed)
-        self.uses_cpu_kernels = config.cpu_kernels and device.type == "cpu" and kernels.available()
-        self.runner = ModelRunner(model, cache, sampler, device, exact=config.batch_invariant and device.type == "cpu",
-                                  decode_kernel=self.uses_cpu_kernels)
+        self.runner = ModelRunner(model, cache, sampler, device, exact=config.batch_invariant and device.type == "cpu")
         self.kv_capacity_tokens = (num_blocks - 1) * config.block_size
         self._scheduled_at: dict[str, float] = {}
         self._progress_ids: set[str] = set()  # requests that asked for prefill progress outputs

@@ -6,8 +6,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ember.engine.attention import (LONG_DECODE_CHUNK, DecodeGroup, KernelDecode, KVCache, LongDecode, PagedAttention,
-                                    PrefillSeq, long_decode, long_decode_available, prefill_seq)
+from ember.engine.attention import (LONG_DECODE_CHUNK, DecodeGroup, KVCache, LongDecode, PagedAttention, PrefillSeq,
+                                    long_decode, long_decode_available, prefill_seq)
+from ember.engine.kernel_attention import kernel_attention
 from ember.engine.sampler import Sampler, SamplingRow
 from ember.engine.scheduler import ScheduledRequest
 from ember.types import TokenLogprob
@@ -25,17 +26,17 @@ class RunnerOutput:
 
 
 class ModelRunner:
-    """`exact`: attention shapes never depend on a sequence's neighbours (see engine.attention).
-    `decode_kernel`: decoding sequences go through ember's paged decode kernel (ember.kernels)."""
+    """Attention through ember's CPU kernel when the cache has its layout (engine.kernel_attention),
+    else through the torch backend (engine.attention), where `exact` keeps attention shapes
+    independent of a sequence's neighbours."""
 
     def __init__(self, model: torch.nn.Module, cache: KVCache, sampler: Sampler, device: torch.device,
-                 exact: bool, decode_kernel: bool = False) -> None:
+                 exact: bool) -> None:
         self.model = model
         self.cache = cache
         self.sampler = sampler
         self.device = device
         self.exact = exact
-        self.decode_kernel = decode_kernel
         self.block_size = cache.block_size
 
     @torch.inference_mode()
@@ -56,6 +57,8 @@ class ModelRunner:
         return RunnerOutput(sampled, logprobs, failed)
 
     def _prepare(self, scheduled: list[ScheduledRequest]):
+        if self.cache.kernel_layout:
+            return self._prepare_for_kernel(scheduled)
         block_size = self.block_size
         token_ids: list[int] = []
         positions: list[int] = []
@@ -68,7 +71,6 @@ class ModelRunner:
         long_decodes: list[LongDecode] = []
         # On CPU, long sequences decode alone, reading the cache in place (see engine.attention)
         long_from = LONG_DECODE_CHUNK if self.device.type == "cpu" and long_decode_available() else None
-        kernel_rows: list[int] = []
         for item in scheduled:
             request, start, count = item.request, item.start, item.num_new_tokens
             begin = len(token_ids)
@@ -80,11 +82,7 @@ class ModelRunner:
                 prefills.append(prefill_seq(begin, start, seq_slots, self.cache.tensor.dtype, self.device, self.exact))
             else:
                 slots.append(request.block_ids[start // block_size] * block_size + start % block_size)
-                if self.decode_kernel:
-                    kernel_rows.append(begin)
-                    decode_tables.append(request.block_ids[: start // block_size + 1])
-                    decode_lengths.append(start + 1)
-                elif long_from is not None and start >= long_from:
+                if long_from is not None and start >= long_from:
                     long_decodes.append(long_decode(begin, request.block_ids, start + 1, block_size, self.device,
                                                     exact=self.exact))
                 else:
@@ -94,16 +92,27 @@ class ModelRunner:
             if item.samples:
                 sample_rows.append(begin + count - 1)
         to_device = lambda values: torch.tensor(values, dtype=torch.long).to(self.device, non_blocking=True)
-        if kernel_rows:
-            width = max(len(t) for t in decode_tables)
-            kernel = KernelDecode(to_device(kernel_rows),
-                                  torch.tensor([t + [0] * (width - len(t)) for t in decode_tables], dtype=torch.int32),
-                                  torch.tensor(decode_lengths, dtype=torch.int32))
-            attn = PagedAttention(self.cache, to_device(slots), [], prefills, [], kernel)
-        else:
-            decodes = self._decode_groups(decode_rows, decode_tables, decode_lengths)
-            attn = PagedAttention(self.cache, to_device(slots), decodes, prefills, long_decodes)
+        decodes = self._decode_groups(decode_rows, decode_tables, decode_lengths)
+        attn = PagedAttention(self.cache, to_device(slots), decodes, prefills, long_decodes)
         return to_device(token_ids), to_device(positions), sample_rows, attn
+
+    def _prepare_for_kernel(self, scheduled: list[ScheduledRequest]):
+        block_size = self.block_size
+        token_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        sample_rows: list[int] = []
+        for item in scheduled:
+            request, start, count = item.request, item.start, item.num_new_tokens
+            token_ids.extend(request.token_ids[start:start + count])
+            positions.extend(range(start, start + count))
+            slots.extend(request.block_ids[p // block_size] * block_size + p % block_size
+                         for p in range(start, start + count))
+            if item.samples:
+                sample_rows.append(len(token_ids) - 1)
+        rows = [(item.request.block_ids, item.start, item.num_new_tokens) for item in scheduled]
+        as_long = lambda values: torch.tensor(values, dtype=torch.long)
+        return as_long(token_ids), as_long(positions), sample_rows, kernel_attention(self.cache, rows, as_long(slots))
 
     def _decode_groups(self, rows: list[int], tables: list[list[int]], lengths: list[int]) -> list[DecodeGroup]:
         """Exact: one group per padded width, so a sequence's keys are padded by its own length

@@ -1,5 +1,6 @@
-"""ember's compiled CPU kernels (cpu_kernels.cpp): block-quantized linear layers and paged decode
-attention, both batch-invariant by construction.
+"""ember's compiled CPU kernels: block-quantized linear layers (linear.cpp), paged attention over
+a kernel-native cache layout (attention.cpp) and the row-wise ops of a decoder layer
+(layer_ops.cpp), all batch-invariant by construction.
 
 They are built on first use with the C++ compiler torch's extensions use, for the processor at
 hand (-march=native), and cached by torch under its extensions folder
@@ -22,7 +23,8 @@ import torch
 
 logger = logging.getLogger("ember.kernels")
 
-_SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
+_FOLDER = Path(__file__).parent
+_SOURCES = [_FOLDER / name for name in ("linear.cpp", "attention.cpp", "layer_ops.cpp")]
 _FLAGS = ["-O3", "-march=native", "-fopenmp"]
 _status = "not loaded yet"
 
@@ -46,13 +48,14 @@ def available() -> bool:
         return True
     from torch.utils import cpp_extension
 
-    source = _SOURCE.read_bytes()
+    source = b"".join(path.read_bytes() for path in [*_SOURCES, _FOLDER / "common.h"])
     key = hashlib.sha256(source + " ".join(_FLAGS).encode() + _processor().encode() + torch.__version__.encode())
     name = f"ember_cpu_{key.hexdigest()[:16]}"
     began = time.perf_counter()
     try:
-        cpp_extension.load(name=name, sources=[str(_SOURCE)], extra_cflags=_FLAGS, extra_ldflags=["-fopenmp"],
-                           is_python_module=False, verbose=False)
+        cpp_extension.load(name=name, sources=[str(p) for p in _SOURCES], extra_cflags=_FLAGS,
+                           extra_ldflags=["-fopenmp"], extra_include_paths=[str(_FOLDER)], is_python_module=False,
+                           verbose=False)
     except Exception as exc:  # no compiler, no ninja, a failed build: the torch paths serve instead
         _status = f"unavailable ({type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''})"
         logger.warning("ember's CPU kernels could not be built; using plain torch paths: %s", _status)

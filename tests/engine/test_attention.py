@@ -131,65 +131,79 @@ def test_exact_prefill_rows_keep_their_bits_however_the_prompt_is_chunked(long_p
         assert torch.equal(part, whole[start:end]), (start, end)
 
 
-# ---- ember's paged decode kernel (ember.kernels) ----------------------------------------------
+# ---- ember's attention kernel (ember.kernels) over its own cache layout -----------------------
 
-KERNEL_LENGTHS = [1, 17, 255, 256, 257, 1000]  # around the kernel's 256-key splits
+KERNEL_HEADS, KERNEL_KV_HEADS, KERNEL_HEAD_DIM, KERNEL_BLOCK = 9, 3, 64, 16
+KERNEL_LENGTH = 700  # past two of the kernel's 256-key splits
 
 
-def _kernel_case(dtype, seed=0):
-    """Keys and values of sequences of KERNEL_LENGTHS in scattered blocks of a 4-token cache."""
+@pytest.fixture
+def kernel_case(request):
+    """A kernel-layout cache holding one sequence of KERNEL_LENGTH tokens in scattered blocks."""
     from ember import kernels
     assert kernels.available(), kernels.status()
-    generator = torch.Generator().manual_seed(seed)
-    blocks_needed = [-(-n // BLOCK_SIZE) for n in KERNEL_LENGTHS]
-    order = (torch.randperm(sum(blocks_needed), generator=generator) + 1).tolist()  # block 0 stays null
-    tables, at = [], 0
-    for count in blocks_needed:
-        tables.append(order[at:at + count])
-        at += count
-    cache = KVCache(1, sum(blocks_needed) + 1, BLOCK_SIZE, KV_HEADS, HEAD_DIM, dtype, torch.device("cpu"))
-    cache.tensor.normal_(generator=generator)
-    q = torch.randn(len(KERNEL_LENGTHS), HEADS, HEAD_DIM, generator=generator).to(dtype)
-    return cache, tables, q
+    dtype = request.param
+    generator = torch.Generator().manual_seed(0)
+    num_blocks = KERNEL_LENGTH // KERNEL_BLOCK + 8
+    cache = KVCache(1, num_blocks, KERNEL_BLOCK, KERNEL_KV_HEADS, KERNEL_HEAD_DIM, dtype, torch.device("cpu"),
+                    kernel_layout=True)
+    blocks = (torch.randperm(num_blocks - 1, generator=generator) + 1)[: -(-KERNEL_LENGTH // KERNEL_BLOCK)]
+    slots = (blocks[:, None] * KERNEL_BLOCK + torch.arange(KERNEL_BLOCK)).flatten()[:KERNEL_LENGTH]
+    keys, values = (torch.randn(KERNEL_LENGTH, KERNEL_KV_HEADS, KERNEL_HEAD_DIM, generator=generator).to(dtype)
+                    for _ in range(2))
+    k_cache, v_cache = cache.layers[0]
+    torch.ops.ember.store_kv_(keys, values, k_cache, v_cache, slots)
+    q = torch.randn(KERNEL_LENGTH, KERNEL_HEADS, KERNEL_HEAD_DIM, generator=generator).to(dtype)
+    return cache, blocks.tolist(), keys, values, q
 
 
-def _kernel_decode(cache, tables, lengths, q):
-    width = max(len(t) for t in tables)
-    table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
-    k_cache, v_cache = cache.tensor[0]
-    return torch.ops.ember.paged_decode_attention(q, k_cache, v_cache, table, torch.tensor(lengths, dtype=torch.int32),
-                                                  BLOCK_SIZE, HEAD_DIM ** -0.5)
+def _kernel(cache, sequences):
+    """sequences: (block ids, first position, q rows) each -> their rows' outputs, in order."""
+    from ember.engine.kernel_attention import kernel_attention
+    rows = [(blocks, start, len(q)) for blocks, start, q in sequences]
+    attn = kernel_attention(cache, rows, torch.zeros(sum(len(q) for _, _, q in sequences), dtype=torch.long))
+    return attn.attend(0, torch.cat([q for _, _, q in sequences]))
 
 
-def _dense_reference(cache, tables, q):
-    outs = []
-    for b, (table, length) in enumerate(zip(tables, KERNEL_LENGTHS)):
-        slots = (torch.tensor(table)[:, None] * BLOCK_SIZE + torch.arange(BLOCK_SIZE)).flatten()[:length]
-        keys, values = cache.tensor[0, 0][:, slots].float(), cache.tensor[0, 1][:, slots].float()
-        grouped = q[b].float().view(KV_HEADS, HEADS // KV_HEADS, HEAD_DIM)
-        probs = (torch.einsum("kgd,kld->kgl", grouped, keys) * HEAD_DIM ** -0.5).softmax(-1)
-        outs.append(torch.einsum("kgl,kld->kgd", probs, values).reshape(HEADS, HEAD_DIM))
-    return torch.stack(outs)
+@pytest.mark.parametrize("kernel_case", [torch.float32, torch.bfloat16], indirect=True)
+def test_the_cache_layout_round_trips(kernel_case):
+    cache, blocks, keys, values, _ = kernel_case
+    slots = (torch.tensor(blocks)[:, None] * KERNEL_BLOCK + torch.arange(KERNEL_BLOCK)).flatten()[:KERNEL_LENGTH]
+    k_cache, v_cache = cache.layers[0]
+    assert torch.equal(torch.ops.ember.unpack_cache(k_cache, False, KERNEL_HEAD_DIM)[:, slots], keys.transpose(0, 1))
+    assert torch.equal(torch.ops.ember.unpack_cache(v_cache, True, KERNEL_HEAD_DIM)[:, slots], values.transpose(0, 1))
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_decode_kernel_matches_plain_attention(dtype):
-    cache, tables, q = _kernel_case(dtype)
-    out = _kernel_decode(cache, tables, KERNEL_LENGTHS, q)
-    expected = _dense_reference(cache, tables, q)
-    torch.testing.assert_close(out.float(), expected, rtol=1e-5 if dtype == torch.float32 else 2e-2,
-                               atol=1e-5 if dtype == torch.float32 else 2e-2)
+@pytest.mark.parametrize("kernel_case", [torch.float32, torch.bfloat16], indirect=True)
+def test_the_attention_kernel_matches_plain_causal_attention(kernel_case):
+    cache, blocks, keys, values, q = kernel_case
+    out = _kernel(cache, [(blocks, 0, q)])
+    group = KERNEL_HEADS // KERNEL_KV_HEADS
+    k = keys.float().repeat_interleave(group, 1).transpose(0, 1)  # (H, L, D)
+    v = values.float().repeat_interleave(group, 1).transpose(0, 1)
+    scores = torch.einsum("lhd,hkd->hlk", q.float(), k) * KERNEL_HEAD_DIM ** -0.5
+    scores = scores.masked_fill(torch.ones(KERNEL_LENGTH, KERNEL_LENGTH, dtype=torch.bool).triu(1), float("-inf"))
+    expected = torch.einsum("hlk,hkd->lhd", scores.softmax(-1), v)
+    tolerance = 1e-5 if q.dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.float(), expected, rtol=tolerance, atol=tolerance)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_decode_kernel_gives_a_sequence_the_same_bits_alone_and_wherever_its_blocks_lie(dtype):
-    cache, tables, q = _kernel_case(dtype)
-    together = _kernel_decode(cache, tables, KERNEL_LENGTHS, q)
-    for b, (table, length) in enumerate(zip(tables, KERNEL_LENGTHS)):
-        assert torch.equal(_kernel_decode(cache, [table], [length], q[b:b + 1])[0], together[b]), length
-    # the longest sequence's keys copied into the blocks in another order give the same bits
-    table, length = tables[-1], KERNEL_LENGTHS[-1]
-    moved = list(reversed(table))
-    slots_of = lambda blocks: (torch.tensor(blocks)[:, None] * BLOCK_SIZE + torch.arange(BLOCK_SIZE)).flatten()
-    cache.tensor[0][:, :, slots_of(moved)] = cache.tensor[0][:, :, slots_of(table)].clone()
-    assert torch.equal(_kernel_decode(cache, [moved], [length], q[-1:])[0], together[-1])
+@pytest.mark.parametrize("kernel_case", [torch.float32, torch.bfloat16], indirect=True)
+def test_a_row_gets_the_same_bits_decoded_chunked_batched_or_moved(kernel_case):
+    cache, blocks, keys, values, q = kernel_case
+    whole = _kernel(cache, [(blocks, 0, q)])
+    for position in (0, 15, 16, 63, 64, 255, 256, 257, 699):  # around blocks, chunks and splits
+        assert torch.equal(_kernel(cache, [(blocks, position, q[position:position + 1])])[0], whole[position])
+    for start in (1, 300, 511):  # a prompt chunk from `start` on, its earlier keys cached
+        assert torch.equal(_kernel(cache, [(blocks, start, q[start:])]), whole[start:])
+    # batched: decodes and chunks of the same sequence side by side in one call
+    together = _kernel(cache, [(blocks, 699, q[699:]), (blocks, 100, q[100:300]), (blocks, 5, q[5:6])])
+    assert torch.equal(together, torch.cat((whole[699:], whole[100:300], whole[5:6])))
+    # the same keys in other blocks give the same bits
+    moved = list(reversed(blocks))
+    slots_of = lambda ids: (torch.tensor(ids)[:, None] * KERNEL_BLOCK + torch.arange(KERNEL_BLOCK)).flatten()
+    k_cache, v_cache = cache.layers[0]
+    k_cache[:, moved] = k_cache[:, blocks].clone()
+    v_cache[:, moved] = v_cache[:, blocks].clone()
+    assert torch.equal(_kernel(cache, [(moved, 650, q[650:])]), whole[650:])
+    assert slots_of(moved).shape[0] >= KERNEL_LENGTH

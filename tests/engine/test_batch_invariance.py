@@ -148,3 +148,24 @@ def test_the_engine_probe_catches_a_plan_that_breaks(llm_fp32):
         set_row_plan(model, engine.invariance.rows)
     assert invariance.engine_probe(engine) is None
     engine.check_invariants()
+
+
+def test_a_request_keeps_its_bits_through_a_preemption(llm):
+    """The attention kernel computes a row the same way decoded or recomputed in a prefill, so a
+    request preempted (its blocks freed, its tokens recomputed later) keeps its log probabilities."""
+    assert llm.engine.runner.cache.kernel_layout
+    prompts = [llm.encode_prompt(chat) for chat in [TARGET, LONG, *MIXED[:3]]]
+    params = SamplingParams(temperature=0.0, max_tokens=40, logprobs=0, ignore_eos=True)
+    tight = _sibling_engine(llm.engine, kv_cache_tokens=320, enable_prefix_caching=False)
+    for i, prompt in enumerate(prompts):
+        tight.add_request(f"tight-{i}", prompt, params)
+    got = {f"tight-{i}": [] for i in range(len(prompts))}
+    while tight.has_unfinished():
+        for out in tight.step():
+            got[out.request_id] += [(lp.token_id, lp.logprob) for lp in out.logprobs or ()]
+    assert tight.stats().num_preemptions > 0
+    for i, prompt in enumerate(prompts):
+        llm.engine.kv_manager.reset_prefix_cache()
+        alone = llm.generate([prompt], params)[0]
+        assert got[f"tight-{i}"] == [(lp.token_id, lp.logprob) for lp in alone.logprobs], i
+    tight.check_invariants()

@@ -42,10 +42,14 @@ def _run(engine: EngineCore, prompts, params):
     return [tokens[str(i)] for i in range(len(prompts))], [logprobs[str(i)] for i in range(len(prompts))]
 
 
-# How decoding sequences attend: ember's paged decode kernel, or the torch paths (one padded
-# batch, and sequences past 8 keys in chunks of 8).
-DECODE_PATHS = {"decode-kernel": (True, None), "torch-batched-decode": (False, None),
+# How rows attend: ember's attention kernel (ember.kernels, its blocks of 16 slots), or the torch
+# paths (blocks of 4 slots; one padded batch, and sequences past 8 keys in chunks of 8).
+DECODE_PATHS = {"attention-kernel": (True, None), "torch-batched-decode": (False, None),
                 "torch-long-decodes-in-chunks-of-8": (False, 8)}
+
+
+def _attention(kernel: bool) -> dict:
+    return dict(cpu_kernels=kernel, block_size=16 if kernel else 4)
 
 
 @pytest.mark.parametrize("decode_path", list(DECODE_PATHS))
@@ -53,8 +57,8 @@ def test_logprobs_match_transformers_through_paged_cache(decode_path, monkeypatc
     kernel, long_decode_chunk = DECODE_PATHS[decode_path]
     long_decodes = _count_long_decodes(monkeypatch, long_decode_chunk)
     reference = _tiny_llama()
-    engine = _engine(reference, torch.float32, cpu_kernels=kernel)
-    assert engine.runner.decode_kernel == kernel
+    engine = _engine(reference, torch.float32, **_attention(kernel))
+    assert engine.runner.cache.kernel_layout == kernel
     torch.manual_seed(1)
     prompts = [torch.randint(0, 256, (n,)).tolist() for n in (19, 5, 11)]
     params = [SamplingParams(temperature=0.0, max_tokens=6, logprobs=2)] * 3
@@ -94,10 +98,10 @@ def test_preemption_and_mixed_batches_give_identical_tokens(decode_path, monkeyp
     prompts = [torch.randint(0, 256, (n,)).tolist() for n in (30, 7, 22, 13, 40, 9)]
     params = [SamplingParams(temperature=0.0, max_tokens=20) if i % 2 else
               SamplingParams(temperature=1.0, seed=i, max_tokens=20) for i in range(len(prompts))]
-    roomy = _engine(reference, torch.bfloat16, max_num_batched_tokens=512, cpu_kernels=kernel)
+    roomy = _engine(reference, torch.bfloat16, max_num_batched_tokens=512, **_attention(kernel))
     alone = [_run(roomy, [p], [sp])[0][0] for p, sp in zip(prompts, params)]
-    # 24 blocks of 4 tokens cannot hold six sequences of up to 60 tokens: preemption must happen.
-    tight = _engine(reference, torch.bfloat16, kv_cache_tokens=96, max_num_batched_tokens=16, cpu_kernels=kernel)
+    # 96 tokens of cache cannot hold six sequences of up to 60 tokens: preemption must happen.
+    tight = _engine(reference, torch.bfloat16, kv_cache_tokens=96, max_num_batched_tokens=16, **_attention(kernel))
     together, _ = _run(tight, prompts, params)
     assert tight.stats().num_preemptions > 0
     assert together == alone

@@ -1,0 +1,506 @@
+// Paged attention over ember's kernel cache layout, for decode and prompt rows alike.
+//
+// The cache of one layer is (kv_heads, blocks, 16 * D) for K and for V, a block holding 16 slots:
+//   bfloat16 K: [D / 2][16][2]  one vector per pair of dims: the 16 keys' values of that pair
+//   bfloat16 V: [8][D][2]       per pair of keys, every dim's two values
+//   float32  K: [D][16],  V: [16][D]
+// so that a block's scores and its weighted values are plain vector dot products, with no
+// transposition and no sum across lanes.
+//
+// A row at position p attends keys [0, p]. They are cut into splits of SPLIT keys at fixed
+// positions; within a split, blocks of 16 in order, with an online softmax; then the splits'
+// partial results (max, sum, weighted values) are merged in order. A row's arithmetic depends on
+// its position and its data alone: it is the same alone or in a batch, decoded or inside a prompt
+// chunk, whatever rows share its tile. Sequences of one row spread their splits over the threads;
+// longer ones their tiles of ROW_TILE rows.
+
+#include "common.h"
+
+namespace ember_kernels {
+namespace {
+
+constexpr int64_t BLOCK = 16;
+constexpr int64_t CHUNK = 64;  // keys per online-softmax step: 4 blocks
+constexpr int64_t SPLIT = 256;
+constexpr int64_t ROW_TILE = 8;
+
+#if EMBER_AVX512 && defined(__AVX512BF16__)
+#define EMBER_BF16_DOT 1
+#else
+#define EMBER_BF16_DOT 0
+#endif
+
+// Where element (slot-in-block `key`, dim d) of a block lives.
+template <typename T> inline int64_t k_offset(int64_t key, int64_t d, int64_t D);
+template <> inline int64_t k_offset<at::BFloat16>(int64_t key, int64_t d, int64_t) { return ((d / 2) * BLOCK + key) * 2 + d % 2; }
+template <> inline int64_t k_offset<float>(int64_t key, int64_t d, int64_t) { return d * BLOCK + key; }
+template <typename T> inline int64_t v_offset(int64_t key, int64_t d, int64_t D);
+template <> inline int64_t v_offset<at::BFloat16>(int64_t key, int64_t d, int64_t D) { return ((key / 2) * D + d) * 2 + key % 2; }
+template <> inline int64_t v_offset<float>(int64_t key, int64_t d, int64_t D) { return key * D + d; }
+
+// One (row, head)'s running state within a split.
+struct State {
+  float max, sum;
+  float* values;  // D floats
+};
+
+// Scores of one query row (D values, already in the cache's dtype) against a block's 16 keys.
+template <typename T>
+inline void block_scores(const T* q, const T* kblock, int64_t D, float scale, float* out);
+
+template <typename T>
+inline void block_values(const float* probs, const T* vblock, int64_t D, int64_t valid, float* values);
+
+// The plain bfloat16 path (the vector one for head_dim 64 and 128 is attend_chunk below).
+template <>
+inline void block_scores<at::BFloat16>(const at::BFloat16* q, const at::BFloat16* kblock, int64_t D, float scale,
+                                       float* out) {
+  for (int64_t key = 0; key < BLOCK; ++key) {
+    float acc = 0.f;
+    for (int64_t d = 0; d < D; ++d)
+      acc = std::fma(bf16_to_float(q[d].x), bf16_to_float(kblock[k_offset<at::BFloat16>(key, d, D)].x), acc);
+    out[key] = acc * scale;
+  }
+}
+
+template <>
+inline void block_values<at::BFloat16>(const float* probs, const at::BFloat16* vblock, int64_t D, int64_t valid,
+                                       float* values) {
+  for (int64_t key = 0; key < valid; ++key) {
+    const float p = bf16_to_float(float_to_bf16(probs[key]));
+    for (int64_t d = 0; d < D; ++d)
+      values[d] = std::fma(p, bf16_to_float(vblock[v_offset<at::BFloat16>(key, d, D)].x), values[d]);
+  }
+}
+
+template <>
+inline void block_scores<float>(const float* q, const float* kblock, int64_t D, float scale, float* out) {
+#if EMBER_AVX512
+  __m512 acc = _mm512_setzero_ps();
+  for (int64_t d = 0; d < D; ++d) acc = _mm512_fmadd_ps(_mm512_set1_ps(q[d]), _mm512_loadu_ps(kblock + d * BLOCK), acc);
+  _mm512_storeu_ps(out, _mm512_mul_ps(acc, _mm512_set1_ps(scale)));
+#else
+  for (int64_t key = 0; key < BLOCK; ++key) {
+    float acc = 0.f;
+    for (int64_t d = 0; d < D; ++d) acc = std::fma(q[d], kblock[d * BLOCK + key], acc);
+    out[key] = acc * scale;
+  }
+#endif
+}
+
+template <>
+inline void block_values<float>(const float* probs, const float* vblock, int64_t D, int64_t valid, float* values) {
+  for (int64_t key = 0; key < valid; ++key) axpy(probs[key], vblock + key * D, values, D);
+}
+
+// The online softmax over one block: `valid` of its 16 keys are visible to the row.
+template <typename T>
+inline void attend_block(const T* q, const T* kblock, const T* vblock, int64_t D, int64_t valid, float scale,
+                         State& state) {
+  alignas(64) float scores[BLOCK];
+  block_scores<T>(q, kblock, D, scale, scores);
+  float block_max = -std::numeric_limits<float>::infinity();
+  for (int64_t key = 0; key < valid; ++key) block_max = std::max(block_max, scores[key]);
+  const float max = std::max(state.max, block_max);
+  const float correction = std::exp(state.max - max);  // 0 on the first block (max was -inf)
+  const float sum = exp_and_sum(scores, valid, max);
+  for (int64_t key = valid; key < BLOCK; ++key) scores[key] = 0.f;  // keys past the row weigh nothing
+  state.sum = std::fma(state.sum, correction, sum);
+  state.max = max;
+  for (int64_t d = 0; d < D; ++d) state.values[d] *= correction;
+  block_values<T>(scores, vblock, D, valid, state.values);
+}
+
+// Heads [0, G) of a row over one chunk of `count` blocks, block by block (float32, and bfloat16
+// without the bfloat16 dot-product instructions).
+template <typename T>
+inline void attend_chunk(const T* const* q, int64_t G, const T* const* kblocks, const T* const* vblocks, int64_t count,
+                         int64_t D, int64_t valid, float scale, State* states) {
+  for (int64_t blk = 0; blk < count; ++blk)
+    for (int64_t g = 0; g < G; ++g)
+      attend_block<T>(q[g], kblocks[blk], vblocks[blk], D, std::min<int64_t>(BLOCK, valid - blk * BLOCK), scale,
+                      states[g]);
+}
+
+#if EMBER_BF16_DOT
+// bfloat16 over one chunk of up to CHUNK / BLOCK blocks, for N heads of a group at once: they
+// share the chunk's key and value loads, each q pair and probability pair is broadcast once per
+// chunk, and every sum stays in a register. C = head_dim / 16. A head's arithmetic is the same
+// whatever heads it is grouped with.
+template <int N, int C, int COUNT>
+inline void attend_chunk_heads(const uint32_t* const* q_pairs, const at::BFloat16* const* kblocks,
+                               const at::BFloat16* const* vblocks, int64_t valid, float scale, State* states) {
+  constexpr int64_t D = 16 * C;
+  constexpr int count = COUNT;
+  __m512 acc[N][COUNT];
+  for (int h = 0; h < N; ++h)
+    for (int blk = 0; blk < COUNT; ++blk) acc[h][blk] = _mm512_setzero_ps();
+  for (int64_t i = 0; i < D / 2; ++i) {
+    __m512bh q[N];
+    for (int h = 0; h < N; ++h) q[h] = (__m512bh)_mm512_set1_epi32(int(q_pairs[h][i]));
+    for (int blk = 0; blk < COUNT; ++blk) {
+      const __m512bh k = (__m512bh)_mm512_loadu_si512(kblocks[blk] + i * 2 * BLOCK);
+      for (int h = 0; h < N; ++h) acc[h][blk] = _mm512_dpbf16_ps(acc[h][blk], k, q[h]);
+    }
+  }
+  alignas(32) uint32_t prob_pairs[N][CHUNK / 2];
+  __m512 correction[N];
+  for (int h = 0; h < N; ++h) {
+    State& state = states[h];
+    __m512 scores[COUNT];
+    __m512 vmax = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+    for (int blk = 0; blk < count; ++blk) {
+      const int64_t left = valid - blk * BLOCK;
+      const __mmask16 mask = left >= BLOCK ? __mmask16(0xffff) : __mmask16((1u << left) - 1);
+      scores[blk] = _mm512_mul_ps(acc[h][blk], _mm512_set1_ps(scale));
+      vmax = _mm512_mask_max_ps(vmax, mask, vmax, scores[blk]);
+    }
+    const float max = std::max(state.max, _mm512_reduce_max_ps(vmax));
+    const float factor = std::exp(state.max - max);  // 0 on the first chunk (max was -inf)
+    __m512 sum = _mm512_setzero_ps();
+    for (int blk = 0; blk < count; ++blk) {
+      const int64_t left = valid - blk * BLOCK;
+      const __mmask16 mask = left >= BLOCK ? __mmask16(0xffff) : __mmask16((1u << left) - 1);
+      const __m512 probs = _mm512_maskz_mov_ps(mask, exp_nonpositive(_mm512_sub_ps(scores[blk], _mm512_set1_ps(max))));
+      sum = _mm512_add_ps(sum, probs);
+      _mm256_store_si256(reinterpret_cast<__m256i*>(prob_pairs[h] + blk * BLOCK / 2),
+                         (__m256i)_mm512_cvtneps_pbh(probs));
+    }
+    state.sum = std::fma(state.sum, factor, _mm512_reduce_add_ps(sum));
+    state.max = max;
+    correction[h] = _mm512_set1_ps(factor);
+  }
+  __m512 values[N][C];
+  for (int h = 0; h < N; ++h)
+    for (int c = 0; c < C; ++c) values[h][c] = _mm512_mul_ps(_mm512_loadu_ps(states[h].values + 16 * c), correction[h]);
+  for (int blk = 0; blk < count; ++blk) {
+    const at::BFloat16* vblock = vblocks[blk];
+    // Slots past the row's keys may hold anything, NaN included: they are never read, since even
+    // a zero weight times NaN would be NaN. A lone last key takes the even half of its pair.
+    const int64_t keys = std::min<int64_t>(BLOCK, valid - blk * BLOCK);
+    for (int64_t j = 0; 2 * j < keys; ++j) {
+      const __mmask32 half = 2 * j + 1 < keys ? __mmask32(0xffffffffu) : __mmask32(0x55555555u);
+      __m512bh p[N];
+      for (int h = 0; h < N; ++h) p[h] = (__m512bh)_mm512_set1_epi32(int(prob_pairs[h][blk * BLOCK / 2 + j]));
+      for (int c = 0; c < C; ++c) {
+        const __m512bh v = (__m512bh)_mm512_maskz_loadu_epi16(half, vblock + (j * D + 16 * c) * 2);
+        for (int h = 0; h < N; ++h) values[h][c] = _mm512_dpbf16_ps(values[h][c], v, p[h]);
+      }
+    }
+  }
+  for (int h = 0; h < N; ++h)
+    for (int c = 0; c < C; ++c) _mm512_storeu_ps(states[h].values + 16 * c, values[h][c]);
+}
+
+template <int N, int C>
+inline void attend_chunk_count(const uint32_t* const* pairs, const at::BFloat16* const* kblocks,
+                               const at::BFloat16* const* vblocks, int64_t count, int64_t valid, float scale,
+                               State* states) {
+  switch (count) {
+    case 1: return attend_chunk_heads<N, C, 1>(pairs, kblocks, vblocks, valid, scale, states);
+    case 2: return attend_chunk_heads<N, C, 2>(pairs, kblocks, vblocks, valid, scale, states);
+    case 3: return attend_chunk_heads<N, C, 3>(pairs, kblocks, vblocks, valid, scale, states);
+    default: return attend_chunk_heads<N, C, 4>(pairs, kblocks, vblocks, valid, scale, states);
+  }
+}
+
+// Heads [0, G) in passes of up to 4 (3 for head_dim 128: the sums must fit in the registers).
+template <int C>
+inline void attend_chunk_passes(const uint32_t* const* pairs, int64_t G, const at::BFloat16* const* kblocks,
+                                const at::BFloat16* const* vblocks, int64_t count, int64_t valid, float scale,
+                                State* states) {
+  constexpr int64_t PER_PASS = C <= 4 ? 4 : 3;
+  for (int64_t g = 0; g < G; g += PER_PASS) {
+    switch (std::min(PER_PASS, G - g)) {
+      case 1: attend_chunk_count<1, C>(pairs + g, kblocks, vblocks, count, valid, scale, states + g); break;
+      case 2: attend_chunk_count<2, C>(pairs + g, kblocks, vblocks, count, valid, scale, states + g); break;
+      case 3: attend_chunk_count<3, C>(pairs + g, kblocks, vblocks, count, valid, scale, states + g); break;
+      default: attend_chunk_count<C <= 4 ? 4 : 3, C>(pairs + g, kblocks, vblocks, count, valid, scale, states + g);
+    }
+  }
+}
+
+template <>
+inline void attend_chunk<at::BFloat16>(const at::BFloat16* const* q, int64_t G, const at::BFloat16* const* kblocks,
+                                       const at::BFloat16* const* vblocks, int64_t count, int64_t D, int64_t valid,
+                                       float scale, State* states) {
+  std::vector<const uint32_t*> pairs(G);
+  for (int64_t g = 0; g < G; ++g) pairs[g] = reinterpret_cast<const uint32_t*>(q[g]);
+  switch (D) {
+    case 64: return attend_chunk_passes<4>(pairs.data(), G, kblocks, vblocks, count, valid, scale, states);
+    case 128: return attend_chunk_passes<8>(pairs.data(), G, kblocks, vblocks, count, valid, scale, states);
+    default:
+      for (int64_t blk = 0; blk < count; ++blk)
+        for (int64_t g = 0; g < G; ++g)
+          attend_block<at::BFloat16>(q[g], kblocks[blk], vblocks[blk], D, std::min<int64_t>(BLOCK, valid - blk * BLOCK),
+                                     scale, states[g]);
+  }
+}
+#endif
+
+struct Batch {
+  const void* q;
+  int64_t q_stride, H, KVH, G, D;
+  const void* k_cache;
+  const void* v_cache;
+  int64_t head_stride;  // elements between kv heads in a layer's cache
+  const int32_t* tables;
+  int64_t table_width;
+  const int32_t* row_begin;  // (S + 1,) rows of sequence s: [row_begin[s], row_begin[s + 1])
+  const int32_t* first_pos;  // (S,) the position of each sequence's first row
+  float scale;
+  void* out;
+};
+
+constexpr int64_t partial_floats(int64_t D) { return 2 + D; }  // max, sum, values
+
+// Partials of rows [r0, r1) of sequence s, KV head kvh, split `split`: for each row and head of the
+// group, (max, sum, values) into partials[(row - r0) * G + g].
+template <typename T>
+void split_partials(const Batch& b, int64_t s, int64_t kvh, int64_t split, int64_t r0, int64_t r1, float* partials) {
+  const int64_t D = b.D, G = b.G, lo = split * SPLIT;
+  const T* q = static_cast<const T*>(b.q);
+  const T* keys = static_cast<const T*>(b.k_cache) + kvh * b.head_stride;
+  const T* vals = static_cast<const T*>(b.v_cache) + kvh * b.head_stride;
+  const int32_t* table = b.tables + s * b.table_width;
+  std::vector<State> states(G);
+  std::vector<const T*> rows(G);
+  for (int64_t r = r0; r < r1; ++r) {
+    const int64_t end = std::min<int64_t>(b.first_pos[s] + (r - b.row_begin[s]) + 1, lo + SPLIT);
+    for (int64_t g = 0; g < G; ++g) {
+      float* p = partials + ((r - r0) * G + g) * partial_floats(D);
+      states[g] = State{-std::numeric_limits<float>::infinity(), 0.f, p + 2};
+      std::fill(p + 2, p + 2 + D, 0.f);
+      rows[g] = q + r * b.q_stride + (kvh * G + g) * D;
+    }
+    for (int64_t chunk = lo; chunk < end; chunk += CHUNK) {
+      const int64_t count = (std::min(end, chunk + CHUNK) - chunk + BLOCK - 1) / BLOCK;
+      const T* kblocks[CHUNK / BLOCK];
+      const T* vblocks[CHUNK / BLOCK];
+      for (int64_t blk = 0; blk < count; ++blk) {
+        const int64_t base = int64_t(table[chunk / BLOCK + blk]) * BLOCK * D;
+        kblocks[blk] = keys + base;
+        vblocks[blk] = vals + base;
+      }
+      attend_chunk<T>(rows.data(), G, kblocks, vblocks, count, D, std::min(end, chunk + CHUNK) - chunk, b.scale,
+                      states.data());
+    }
+    for (int64_t g = 0; g < G; ++g) {
+      float* p = partials + ((r - r0) * G + g) * partial_floats(D);
+      p[0] = states[g].max;
+      p[1] = states[g].sum;
+    }
+  }
+}
+
+// out = sum_j e^(max_j - M) values_j / sum_j e^(max_j - M) sum_j over a row-head's splits, in order.
+template <typename T>
+void merge(const float* partials, int64_t splits, int64_t stride, int64_t D, T* out) {
+  float max = -std::numeric_limits<float>::infinity();
+  for (int64_t j = 0; j < splits; ++j) max = std::max(max, partials[j * stride]);
+  std::vector<float> values(D, 0.f);
+  float total = 0.f;
+  for (int64_t j = 0; j < splits; ++j) {
+    const float* p = partials + j * stride;
+    const float weight = std::exp(p[0] - max);
+    total = std::fma(weight, p[1], total);
+    axpy(weight, p + 2, values.data(), D);
+  }
+  const float inv = 1.f / total;
+  for (int64_t d = 0; d < D; ++d) out[d] = from_float<T>(values[d] * inv);
+}
+
+template <typename T>
+void attention_impl(const Batch& b, int64_t S) {
+  const int64_t G = b.G, D = b.D, P = partial_floats(D);
+  // Work items: (sequence, kv head, split) for one-row sequences, (sequence, kv head, tile) else.
+  struct Item { int64_t s, kvh, part; };
+  std::vector<Item> items;
+  std::vector<int64_t> first_split(S, -1), splits_of(S, 0);
+  int64_t single_partials = 0;
+  for (int64_t s = 0; s < S; ++s) {
+    const int64_t rows = b.row_begin[s + 1] - b.row_begin[s];
+    const int64_t last = b.first_pos[s] + rows - 1;  // the position of its last row
+    if (rows == 1) {
+      splits_of[s] = last / SPLIT + 1;
+      first_split[s] = single_partials;
+      single_partials += splits_of[s] * b.KVH;
+      for (int64_t kvh = 0; kvh < b.KVH; ++kvh)
+        for (int64_t j = 0; j < splits_of[s]; ++j) items.push_back({s, kvh, j});
+    } else {
+      for (int64_t kvh = 0; kvh < b.KVH; ++kvh)
+        for (int64_t tile = 0; tile * ROW_TILE < rows; ++tile) items.push_back({s, kvh, tile});
+    }
+  }
+  std::vector<float> single(single_partials * G * P);
+  T* out = static_cast<T*>(b.out);
+  at::parallel_for(0, int64_t(items.size()), 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> local;
+    for (int64_t i = begin; i < end; ++i) {
+      const Item item = items[i];
+      const int64_t s = item.s, kvh = item.kvh, row0 = b.row_begin[s];
+      if (first_split[s] >= 0) {  // one split of a one-row sequence
+        float* p = single.data() + ((first_split[s] + kvh * splits_of[s] + item.part) * G) * P;
+        split_partials<T>(b, s, kvh, item.part, row0, row0 + 1, p);
+        continue;
+      }
+      const int64_t r0 = row0 + item.part * ROW_TILE, r1 = std::min<int64_t>(b.row_begin[s + 1], r0 + ROW_TILE);
+      const int64_t splits = (b.first_pos[s] + (r1 - 1 - row0)) / SPLIT + 1;
+      local.assign(splits * (r1 - r0) * G * P, 0.f);
+      for (int64_t j = 0; j < splits; ++j) split_partials<T>(b, s, kvh, j, r0, r1, local.data() + j * (r1 - r0) * G * P);
+      for (int64_t r = r0; r < r1; ++r) {
+        const int64_t own = (b.first_pos[s] + (r - row0)) / SPLIT + 1;  // splits this row reaches
+        for (int64_t g = 0; g < G; ++g)
+          merge<T>(local.data() + ((r - r0) * G + g) * P, own, (r1 - r0) * G * P, D,
+                   out + r * b.H * D + (kvh * G + g) * D);
+      }
+    }
+  });
+  at::parallel_for(0, S * b.KVH, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t pair = begin; pair < end; ++pair) {
+      const int64_t s = pair / b.KVH, kvh = pair % b.KVH;
+      if (first_split[s] < 0) continue;
+      for (int64_t g = 0; g < G; ++g)
+        merge<T>(single.data() + ((first_split[s] + kvh * splits_of[s]) * G + g) * P, splits_of[s], G * P, D,
+                 out + b.row_begin[s] * b.H * D + (kvh * G + g) * D);
+    }
+  });
+}
+
+void check_cache(const at::Tensor& k_cache, const at::Tensor& v_cache, int64_t D) {
+  TORCH_CHECK(k_cache.dim() == 3 && k_cache.size(2) == BLOCK * D && k_cache.stride(2) == 1 &&
+              k_cache.stride(1) == BLOCK * D, "the cache must be (kv_heads, blocks, 16 * head_dim)");
+  TORCH_CHECK(v_cache.sizes() == k_cache.sizes() && v_cache.strides() == k_cache.strides() &&
+              v_cache.scalar_type() == k_cache.scalar_type(), "v_cache unlike k_cache");
+  TORCH_CHECK(k_cache.scalar_type() != at::kBFloat16 || D % 16 == 0 || !EMBER_BF16_DOT,
+              "bfloat16 attention needs head_dim a multiple of 16");
+}
+
+// q (T, H, D) rows with contiguous heads; sequence s owns rows [row_begin[s], row_begin[s + 1])
+// at positions first_pos[s] onward, its blocks listed in block_table[s].
+at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                           const at::Tensor& block_table, const at::Tensor& row_begin, const at::Tensor& first_pos,
+                           double scale) {
+  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2), "q must be (T, heads, head_dim) rows");
+  const int64_t T = q.size(0), H = q.size(1), D = q.size(2), KVH = k_cache.size(0), S = first_pos.numel();
+  check_cache(k_cache, v_cache, D);
+  TORCH_CHECK(H % KVH == 0 && q.scalar_type() == k_cache.scalar_type(), "heads: a multiple of kv_heads, one dtype");
+  for (const at::Tensor* t : {&block_table, &row_begin, &first_pos})
+    TORCH_CHECK(t->scalar_type() == at::kInt && t->is_contiguous(), "block_table, row_begin, first_pos: int32");
+  TORCH_CHECK(block_table.dim() == 2 && block_table.size(0) == S && row_begin.numel() == S + 1,
+              "one block table row and row range per sequence");
+  TORCH_CHECK(S == 0 || row_begin.data_ptr<int32_t>()[S] == T, "the sequences' rows must cover q");
+  auto out = at::empty({T, H, D}, q.options());
+  if (T == 0) return out;
+  Batch b{q.data_ptr(), q.stride(0), H, KVH, H / KVH, D, k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(0),
+          block_table.data_ptr<int32_t>(), block_table.size(1), row_begin.data_ptr<int32_t>(),
+          first_pos.data_ptr<int32_t>(), float(scale), out.data_ptr()};
+  dispatch_float_or_bf16(q.scalar_type(), [&](auto tag) { attention_impl<decltype(tag)>(b, S); });
+  return out;
+}
+
+template <typename T>
+inline void store_row(const T* k, const T* v, int64_t slot, int64_t kvh, T* k_cache, T* v_cache, int64_t head_stride,
+                      int64_t D) {
+  T* kb = k_cache + kvh * head_stride + (slot / BLOCK) * BLOCK * D;
+  T* vb = v_cache + kvh * head_stride + (slot / BLOCK) * BLOCK * D;
+  const int64_t key = slot % BLOCK;
+  for (int64_t d = 0; d < D; ++d) {
+    kb[k_offset<T>(key, d, D)] = k[d];
+    vb[v_offset<T>(key, d, D)] = v[d];
+  }
+}
+
+// k, v (T, KVH, D) with contiguous heads -> the cache's slots[t].
+void store_kv_(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at::Tensor& v_cache,
+               const at::Tensor& slots) {
+  const int64_t T = k.size(0), KVH = k.size(1), D = k.size(2);
+  check_cache(k_cache, v_cache, D);
+  TORCH_CHECK(k.stride(2) == 1 && k.stride(1) == D && v.stride(2) == 1 && v.stride(1) == D && v.sizes() == k.sizes() &&
+              k.scalar_type() == k_cache.scalar_type() && v.scalar_type() == k_cache.scalar_type(),
+              "k and v: (T, kv_heads, head_dim) rows in the cache's dtype");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.numel() == T, "one int64 slot per row");
+  dispatch_float_or_bf16(k.scalar_type(), [&](auto tag) {
+    using T_ = decltype(tag);
+    for (int64_t t = 0; t < T; ++t)
+      for (int64_t h = 0; h < KVH; ++h)
+        store_row<T_>(k.data_ptr<T_>() + t * k.stride(0) + h * D, v.data_ptr<T_>() + t * v.stride(0) + h * D,
+                      slots.data_ptr<int64_t>()[t], h, k_cache.data_ptr<T_>(), v_cache.data_ptr<T_>(),
+                      k_cache.stride(0), D);
+  });
+}
+
+// A fused qkv projection (T, (H + 2 KVH) D): rotate its q and k heads in place (rotate-half, each
+// output in one float rounding), then store its k and v heads at slots[t].
+void rotary_store_(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k_cache,
+                   at::Tensor& v_cache, const at::Tensor& slots, int64_t heads, int64_t kv_heads) {
+  const int64_t T = qkv.size(0), D = k_cache.size(2) / BLOCK, half = D / 2;
+  TORCH_CHECK(qkv.dim() == 2 && qkv.size(1) == (heads + 2 * kv_heads) * D && qkv.stride(1) == 1,
+              "qkv must be (T, (H + 2 KVH) D) rows");
+  check_cache(k_cache, v_cache, D);
+  TORCH_CHECK(k_cache.size(0) == kv_heads && k_cache.scalar_type() == qkv.scalar_type(), "the cache: kv_heads, dtype");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.numel() == T, "one int64 slot per row");
+  TORCH_CHECK(cos.size(0) == T && cos.size(-1) == half && cos.stride(-1) == 1 && sin.strides() == cos.strides() &&
+              sin.sizes() == cos.sizes() && cos.scalar_type() == qkv.scalar_type(), "cos and sin: (T, D / 2) rows");
+  const int64_t row_stride = cos.stride(0);
+  dispatch_float_or_bf16(qkv.scalar_type(), [&](auto tag) {
+    using T_ = decltype(tag);
+    at::parallel_for(0, T, 8, [&](int64_t begin, int64_t end) {
+      std::vector<float> c(half), s(half);
+      for (int64_t t = begin; t < end; ++t) {
+        for (int64_t i = 0; i < half; ++i) {
+          c[i] = to_float<T_>(cos.data_ptr<T_>()[t * row_stride + i]);
+          s[i] = to_float<T_>(sin.data_ptr<T_>()[t * row_stride + i]);
+        }
+        T_* row = qkv.data_ptr<T_>() + t * qkv.stride(0);
+        for (int64_t h = 0; h < heads + kv_heads; ++h) {
+          T_* x = row + h * D;
+          for (int64_t i = 0; i < half; ++i) {
+            const float x1 = to_float<T_>(x[i]), x2 = to_float<T_>(x[i + half]);
+            x[i] = from_float<T_>(std::fma(x1, c[i], -x2 * s[i]));
+            x[i + half] = from_float<T_>(std::fma(x2, c[i], x1 * s[i]));
+          }
+        }
+        for (int64_t h = 0; h < kv_heads; ++h)
+          store_row<T_>(row + (heads + h) * D, row + (heads + kv_heads + h) * D, slots.data_ptr<int64_t>()[t], h,
+                        k_cache.data_ptr<T_>(), v_cache.data_ptr<T_>(), k_cache.stride(0), D);
+      }
+    });
+  });
+}
+
+// The cache's blocks back in the (kv_heads, slots, D) layout: for tests and for debugging.
+at::Tensor unpack_cache(const at::Tensor& cache, bool values, int64_t D) {
+  const int64_t KVH = cache.size(0), blocks = cache.size(1);
+  auto out = at::empty({KVH, blocks * BLOCK, D}, cache.options());
+  dispatch_float_or_bf16(cache.scalar_type(), [&](auto tag) {
+    using T_ = decltype(tag);
+    for (int64_t h = 0; h < KVH; ++h)
+      for (int64_t slot = 0; slot < blocks * BLOCK; ++slot)
+        for (int64_t d = 0; d < D; ++d) {
+          const T_* block = cache.data_ptr<T_>() + h * cache.stride(0) + (slot / BLOCK) * BLOCK * D;
+          const int64_t key = slot % BLOCK;
+          out.data_ptr<T_>()[(h * blocks * BLOCK + slot) * D + d] = block[values ? v_offset<T_>(key, d, D) : k_offset<T_>(key, d, D)];
+        }
+  });
+  return out;
+}
+
+}  // namespace
+}  // namespace ember_kernels
+
+TORCH_LIBRARY_FRAGMENT(ember, m) {
+  m.def("paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, Tensor row_begin, "
+        "Tensor first_pos, float scale) -> Tensor");
+  m.def("store_kv_(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots) -> ()");
+  m.def("rotary_store_(Tensor(a!) qkv, Tensor cos, Tensor sin, Tensor(b!) k_cache, Tensor(c!) v_cache, Tensor slots, "
+        "int heads, int kv_heads) -> ()");
+  m.def("unpack_cache(Tensor cache, bool values, int head_dim) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(ember, CPU, m) {
+  m.impl("paged_attention", &ember_kernels::paged_attention);
+  m.impl("store_kv_", &ember_kernels::store_kv_);
+  m.impl("rotary_store_", &ember_kernels::rotary_store_);
+  m.impl("unpack_cache", &ember_kernels::unpack_cache);
+}

@@ -1,0 +1,241 @@
+// Block-quantized linear layers: y = x W^T with W in ember's 4- or 8-bit blocks (models/weights.py).
+//
+// Activations are quantized per row in blocks of 32; a block's dot product is exact integer
+// arithmetic (any order gives the same sum); the blocks are then summed in float32 in their order
+// along K. Threads split the output columns. So a row's result never depends on how many rows,
+// or which, share the call: batch-invariant by construction.
+
+#include "common.h"
+
+namespace ember_kernels {
+namespace {
+
+constexpr int64_t QBLOCK = 32;         // weights and activations are quantized in blocks of 32 along K
+constexpr int64_t NBLOCK = 16;         // output columns per packed column block
+constexpr int64_t Q4_BYTES = 256 + 64; // per (column block, k block): nibbles, d (fp16 x16), m (fp16 x16)
+constexpr int64_t Q8_BYTES = 512 + 32; // per (column block, k block): bytes (w + 128), d (fp16 x16)
+
+// ---- activations: rows quantized to int8 in blocks of 32 ---------------------------------------
+// xq (M, K) int8; dx (M, K/32): each block's scale; sx (M, K/32): dx * sum(xq) of the block;
+// qsum (M, K/32): sum(xq) as an integer.
+
+template <typename T>
+void quantize_rows(const T* x, int64_t M, int64_t K, int8_t* xq, float* dx, float* sx, int32_t* qsum) {
+  const int64_t KB = K / QBLOCK;
+  at::parallel_for(0, M, 1, [&](int64_t begin, int64_t end) {
+    float values[QBLOCK];
+    for (int64_t m = begin; m < end; ++m) {
+      for (int64_t kb = 0; kb < KB; ++kb) {
+        const T* src = x + m * K + kb * QBLOCK;
+        float amax = 0.f;
+        for (int64_t i = 0; i < QBLOCK; ++i) {
+          values[i] = to_float<T>(src[i]);
+          amax = std::max(amax, std::fabs(values[i]));
+        }
+        const float d = amax / 127.f;
+        const float id = d > 0.f ? 1.f / d : 0.f;
+        int32_t sum = 0;
+        int8_t* dst = xq + m * K + kb * QBLOCK;
+        for (int64_t i = 0; i < QBLOCK; ++i) {
+          const int32_t q = std::clamp(int32_t(std::nearbyint(values[i] * id)), -127, 127);
+          dst[i] = int8_t(q);
+          sum += q;
+        }
+        dx[m * KB + kb] = d;
+        sx[m * KB + kb] = d * float(sum);
+        qsum[m * KB + kb] = sum;
+      }
+    }
+  });
+}
+
+// ---- the linear kernel ---------------------------------------------------------------------------
+// y (M, N) = x (M, K) W^T, W packed by column blocks of 16 and k blocks of 32 (see weights.py).
+// Q4: w = d * q + m with q in 0..15; nibble byte p*64 + j*4 + i of a block holds q[j][4p+i] in its
+// low half and q[j][4(p+4)+i] in its high half (j: column in the block).
+// Q8: w = d * (b - 128); byte g*64 + j*4 + i holds b[j][4g+i].
+
+enum class Format { Q4, Q8 };
+
+#if EMBER_AVX512
+
+inline __m512 load_halves(const uint8_t* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+// Rows [m0, m0 + MR) against column blocks [nb0, nb0 + NB); accumulators stay in registers.
+template <Format F, int MR, int NB, typename T>
+inline void tile(const uint8_t* w, int64_t KB, int64_t nb0, int64_t N, const int8_t* xq, const float* dx,
+                 const float* sx, const int32_t* qsum, int64_t K, int64_t m0, T* y) {
+  constexpr int64_t BYTES = F == Format::Q4 ? Q4_BYTES : Q8_BYTES;
+  __m512 acc[MR][NB];
+  for (int r = 0; r < MR; ++r)
+    for (int c = 0; c < NB; ++c) acc[r][c] = _mm512_setzero_ps();
+  const __m512i low = _mm512_set1_epi8(0x0f);
+  for (int64_t kb = 0; kb < KB; ++kb) {
+    __m512i dots[MR][NB];
+    for (int r = 0; r < MR; ++r)
+      for (int c = 0; c < NB; ++c) dots[r][c] = _mm512_setzero_si512();
+    const int32_t* xk[MR];
+    for (int r = 0; r < MR; ++r) xk[r] = reinterpret_cast<const int32_t*>(xq + (m0 + r) * K + kb * QBLOCK);
+    if constexpr (F == Format::Q4) {
+      for (int p = 0; p < 4; ++p) {
+        __m512i lo[NB], hi[NB];
+        for (int c = 0; c < NB; ++c) {
+          const __m512i packed = _mm512_loadu_si512(w + ((nb0 + c) * KB + kb) * BYTES + p * 64);
+          lo[c] = _mm512_and_si512(packed, low);
+          hi[c] = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low);
+        }
+        for (int r = 0; r < MR; ++r) {
+          const __m512i xa = _mm512_set1_epi32(xk[r][p]), xb = _mm512_set1_epi32(xk[r][p + 4]);
+          for (int c = 0; c < NB; ++c) {
+            dots[r][c] = _mm512_dpbusd_epi32(dots[r][c], lo[c], xa);
+            dots[r][c] = _mm512_dpbusd_epi32(dots[r][c], hi[c], xb);
+          }
+        }
+      }
+    } else {
+      for (int g = 0; g < 8; ++g) {
+        __m512i b[NB];
+        for (int c = 0; c < NB; ++c) b[c] = _mm512_loadu_si512(w + ((nb0 + c) * KB + kb) * BYTES + g * 64);
+        for (int r = 0; r < MR; ++r) {
+          const __m512i xa = _mm512_set1_epi32(xk[r][g]);
+          for (int c = 0; c < NB; ++c) dots[r][c] = _mm512_dpbusd_epi32(dots[r][c], b[c], xa);
+        }
+      }
+    }
+    for (int c = 0; c < NB; ++c) {
+      const uint8_t* block = w + ((nb0 + c) * KB + kb) * BYTES;
+      const __m512 d = load_halves(block + (F == Format::Q4 ? 256 : 512));
+      const __m512 mins = F == Format::Q4 ? load_halves(block + 288) : _mm512_setzero_ps();
+      for (int r = 0; r < MR; ++r) {
+        const int64_t row = (m0 + r) * KB + kb;
+        __m512i dot = dots[r][c];
+        if constexpr (F == Format::Q8) dot = _mm512_sub_epi32(dot, _mm512_set1_epi32(128 * qsum[row]));
+        const __m512 scale = _mm512_mul_ps(d, _mm512_set1_ps(dx[row]));
+        acc[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, acc[r][c]);
+        if constexpr (F == Format::Q4) acc[r][c] = _mm512_fmadd_ps(mins, _mm512_set1_ps(sx[row]), acc[r][c]);
+      }
+    }
+  }
+  for (int r = 0; r < MR; ++r) {
+    for (int c = 0; c < NB; ++c) {
+      alignas(64) float out[NBLOCK];
+      _mm512_store_ps(out, acc[r][c]);
+      const int64_t n0 = (nb0 + c) * NBLOCK;
+      const int64_t count = std::min<int64_t>(NBLOCK, N - n0);
+      T* dst = y + (m0 + r) * N + n0;
+      for (int64_t j = 0; j < count; ++j) dst[j] = from_float<T>(out[j]);
+    }
+  }
+}
+
+// Column blocks [nb, nb + NB) against every row, four rows at a time: the blocks' weights stay
+// in L1 while the rows pass.
+template <Format F, int NB, typename T>
+inline void column_blocks(const uint8_t* w, int64_t KB, int64_t nb, int64_t N, const int8_t* xq, const float* dx,
+                          const float* sx, const int32_t* qsum, int64_t K, int64_t M, T* y) {
+  int64_t m = 0;
+  for (; m + 4 <= M; m += 4) tile<F, 4, NB>(w, KB, nb, N, xq, dx, sx, qsum, K, m, y);
+  for (; m < M; ++m) tile<F, 1, NB>(w, KB, nb, N, xq, dx, sx, qsum, K, m, y);
+}
+
+#else  // plain C++: the same sums, element by element
+
+template <Format F, typename T>
+void columns_plain(const uint8_t* w, int64_t KB, int64_t nb_begin, int64_t nb_end, int64_t N, const int8_t* xq,
+                   const float* dx, const float* sx, const int32_t* qsum, int64_t K, int64_t M, T* y) {
+  constexpr int64_t BYTES = F == Format::Q4 ? Q4_BYTES : Q8_BYTES;
+  for (int64_t m = 0; m < M; ++m) {
+    for (int64_t nb = nb_begin; nb < nb_end; ++nb) {
+      for (int64_t j = 0; j < NBLOCK && nb * NBLOCK + j < N; ++j) {
+        float acc = 0.f;
+        for (int64_t kb = 0; kb < KB; ++kb) {
+          const uint8_t* block = w + (nb * KB + kb) * BYTES;
+          const int8_t* xk = xq + m * K + kb * QBLOCK;
+          int32_t dot = 0;
+          for (int64_t k = 0; k < QBLOCK; ++k) {
+            const int64_t g = k / 4, i = k % 4;
+            int32_t q;
+            if constexpr (F == Format::Q4) {
+              const uint8_t byte = block[(g % 4) * 64 + j * 4 + i];
+              q = g < 4 ? (byte & 0x0f) : (byte >> 4);
+            } else {
+              q = int32_t(block[g * 64 + j * 4 + i]) - 128;
+            }
+            dot += q * int32_t(xk[k]);
+          }
+          uint16_t d_bits, m_bits;
+          std::memcpy(&d_bits, block + (F == Format::Q4 ? 256 : 512) + 2 * j, 2);
+          const float d = half_to_float(d_bits);
+          acc = std::fma(float(dot), d * dx[m * KB + kb], acc);
+          if constexpr (F == Format::Q4) {
+            std::memcpy(&m_bits, block + 288 + 2 * j, 2);
+            acc = std::fma(half_to_float(m_bits), sx[m * KB + kb], acc);
+          }
+        }
+        y[m * N + nb * NBLOCK + j] = from_float<T>(acc);
+      }
+    }
+  }
+}
+
+#endif
+
+template <Format F, typename T>
+void linear_impl(const T* x, const uint8_t* w, int64_t M, int64_t K, int64_t N, T* y) {
+  const int64_t KB = K / QBLOCK, NBS = (N + NBLOCK - 1) / NBLOCK;
+  std::vector<int8_t> xq(M * K);
+  std::vector<float> dx(M * KB), sx(M * KB);
+  std::vector<int32_t> qsum(M * KB);
+  quantize_rows<T>(x, M, K, xq.data(), dx.data(), sx.data(), qsum.data());
+  // Threads split the column blocks (in pairs, the kernel's widest tile); every thread runs all rows.
+  const int64_t pairs = (NBS + 1) / 2;
+  at::parallel_for(0, pairs, 1, [&](int64_t begin, int64_t end) {
+    const int64_t nb_begin = begin * 2, nb_end = std::min(end * 2, NBS);
+#if EMBER_AVX512
+    int64_t nb = nb_begin;
+    for (; nb + 2 <= nb_end; nb += 2)
+      column_blocks<F, 2>(w, KB, nb, N, xq.data(), dx.data(), sx.data(), qsum.data(), K, M, y);
+    if (nb < nb_end) column_blocks<F, 1>(w, KB, nb, N, xq.data(), dx.data(), sx.data(), qsum.data(), K, M, y);
+#else
+    columns_plain<F>(w, KB, nb_begin, nb_end, N, xq.data(), dx.data(), sx.data(), qsum.data(), K, M, y);
+#endif
+  });
+}
+
+at::Tensor quantized_linear(const at::Tensor& x, const at::Tensor& packed, int64_t out_features, int64_t format) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x must be a contiguous (rows, in_features) tensor");
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous(), "packed weights must be contiguous bytes");
+  const int64_t M = x.size(0), K = x.size(1), N = out_features;
+  TORCH_CHECK(K % QBLOCK == 0, "in_features must be a multiple of 32");
+  const int64_t bytes = format == 4 ? Q4_BYTES : Q8_BYTES;
+  TORCH_CHECK(packed.numel() == (N + NBLOCK - 1) / NBLOCK * (K / QBLOCK) * bytes, "packed weights of the wrong size");
+  auto y = at::empty({M, N}, x.options());
+  if (M == 0) return y;
+  const uint8_t* w = packed.data_ptr<uint8_t>();
+  if (x.scalar_type() == at::kBFloat16) {
+    auto* xp = x.data_ptr<at::BFloat16>();
+    auto* yp = y.data_ptr<at::BFloat16>();
+    format == 4 ? linear_impl<Format::Q4>(xp, w, M, K, N, yp) : linear_impl<Format::Q8>(xp, w, M, K, N, yp);
+  } else {
+    TORCH_CHECK(x.scalar_type() == at::kFloat, "x must be bfloat16 or float32");
+    auto* xp = x.data_ptr<float>();
+    auto* yp = y.data_ptr<float>();
+    format == 4 ? linear_impl<Format::Q4>(xp, w, M, K, N, yp) : linear_impl<Format::Q8>(xp, w, M, K, N, yp);
+  }
+  return y;
+}
+
+}  // namespace
+
+int64_t vector_path() { return EMBER_AVX512; }
+
+}  // namespace ember_kernels
+
+TORCH_LIBRARY_FRAGMENT(ember, m) {
+  m.def("quantized_linear(Tensor x, Tensor packed, int out_features, int format) -> Tensor");
+  m.def("vector_path() -> int", &ember_kernels::vector_path);
+}
+
+TORCH_LIBRARY_IMPL(ember, CPU, m) { m.impl("quantized_linear", &ember_kernels::quantized_linear); }
