@@ -113,7 +113,14 @@ class EngineConfig:
     kv_cache_tokens: int | None = None  # or: size it to hold this many tokens
     kv_cache_memory_gb: float | None = None  # or: size it from a memory budget (default 2 GiB on CPU)
     max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
+    # A step's budget in token costs (engine.scheduler). None: 512 on the CPU, where that is a
+    # step of about a quarter of a second for a small model (a bound on every stream's gap
+    # between tokens while prompts prefill) and costs a few percent of prefill speed; 2048 on GPUs.
+    max_num_batched_tokens: int | None = None
+    # A token attending to c keys costs 1 + c / attention_cost_tokens in that budget, so steps
+    # holding a long prompt's chunks take no longer than short ones. None: from the model's
+    # shapes (engine.core.attention_cost_tokens); 0: every token costs 1.
+    attention_cost_tokens: int | None = None
     enable_prefix_caching: bool = True
     # CPU: a request's bits never depend on its batch (row plans for the linears chosen by a
     # startup self-check, attention shapes independent of the neighbours; see engine.invariance).
@@ -134,8 +141,13 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.num_threads is not None and (not isinstance(self.num_threads, int) or self.num_threads < 1):
             raise ValueError(f"num_threads must be a positive integer, got {self.num_threads!r}")
+        if self.attention_cost_tokens is not None and (not isinstance(self.attention_cost_tokens, int)
+                                                       or self.attention_cost_tokens < 0):
+            raise ValueError(f"attention_cost_tokens must be 0 or more, got {self.attention_cost_tokens!r}")
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             value = getattr(self, name)
+            if name == "max_num_batched_tokens" and value is None:
+                continue
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if self.quantization not in ("auto", "none", "int8", "int4"):

@@ -68,7 +68,8 @@ def check(core) -> InvarianceReport:
     """
     began = time.perf_counter()
     model = core.runner.model
-    plan, broken = choose_row_plan(model, max_rows=core.config.max_num_batched_tokens,
+    # a step holds at most its budget of prompt tokens plus one decode token per running sequence
+    plan, broken = choose_row_plan(model, max_rows=core.max_num_batched_tokens + core.config.max_num_seqs,
                                    max_head_rows=core.config.max_num_seqs)
     if plan is None:
         set_row_plan(model, WHOLE_BATCH)

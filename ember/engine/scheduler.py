@@ -1,14 +1,23 @@
-"""One step's token budget: each request owes num_tokens - num_computed_tokens, and the step pays.
+"""One step's budget: each request owes num_tokens - num_computed_tokens, and the step pays.
 
 There is no prefill or decode phase: a long prompt is paid in chunks, a decode owes one token,
-and prefix-cache hits simply arrive already computed. Running requests are paid first, in order;
-then waiting requests are admitted by (priority, arrival) while budget, seats and blocks last.
+and prefix-cache hits simply arrive already computed. Running requests are paid first; then
+waiting requests are admitted by (priority, arrival) while budget, seats and blocks last.
+
+Running requests that decode go before those still prefilling, and every one of them gets its
+token each step, even past the budget. The budget counts what tokens cost, not only how many
+there are: with `attention_cost_tokens`
+(K) set, a token attending to c keys costs 1 + c / K, K being the context at which its attention
+costs as much as the rest of its layer. A step of max_num_batched_tokens short-context tokens
+and a step holding one chunk of a 20,000-token prompt then take about the same time, so the
+requests running beside a long prompt keep their pace while it prefills.
 """
 
 from __future__ import annotations
 
 import heapq
 import itertools
+import math
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -20,8 +29,34 @@ from ember.engine.request import Request, RequestStatus
 @dataclass(slots=True)
 class SchedulerConfig:
     max_num_seqs: int
-    max_num_batched_tokens: int
+    max_num_batched_tokens: int  # the step budget, in token costs
     max_model_len: int
+    attention_cost_tokens: int | None = None  # K above; None: every token costs 1
+
+
+def chunk_cost(start: int, count: int, attention_cost_tokens: int | None) -> float:
+    """What `count` tokens from position `start` cost: each 1, plus its keys / K."""
+    if attention_cost_tokens is None:
+        return float(count)
+    keys = count * start + count * (count + 1) / 2  # token i attends start + i + 1 keys
+    return count + keys / attention_cost_tokens
+
+
+def tokens_within(start: int, wanted: int, budget: float, attention_cost_tokens: int | None) -> int:
+    """The most tokens of `wanted` from `start` that the budget pays for (at least one if any budget
+    is left, so a lone long decode is never starved)."""
+    if budget <= 0 or wanted <= 0:
+        return 0
+    if attention_cost_tokens is None:
+        return max(1, min(wanted, int(budget)))
+    k = attention_cost_tokens
+    # count^2 / 2K + count (1 + (start + 1/2) / K) - budget = 0
+    linear = 1 + (start + 0.5) / k
+    count = int((-linear + math.sqrt(linear * linear + 2 * budget / k)) * k)
+    count = max(1, min(wanted, count))
+    while count > 1 and chunk_cost(start, count, k) > budget:
+        count -= 1
+    return count
 
 
 @dataclass(slots=True)
@@ -108,16 +143,29 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         scheduled: list[ScheduledRequest] = []
         preempted: list[Request] = []
-        budget = self._schedule_running(self.config.max_num_batched_tokens, scheduled, preempted)
+        budget = self._schedule_running(float(self.config.max_num_batched_tokens), scheduled, preempted)
         if not preempted:  # memory is short when something was preempted; admitting now would thrash
-            budget = self._admit_waiting(budget, scheduled)
-        return SchedulerOutput(scheduled, self.config.max_num_batched_tokens - budget, preempted)
+            self._admit_waiting(budget, scheduled)
+        return SchedulerOutput(scheduled, sum(entry.num_new_tokens for entry in scheduled), preempted)
 
-    def _schedule_running(self, budget: int, scheduled: list[ScheduledRequest], preempted: list[Request]) -> int:
+    def _cost(self, start: int, count: int) -> float:
+        return chunk_cost(start, count, self.config.attention_cost_tokens)
+
+    def _tokens_within(self, start: int, wanted: int, budget: float) -> int:
+        return tokens_within(start, wanted, budget, self.config.attention_cost_tokens)
+
+    def _schedule_running(self, budget: float, scheduled: list[ScheduledRequest], preempted: list[Request]) -> float:
+        # Decodes first, then prompts still being prefilled: a long prompt never holds back the
+        # next token of a request that is already streaming.
+        self.running.sort(key=lambda r: r.num_tokens - r.num_computed_tokens > 1)
         index = 0
-        while index < len(self.running) and budget > 0:
+        while index < len(self.running):
             request = self.running[index]
-            num_new_tokens = min(request.num_tokens - request.num_computed_tokens, budget)
+            start = request.num_computed_tokens
+            owed = request.num_tokens - start
+            if budget <= 0 and owed > 1:
+                break  # what is left prefills; every decode runs, even past the budget
+            num_new_tokens = 1 if owed == 1 else self._tokens_within(start, owed, budget)
             if num_new_tokens == 0:  # only if the runner failed to sample for it; never schedule nothing
                 index += 1
                 continue
@@ -133,22 +181,22 @@ class Scheduler:
                     for entry in scheduled:
                         if entry.request is victim:
                             scheduled.remove(entry)
-                            budget += entry.num_new_tokens
+                            budget += self._cost(entry.start, entry.num_new_tokens)
                             break
             else:
-                scheduled.append(ScheduledRequest(request, num_new_tokens, request.num_computed_tokens))
-                budget -= num_new_tokens
+                scheduled.append(ScheduledRequest(request, num_new_tokens, start))
+                budget -= self._cost(start, num_new_tokens)
                 index += 1
         return budget
 
-    def _admit_waiting(self, budget: int, scheduled: list[ScheduledRequest]) -> int:
+    def _admit_waiting(self, budget: float, scheduled: list[ScheduledRequest]) -> float:
         while budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting.peek()
             if request is None:
                 break
             # waiting requests (new or preempted) have num_computed_tokens == 0
             hit_block_ids, num_hit_tokens = self.kv_cache.get_computed_blocks(request)
-            num_new_tokens = min(request.num_tokens - num_hit_tokens, budget)
+            num_new_tokens = self._tokens_within(num_hit_tokens, request.num_tokens - num_hit_tokens, budget)
             if not self.kv_cache.allocate_slots(request, num_new_tokens, hit_block_ids, num_hit_tokens):
                 break  # never preempt running requests to admit new ones
             self.waiting.pop()
@@ -158,7 +206,7 @@ class Scheduler:
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             scheduled.append(ScheduledRequest(request, num_new_tokens, num_hit_tokens))
-            budget -= num_new_tokens
+            budget -= self._cost(num_hit_tokens, num_new_tokens)
         return budget
 
     def update_from_output(self, output: SchedulerOutput, sampled: dict[str, list[int]]) -> list[Request]:

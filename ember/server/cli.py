@@ -85,13 +85,18 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     engine.add_argument("--max-num-seqs", type=int, default=_ENGINE_DEFAULTS.max_num_seqs,
                         help=f"most sequences running at once; further requests wait "
                              f"(default {_ENGINE_DEFAULTS.max_num_seqs})")
-    engine.add_argument("--max-num-batched-tokens", type=int, default=_ENGINE_DEFAULTS.max_num_batched_tokens,
-                        help=f"most tokens computed in one engine step; long prompts are prefilled in chunks "
-                             f"of this size (default {_ENGINE_DEFAULTS.max_num_batched_tokens})")
+    engine.add_argument("--max-num-batched-tokens", type=int, default=None,
+                        help="one engine step's budget, in token costs (see --attention-cost-tokens); long prompts "
+                             "are prefilled in chunks that fit it, and every running stream still gets its token "
+                             "each step (default 512 on the CPU, 2048 on GPUs)")
     engine.add_argument("--max-pending", type=int, default=128,
                         help="most requests waiting for a slot; one more gets 429 with Retry-After (default 128)")
     engine.add_argument("--pending-timeout", type=float, default=120.0,
                         help="seconds a request may wait for a slot before it gets 503 (default 120; 0: no limit)")
+    engine.add_argument("--attention-cost-tokens", type=int, default=None, metavar="N",
+                        help="in the step budget, a token attending to c keys costs 1 + c / N, so a long prompt's "
+                             "chunks shrink as its context grows and running streams keep their pace (default: "
+                             "from the model's shapes, 1024 for the default model; 0: every token costs 1)")
     engine.add_argument("--no-cpu-kernels", action="store_true",
                         help="CPU: run the plain torch paths instead of ember's compiled kernels (quantized linear "
                              "layers, paged decode attention), which are built on first use")
@@ -142,7 +147,8 @@ def build_config(args: argparse.Namespace, environ=os.environ) -> ServerConfig:
                           enable_prefix_caching=not args.no_prefix_caching,
                           batch_invariant=not args.no_batch_invariant, dtype=args.dtype, device=args.device,
                           seed=args.seed, rope_scaling=args.rope_scaling, num_threads=args.threads,
-                          cpu_kernels=not args.no_cpu_kernels, quantization=args.quantization)
+                          cpu_kernels=not args.no_cpu_kernels, quantization=args.quantization,
+                          attention_cost_tokens=args.attention_cost_tokens)
     if args.max_request_mb <= 0:
         raise ValueError("--max-request-mb must be positive")
     return ServerConfig(

@@ -92,7 +92,8 @@ def engine_settings(config, loaded) -> dict[str, Any]:
     core = getattr(loaded.engine, "core", None)
     if core is not None:  # what the engine resolved from "auto" and None
         settings.update(max_model_len=core.max_model_len, device=str(core.device),
-                        dtype=str(core.dtype).replace("torch.", ""))
+                        dtype=str(core.dtype).replace("torch.", ""), max_num_batched_tokens=core.max_num_batched_tokens,
+                        attention_cost_tokens=core.scheduler.config.attention_cost_tokens)
     return settings
 
 

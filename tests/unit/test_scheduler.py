@@ -7,7 +7,7 @@ import pytest
 
 from ember.engine.kv_cache import KVCacheManager
 from ember.engine.request import Request, RequestStatus
-from ember.engine.scheduler import Scheduler, SchedulerConfig
+from ember.engine.scheduler import Scheduler, SchedulerConfig, chunk_cost, tokens_within
 from ember.types import FinishReason, SamplingParams
 
 BLOCK_SIZE = 4
@@ -18,9 +18,10 @@ def make_scheduler():
     made = []
 
     def make(*, num_blocks=16, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=64,
-             enable_prefix_caching=True):
+             enable_prefix_caching=True, attention_cost_tokens=None):
         kv = KVCacheManager(num_blocks, BLOCK_SIZE, enable_prefix_caching)
-        scheduler = Scheduler(SchedulerConfig(max_num_seqs, max_num_batched_tokens, max_model_len), kv)
+        scheduler = Scheduler(SchedulerConfig(max_num_seqs, max_num_batched_tokens, max_model_len,
+                                              attention_cost_tokens), kv)
         made.append(scheduler)
         return scheduler
 
@@ -47,6 +48,8 @@ def step(scheduler, token=7, sampled=None):
     assert all(s.num_new_tokens > 0 for s in output.scheduled), "scheduled zero tokens"
     assert output.num_scheduled_tokens == sum(s.num_new_tokens for s in output.scheduled)
     assert output.num_scheduled_tokens <= scheduler.config.max_num_batched_tokens
+    costs = [chunk_cost(s.start, s.num_new_tokens, scheduler.config.attention_cost_tokens) for s in output.scheduled]
+    assert sum(costs[:-1]) < scheduler.config.max_num_batched_tokens  # each was paid from budget left
     if sampled is None:
         sampled = {s.request.request_id: [token] for s in output.scheduled if s.samples}
     finished = scheduler.update_from_output(output, sampled)
@@ -355,3 +358,35 @@ def test_a_crowded_pool_drains_to_idle_with_every_block_returned(make_scheduler)
     assert all(r.status.is_finished and 1 <= r.num_output_tokens <= r.max_tokens for r in requests)
     assert any(r.num_preemptions for r in requests) and scheduler.kv_cache.prefix_cache_hits > 0
     assert scheduler.kv_cache.num_used_blocks == 0
+
+
+def test_a_chunk_costs_its_tokens_plus_their_keys_over_the_attention_cost():
+    assert chunk_cost(0, 10, None) == 10 and chunk_cost(500, 10, None) == 10
+    assert chunk_cost(0, 4, 8) == 4 + (1 + 2 + 3 + 4) / 8
+    assert chunk_cost(100, 1, 10) == 1 + 101 / 10
+    for start, budget in ((0, 64), (1000, 64), (20000, 2048), (7, 3.5)):
+        count = tokens_within(start, 10**6, budget, 512)
+        assert chunk_cost(start, count, 512) <= budget or count == 1
+        assert chunk_cost(start, count + 1, 512) > budget
+    assert tokens_within(30000, 1, 2.0, 512) == 1  # a decode far into its context still runs
+    assert tokens_within(0, 5, 0, 512) == 0
+
+
+def test_a_long_context_chunk_is_cut_to_its_cost_and_decodes_go_first(make_scheduler):
+    scheduler = make_scheduler(num_blocks=64, max_num_batched_tokens=32, max_model_len=256,
+                               attention_cost_tokens=16)
+    talker = make_request("talker", [1, 2, 3], max_tokens=40)
+    scheduler.add_request(talker)
+    step(scheduler)  # its prompt; it decodes from now on
+    long = make_request("long", range(1, 200), max_tokens=2)
+    scheduler.add_request(long)
+    sizes = []
+    for _ in range(6):
+        output, _ = step(scheduler)
+        assert chunks(output)[0][:1] == ("talker",) and chunks(output)[0][2] == 1  # its next token first
+        (_, start, count), = [c for c in chunks(output) if c[0] == "long"]
+        spent = chunk_cost(output.scheduled[0].start, 1, 16)
+        assert count == tokens_within(start, 199 - start, 32 - spent, 16)
+        sizes.append(count)
+    assert sizes == sorted(sizes, reverse=True) and sizes[-1] < sizes[0]  # later chunks see more keys: fewer tokens
+    scheduler.finish_requests(["long", "talker"], RequestStatus.FINISHED_ABORTED)
