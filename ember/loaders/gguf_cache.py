@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from ember.loaders import ModelSource, check_architecture
+from ember.loaders.source import ModelSource, check_architecture
 from ember.loaders.gguf_blocks import read_blocks
 from ember.loaders.gguf_file import GGUFModel, model_name_from_file
 from ember.loaders.hf_folder import read_json, read_safetensors

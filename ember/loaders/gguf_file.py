@@ -8,15 +8,13 @@ import math
 import pathlib
 import re
 from collections.abc import Iterator, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
 
 from ember.errors import ModelLoadError
-
-if TYPE_CHECKING:
-    from ember.loaders import ModelSource
+from ember.loaders.source import check_architecture, supported_architectures
 
 logger = logging.getLogger("ember.loaders")
 
@@ -112,14 +110,12 @@ class GGUFModel:
 
         arch = self.metadata.get("general.architecture")
         if arch not in GGUF_ARCHITECTURES:
-            from ember.loaders import supported_architectures
             raise ModelLoadError(
                 f"{path.name}: GGUF architecture {arch!r} is not supported by ember (supported: "
                 f"{', '.join(supported_architectures())})", param="model",
                 code="unsupported_architecture")
         self.arch: str = arch
         self.model_type = GGUF_ARCHITECTURES[arch]
-        from ember.loaders import check_architecture
         check_architecture(self.model_type, path.name)
         self._check_tensor_names()
 
@@ -358,12 +354,6 @@ def llama3_rope_factors(theta: float, head_dim: int, factor: float, low_freq_fac
     smooth = (original_context / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
     blended = 1.0 / ((1.0 - smooth) / factor + smooth)
     return np.where(wavelen < high_wavelen, 1.0, np.where(wavelen > low_wavelen, factor, blended))
-
-
-def load_gguf(path: pathlib.Path, cache_dir: pathlib.Path) -> "ModelSource":
-    """A GGUF file as a ModelSource, converted once and then served from the cache."""
-    from ember.loaders.gguf_cache import load_or_convert
-    return load_or_convert(path.resolve(), cache_dir)
 
 
 def _shortest_float32(value: Any) -> float:

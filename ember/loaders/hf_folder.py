@@ -7,18 +7,15 @@ import json
 import logging
 import pathlib
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ember.errors import ModelLoadError
-
-if TYPE_CHECKING:
-    from ember.loaders import ModelSource
+from ember.loaders.source import ModelSource, check_architecture
 
 logger = logging.getLogger("ember.loaders")
 
 
-def load_hf_folder(folder: pathlib.Path) -> "ModelSource":
-    from ember.loaders import ModelSource, check_architecture
+def load_hf_folder(folder: pathlib.Path) -> ModelSource:
     from ember.tokenization.tokenizer import Tokenizer
 
     folder = folder.resolve()

@@ -103,8 +103,6 @@ class Model(nn.Module):
         self.model = Decoder(config, self.attention_class)
         self.lm_head = (self.model.embed_tokens if config.tie_word_embeddings
                         else Linear(config.hidden_size, config.vocab_size))
-        # positions the rotary table covers; the engine must not go past it
-        self.max_positions = self.model.rotary.max_positions
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: Any) -> torch.Tensor:
         """input_ids, positions: (T,) flattened over sequences -> (T, hidden) after the final norm."""

@@ -10,11 +10,10 @@ answers 504 `timeout_error`; a prompt beyond the context window reads
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from ember.errors import ContextLengthExceeded, EmberError
-from ember.protocols.errors import ModelLoading, QueueTimeout, ServerOverloaded
+from ember.protocols.errors import ErrorShape, ModelLoading, QueueTimeout, ServerOverloaded
 
 REQUEST_ID_HEADER = "request-id"
 
@@ -60,16 +59,6 @@ def anthropic_error_body(error: EmberError, request_id: str | None = None) -> di
     if request_id:
         body["request_id"] = request_id
     return body
-
-
-@dataclass(frozen=True, slots=True)
-class ErrorShape:
-    """How refusals on a group of routes are answered: the status each error gets, the JSON body
-    (which may carry the request id), and a header that repeats the request id on every response."""
-
-    body: Callable[[EmberError, str], dict[str, Any]]
-    status: Callable[[EmberError], int]
-    id_header: str | None = None
 
 
 ANTHROPIC_ERRORS = ErrorShape(body=anthropic_error_body, status=anthropic_status, id_header=REQUEST_ID_HEADER)

@@ -12,15 +12,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ember.errors import EmberError, InvalidRequest
+from ember.errors import InvalidRequest
 from ember.parsers.events import ToolSpec
-from ember.protocols.anthropic_errors import anthropic_error_body
+from ember.protocols.anthropic_errors import ANTHROPIC_ERRORS
 from ember.protocols.anthropic_render import MessagesRenderer
-from ember.protocols.chat_reply import AUTO, FUNCTION, NONE, REQUIRED, ChatOptions, template_tools
+from ember.protocols.chat_reply import (
+    AUTO, FUNCTION, NONE, REQUIRED, ChatOptions, declare_tool, template_tools, tool_items, tool_name, tool_schema,
+)
 from ember.protocols.errors import unsupported
 from ember.protocols.fields import Fields, as_string, json_type
 from ember.protocols.neutral import ChatPrompt, Dialect, GenerationRequest, ModelInfo, build_sampling_params
-from ember.protocols.chat_reply import TOOL_NAME, tool_items
 from ember.protocols.structured import GrammarSpec, check_grammar_with_tools, read_flat_format
 
 BILLING_HEADER = "x-anthropic-billing-header:"
@@ -48,8 +49,6 @@ class MessagesRequest(GenerationRequest):
     """The neutral request plus what only the Messages rendering needs."""
 
     model_label: str = ""  # echoed in the response
-    context_limit: int = 0  # tokens of prompt plus reply the server allows
-    default_max_tokens: int | None = None  # the server's, for a request without max_tokens
 
 
 def parse_messages(body: Any, model: ModelInfo) -> MessagesRequest:
@@ -96,14 +95,7 @@ def _parse(body: Any, model: ModelInfo, *, counting: bool) -> MessagesRequest:
     f.object("metadata")
     f.string("service_tier")
     return MessagesRequest(prompt, params, stream=stream, prompt_param="messages", chat=options,
-                           grammar=None if counting else grammar, model_label=label or model.name, context_limit=_context_limit(model),
-                           default_max_tokens=model.default_max_tokens)
-
-
-def _context_limit(model: ModelInfo) -> int:
-    if model.kv_capacity_tokens is not None:
-        return min(model.max_model_len, model.kv_capacity_tokens)
-    return model.max_model_len
+                           grammar=None if counting else grammar, model_label=label or model.name)
 
 
 # ---- the conversation -----------------------------------------------------------------------------
@@ -336,19 +328,12 @@ def read_tools(f: Fields) -> list[ToolSpec]:
         if kind not in (None, "custom"):
             raise unsupported(tool.at("type"), f"{tool.path} is a '{kind}' tool, which runs on Anthropic's servers; "
                                                "ember calls client tools only (name, description, input_schema)")
-        name = tool.string("name")
-        if name is None or not TOOL_NAME.fullmatch(name):
-            raise InvalidRequest(f"{tool.at('name')} must be 1 to 128 letters, digits, '_', '-', '.' or ':'",
-                                 param=tool.at("name"))
-        if any(s.name == name for s in specs):
-            raise InvalidRequest(f"{tool.at('name')}: the tool '{name}' is declared twice", param=tool.at("name"))
-        schema = tool.raw("input_schema", {"type": "object", "properties": {}})
-        if not isinstance(schema, dict):
-            raise InvalidRequest(f"{tool.at('input_schema')} must be a JSON schema object, not {json_type(schema)}",
-                                 param=tool.at("input_schema"))
+        name = tool_name(tool)
+        schema = tool_schema(tool, "input_schema", {"type": "object", "properties": {}})
         tool.boolean("eager_input_streaming")
         tool.boolean("defer_loading")
-        specs.append(ToolSpec(name, schema, tool.string("description"), strict=tool.boolean("strict", False)))
+        declare_tool(specs, ToolSpec(name, schema, tool.string("description"), strict=tool.boolean("strict", False)),
+                     tool)
     return specs
 
 
@@ -438,9 +423,5 @@ def read_sampling(f: Fields, model: ModelInfo, max_tokens: int | None):
     return build_sampling_params(values, {"stop": "stop_sequences"})
 
 
-def messages_error_body(error: EmberError) -> dict[str, Any]:
-    return anthropic_error_body(error)
-
-
 MESSAGES = Dialect(name="messages", id_prefix="msg_", parse=parse_messages, renderer=MessagesRenderer,
-                   error_body=messages_error_body)
+                   errors=ANTHROPIC_ERRORS)

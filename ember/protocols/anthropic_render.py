@@ -154,21 +154,13 @@ class MessagesRenderer:
             usage["output_tokens_details"] = {"thinking_tokens": thinking}
         return usage
 
-    def fills_window(self) -> bool:
-        """Whether max_tokens was cut to the room the context window leaves (or ran to it)."""
-        limit = getattr(self.request, "context_limit", 0)
-        if not limit:
-            return False
-        room = limit - self.result.num_prompt_tokens
-        wanted = self.request.params.max_tokens or getattr(self.request, "default_max_tokens", None)
-        return wanted is None or wanted >= room
-
     def stop(self, choice: ChoiceResult) -> tuple[str, str | None]:
         """(stop_reason, stop_sequence)."""
         if choice.reply.tool_calls and choice.finish_reason in (FinishReason.STOP, FinishReason.LENGTH):
             return "tool_use", None
         if choice.finish_reason == FinishReason.LENGTH:
-            return ("model_context_window_exceeded" if self.fills_window() else "max_tokens"), None
+            return ("model_context_window_exceeded" if self.result.fit and self.result.fit.reaches_window
+                    else "max_tokens"), None
         if isinstance(choice.stop_reason, str):
             return "stop_sequence", choice.stop_reason
         return "end_turn", None

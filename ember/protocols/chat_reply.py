@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ember.errors import InvalidRequest
+from ember.protocols.fields import Fields, json_type
 from ember.parsers.constraint import ForcedCall, ReplyConstraint
 from ember.parsers.events import ThinkMarkers, ToolSpec
 from ember.parsers.reply import ReplyFormat, ReplyParser
@@ -21,7 +22,7 @@ MAX_TOOLS = 128
 TOOL_NAME = re.compile(r"[A-Za-z0-9_.:\-]{1,128}")  # what every dialect accepts as a tool's name
 
 
-def tool_items(f) -> list:
+def tool_items(f: Fields) -> list:
     """The raw entries of a request's `tools` array (empty when absent), at most MAX_TOOLS."""
     items = f.array("tools")
     if not items:
@@ -29,6 +30,32 @@ def tool_items(f) -> list:
     if len(items) > MAX_TOOLS:
         raise InvalidRequest(f"tools holds {len(items)} tools; at most {MAX_TOOLS} are allowed", param="tools")
     return items
+
+
+# One reader of a tool declaration's name and schema for every dialect; `tool` is the object that
+# holds `name` (OpenAI's `function`, an Anthropic or Responses tool).
+
+def tool_name(tool: Fields) -> str:
+    name = tool.string("name")
+    if name is None or not TOOL_NAME.fullmatch(name):
+        raise InvalidRequest(f"{tool.at('name')} must be 1 to 128 letters, digits, '_', '-', '.' or ':'",
+                             param=tool.at("name"))
+    return name
+
+
+def tool_schema(tool: Fields, key: str, default: dict[str, Any]) -> dict[str, Any]:
+    schema = tool.raw(key, default)
+    if not isinstance(schema, dict):
+        raise InvalidRequest(f"{tool.at(key)} must be a JSON schema object, not {json_type(schema)}",
+                             param=tool.at(key))
+    return schema
+
+
+def declare_tool(specs: list[ToolSpec], spec: ToolSpec, tool: Fields) -> None:
+    """Add `spec` (named as the model sees it) to the request's tools; a name declared twice is refused."""
+    if any(s.name == spec.name for s in specs):
+        raise InvalidRequest(f"{tool.at('name')}: the tool '{spec.name}' is declared twice", param=tool.at("name"))
+    specs.append(spec)
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,10 +1,13 @@
-"""Refusals of the HTTP layer and the OpenAI error body every OpenAI route answers with.
+"""Refusals of the HTTP layer, how a dialect shapes them (ErrorShape), and OpenAI's shape.
 
 All of them are `EmberError`s (status, type, code, param, message); a dialect only chooses the
-JSON shape. `retry_after` (seconds) becomes a Retry-After header where it is set.
+status and the JSON body. `retry_after` (seconds) becomes a Retry-After header where it is set.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
 
 from ember.errors import EmberError, InvalidRequest
 
@@ -110,8 +113,21 @@ def unsupported(param: str, message: str) -> InvalidRequest:
     return InvalidRequest(message, param=param, code="unsupported_parameter")
 
 
-def openai_error_body(error: EmberError) -> dict:
+def openai_error_body(error: EmberError, request_id: str | None = None) -> dict:
     return {"error": {"message": error.message, "type": error.type, "param": error.param, "code": error.code}}
+
+
+@dataclass(frozen=True, slots=True)
+class ErrorShape:
+    """How a dialect answers a refusal: the status each error gets, the JSON body (which may carry
+    the request id), and a header that repeats the request id on every response of its routes."""
+
+    body: Callable[[EmberError, str | None], dict[str, Any]]
+    status: Callable[[EmberError], int]
+    id_header: str | None = None
+
+
+OPENAI_ERRORS = ErrorShape(body=openai_error_body, status=lambda error: error.status)
 
 
 def error_headers(error: EmberError) -> dict[str, str]:

@@ -12,10 +12,12 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol, Union
 
-from ember.errors import ContextLengthExceeded, EmberError, InvalidRequest
+from ember.context_window import ContextWindow, OutputFit, fit_output
+from ember.errors import EmberError, InvalidRequest
 from ember.parsers.events import ContentText, ParsedReply, ReplyEvent
 from ember.parsers.reply import ReplyParser
 from ember.protocols.chat_reply import ChatFeatures, ChatOptions, ReplyPlan
+from ember.protocols.errors import ErrorShape
 from ember.protocols.sse import ServerEvent
 from ember.protocols.structured import GrammarSpec
 from ember.tokenization.chat_prompt import prepare_conversation
@@ -60,6 +62,10 @@ class ModelInfo:
 
     def accepts(self, model: str) -> bool:
         return model == self.name or model in self.aliases
+
+    @property
+    def window(self) -> ContextWindow:
+        return ContextWindow(self.max_model_len, self.kv_capacity_tokens)
 
 
 @dataclass(slots=True)
@@ -114,29 +120,19 @@ def encode_prompt(prompt: Prompt, tokenizer, tool_format=None) -> list[int]:
                              param="messages") from None
 
 
-def resolve_sampling(request: GenerationRequest, num_prompt_tokens: int, model: ModelInfo) -> SamplingParams:
-    """The request's SamplingParams with max_tokens fitted to the room the prompt leaves.
-
-    A prompt that alone fills the window is refused; a max_tokens beyond the room is capped (the
-    reply then ends with `length`); no max_tokens runs to the window's end or the server default.
-    """
-    if num_prompt_tokens == 0:
-        raise InvalidRequest("the prompt is empty", param=request.prompt_param)
-    limit = model.max_model_len
-    if model.kv_capacity_tokens is not None:
-        limit = min(limit, model.kv_capacity_tokens)
-    if num_prompt_tokens >= limit:
-        error = ContextLengthExceeded(limit, num_prompt_tokens)
-        error.param = request.prompt_param
-        raise error
-    room = limit - num_prompt_tokens
+def resolve_sampling(request: GenerationRequest, num_prompt_tokens: int,
+                     model: ModelInfo) -> tuple[SamplingParams, OutputFit]:
+    """The request's SamplingParams with max_tokens fitted to the room the prompt leaves, by the
+    rule in ember.context_window (over HTTP a max_tokens beyond the room is capped), and the fit."""
     params = request.params
-    max_tokens = params.max_tokens if params.max_tokens is not None else (model.default_max_tokens or room)
-    max_tokens = min(max_tokens, room)
-    if params.min_tokens > max_tokens:
-        raise InvalidRequest(f"min_tokens ({params.min_tokens}) is more than the {room} tokens the context "
+    fit = fit_output(model.window, num_prompt_tokens, params.max_tokens, default_max_tokens=model.default_max_tokens,
+                     prompt_param=request.prompt_param)
+    if params.min_tokens > fit.max_tokens:
+        raise InvalidRequest(f"min_tokens ({params.min_tokens}) is more than the {fit.room} tokens the context "
                              f"window leaves after the prompt", param="min_tokens")
-    return params if max_tokens == params.max_tokens else dataclasses.replace(params, max_tokens=max_tokens)
+    if fit.max_tokens != params.max_tokens:
+        params = dataclasses.replace(params, max_tokens=fit.max_tokens)
+    return params, fit
 
 
 def build_sampling_params(values: dict[str, Any], rename: dict[str, str] | None = None) -> SamplingParams:
@@ -184,8 +180,9 @@ class RunResult:
     """The outputs of one request's choices, gathered as they arrive."""
 
     def __init__(self, num_choices: int, prompt_token_ids: list[int], received: float | None = None,
-                 plan: ReplyPlan | None = None) -> None:
+                 plan: ReplyPlan | None = None, fit: OutputFit | None = None) -> None:
         self.prompt_token_ids = prompt_token_ids
+        self.fit = fit  # how max_tokens was fitted to the context window
         self.received = received if received is not None else time.time()
         self.plan = plan
         self.choices = [ChoiceResult(i, parser=plan.parser() if plan else None) for i in range(num_choices)]
@@ -313,4 +310,4 @@ class Dialect:
     id_prefix: str  # of response ids
     parse: Callable[[Any, ModelInfo], GenerationRequest]
     renderer: Callable[[GenerationRequest, RunResult, ResponseMeta], Renderer]
-    error_body: Callable[[EmberError], dict[str, Any]]
+    errors: ErrorShape  # how refusals on its routes are answered

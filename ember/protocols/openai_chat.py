@@ -6,7 +6,7 @@ import json
 from typing import Any
 
 from ember.errors import InvalidRequest
-from ember.protocols.errors import openai_error_body, unsupported
+from ember.protocols.errors import OPENAI_ERRORS, unsupported
 from ember.protocols.fields import Fields, as_string, json_type
 from ember.protocols.chat_reply import template_tools
 from ember.protocols.neutral import ChatPrompt, ChoiceResult, Dialect, GenerationRequest, ModelInfo
@@ -254,4 +254,4 @@ class ChatRenderer(OpenAIRenderer):
 
 
 CHAT = Dialect(name="chat", id_prefix="chatcmpl-", parse=parse_chat, renderer=ChatRenderer,
-               error_body=openai_error_body)
+               errors=OPENAI_ERRORS)

@@ -15,9 +15,11 @@ from typing import Any
 
 from ember.errors import InvalidRequest
 from ember.parsers.events import ToolSpec
-from ember.protocols.chat_reply import AUTO, FUNCTION, NONE, REQUIRED, REASONING_EFFORTS, TOOL_NAME, ChatOptions, tool_items
+from ember.protocols.chat_reply import (
+    AUTO, FUNCTION, NONE, REQUIRED, REASONING_EFFORTS, ChatOptions, declare_tool, tool_items, tool_name, tool_schema,
+)
 from ember.protocols.errors import unsupported
-from ember.protocols.fields import Fields, json_type
+from ember.protocols.fields import Fields
 from ember.protocols.neutral import ModelInfo
 
 
@@ -48,19 +50,10 @@ def read_tools(f: Fields) -> list[ToolSpec]:
         function = tool.object("function")
         if function is None:
             raise InvalidRequest(f"{tool.at('function')} is required", param=tool.at("function"))
-        name = function.string("name")
-        if name is None or not TOOL_NAME.fullmatch(name):
-            raise InvalidRequest(f"{function.at('name')} must be 1 to 128 letters, digits, '_', '-', '.' or ':'",
-                                 param=function.at("name"))
-        if any(s.name == name for s in specs):
-            raise InvalidRequest(f"{function.at('name')}: the tool '{name}' is declared twice",
-                                 param=function.at("name"))
+        name = tool_name(function)
         strict = function.boolean("strict", False)
-        parameters = function.raw("parameters", {})
-        if not isinstance(parameters, dict):
-            raise InvalidRequest(f"{function.at('parameters')} must be a JSON schema object, not "
-                                 f"{json_type(parameters)}", param=function.at("parameters"))
-        specs.append(ToolSpec(name, parameters, function.string("description"), strict))
+        parameters = tool_schema(function, "parameters", {})
+        declare_tool(specs, ToolSpec(name, parameters, function.string("description"), strict), function)
     return specs
 
 

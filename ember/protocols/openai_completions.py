@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from ember.errors import InvalidRequest
-from ember.protocols.errors import openai_error_body, unsupported
+from ember.protocols.errors import OPENAI_ERRORS, unsupported
 from ember.protocols.fields import Fields, as_integer, json_type
 from ember.protocols.neutral import ChoiceResult, Dialect, GenerationRequest, ModelInfo, TextPrompt, TokenPrompt
 from ember.protocols.openai_common import (
@@ -104,4 +104,4 @@ class CompletionRenderer(OpenAIRenderer):
 
 
 COMPLETIONS = Dialect(name="completions", id_prefix="cmpl-", parse=parse_completion, renderer=CompletionRenderer,
-                      error_body=openai_error_body)
+                      errors=OPENAI_ERRORS)

@@ -15,7 +15,7 @@ from typing import Any, Callable
 from ember.errors import EmberError, InvalidRequest
 from ember.parsers.events import ContentText, ReasoningText, ReplyEvent, ToolCall
 from ember.protocols.chat_reply import ChatOptions, template_tools
-from ember.protocols.errors import openai_error_body, unsupported
+from ember.protocols.errors import OPENAI_ERRORS, unsupported
 from ember.protocols.fields import Fields
 from ember.protocols.neutral import (
     ChatPrompt, ChoiceResult, Dialect, GenerationRequest, ModelInfo, ResponseMeta, RunResult, build_sampling_params,
@@ -437,4 +437,4 @@ def responses_dialect(context: ResponsesContext) -> Dialect:
     return Dialect(name="responses", id_prefix="resp_",
                    parse=lambda body, model: parse_responses(body, model, context),
                    renderer=lambda request, result, meta: ResponsesRenderer(request, result, meta, context),
-                   error_body=openai_error_body)
+                   errors=OPENAI_ERRORS)

@@ -21,9 +21,9 @@ from typing import Any
 
 from ember.errors import InvalidRequest
 from ember.parsers.events import ToolSpec
-from ember.protocols.chat_reply import AUTO, FUNCTION, NONE, REQUIRED, TOOL_NAME, tool_items
+from ember.protocols.chat_reply import AUTO, FUNCTION, NONE, REQUIRED, declare_tool, tool_items, tool_name, tool_schema
 from ember.protocols.errors import unsupported
-from ember.protocols.fields import Fields, json_type
+from ember.protocols.fields import Fields
 from ember.protocols.responses_items import visible_name
 
 logger = logging.getLogger("ember.server")
@@ -76,19 +76,9 @@ def read_tools(f: Fields) -> ResponsesTools:
     return result
 
 
-def _name(tool: Fields) -> str:
-    name = tool.string("name")
-    if name is None or not TOOL_NAME.fullmatch(name):
-        raise InvalidRequest(f"{tool.at('name')} must be 1 to 128 letters, digits, '_', '-', '.' or ':'",
-                             param=tool.at("name"))
-    return name
-
-
 def _register(tool: Fields, spec: ToolSpec, ref: ToolRef, result: ResponsesTools) -> None:
-    if spec.name in result.refs:
-        raise InvalidRequest(f"{tool.at('name')}: the tool '{spec.name}' is declared twice", param=tool.at("name"))
+    declare_tool(result.specs, spec, tool)
     result.refs[spec.name] = ref
-    result.specs.append(spec)
 
 
 def _refuse_unsupported_options(tool: Fields) -> None:
@@ -102,12 +92,9 @@ def _refuse_unsupported_options(tool: Fields) -> None:
 
 
 def _add_function(tool: Fields, namespace: str | None, result: ResponsesTools) -> dict[str, Any]:
-    name = _name(tool)
+    name = tool_name(tool)
     _refuse_unsupported_options(tool)
-    parameters = tool.raw("parameters", {})
-    if not isinstance(parameters, dict):
-        raise InvalidRequest(f"{tool.at('parameters')} must be a JSON schema object, not {json_type(parameters)}",
-                             param=tool.at("parameters"))
+    parameters = tool_schema(tool, "parameters", {})
     description = tool.string("description")
     strict = tool.boolean("strict", False)
     _register(tool, ToolSpec(visible_name(name, namespace), parameters, description, strict=strict),
@@ -117,7 +104,7 @@ def _add_function(tool: Fields, namespace: str | None, result: ResponsesTools) -
 
 
 def _add_custom(tool: Fields, namespace: str | None, result: ResponsesTools) -> dict[str, Any]:
-    name = _name(tool)
+    name = tool_name(tool)
     _refuse_unsupported_options(tool)
     description = tool.string("description")
     fmt = tool.object("format")
@@ -140,7 +127,7 @@ def _add_custom(tool: Fields, namespace: str | None, result: ResponsesTools) -> 
 
 
 def _add_namespace(tool: Fields, result: ResponsesTools) -> dict[str, Any]:
-    namespace = _name(tool)
+    namespace = tool_name(tool)
     members = tool.array("tools", non_empty=True)
     if members is None:
         raise InvalidRequest(f"{tool.at('tools')} is required: the namespace's functions", param=tool.at("tools"))

@@ -34,7 +34,8 @@ logger = logging.getLogger("ember.server")
 def create_app(config: ServerConfig, loader: Callable[[ServerConfig], LoadedModel] = load_model, *,
                request_log: RequestLog | None = None, argv: list[str] | None = None) -> FastAPI:
     """The app. `request_log`: the opened --request-log file (opened here from the config when not
-    given); `argv`: the command line, recorded (key redacted) in the log's server_start event."""
+    given); `argv`: the command line, its API key already redacted (cli.redact_argv), for the log's
+    server_start event."""
     state = ServerState(config, loader)
     metrics = Metrics()
     if request_log is None and config.request_log:

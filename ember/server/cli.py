@@ -18,6 +18,7 @@ import time
 from ember.config import EngineConfig
 from ember.parsers import REASONING_PARSERS, TOOL_PARSERS
 from ember.server.config import ServerConfig, is_loopback
+from ember.server.request_log import REDACTED
 
 _ALLOW_OPEN_FLAG = "--allow-no-api-key"
 _ENGINE_DEFAULTS = EngineConfig()
@@ -199,12 +200,12 @@ def run_serve(args: argparse.Namespace) -> int:
 
     host, port = sock.getsockname()[:2]
     url = f"http://{'[' + host + ']' if ':' in host else host}:{port}"
-    app = create_app(config, request_log=request_log, argv=sys.argv)
+    app = create_app(config, request_log=request_log, argv=redact_argv(sys.argv, config.api_key))
     state = app.state.ember
     began = time.monotonic()
-    state.on_ready = lambda loaded: print(
+    state.ready_hooks.append(lambda loaded: print(
         f"ember: model {loaded.name} loaded in {time.monotonic() - began:.1f} s; serving it as "
-        f"'{state.model.name}' at {url}/v1 (Ctrl-C stops)", file=sys.stderr, flush=True)
+        f"'{state.model.name}' at {url}/v1 (Ctrl-C stops)", file=sys.stderr, flush=True))
     print(f"ember: listening on {url}; loading {config.model or 'the default model'} ...", file=sys.stderr, flush=True)
     server = _make_server(uvicorn.Config(app, log_config=None, access_log=False, lifespan="on",
                                     timeout_graceful_shutdown=5), state)
@@ -272,3 +273,33 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+_KEY_FLAG = "--api-key"
+_SHORTEST_KEY_PREFIX = "--api"  # argparse accepts unambiguous prefixes of a long flag
+
+
+def redact_argv(argv: list[str], api_key: str | None = None) -> list[str]:
+    """The command line with the API key's value replaced, however it was given:
+    `--api-key KEY`, `--api-key=KEY`, an abbreviated flag, or the key's text anywhere."""
+    redacted = []
+    hide_next = False
+    for arg in argv:
+        if hide_next:
+            redacted.append(REDACTED)
+            hide_next = False
+            continue
+        flag, eq, _ = arg.partition("=")
+        if _is_key_flag(flag):
+            if eq:
+                arg = f"{flag}={REDACTED}"
+            else:
+                hide_next = True
+        elif api_key and api_key in arg:
+            arg = arg.replace(api_key, REDACTED)
+        redacted.append(arg)
+    return redacted
+
+
+def _is_key_flag(flag: str) -> bool:
+    return len(flag) >= len(_SHORTEST_KEY_PREFIX) and _KEY_FLAG.startswith(flag)

@@ -13,7 +13,7 @@ from typing import Any, Iterator
 from prometheus_client import CollectorRegistry, Counter, Histogram, Info, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from ember.server.reqlog import RequestRecord
+from ember.server.request_record import RequestRecord
 from ember.server.request_events import finish_label
 
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)

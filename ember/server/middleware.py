@@ -17,34 +17,37 @@ from starlette.datastructures import Headers, MutableHeaders
 from starlette.responses import JSONResponse, Response
 
 from ember.errors import EmberError
-from ember.protocols.anthropic_errors import ErrorShape
 from ember.protocols.errors import (
-    GenerationFailed, RequestTooLarge, Unauthorized, UnsupportedMediaType, error_headers, openai_error_body,
+    OPENAI_ERRORS, ErrorShape, GenerationFailed, RequestTooLarge, Unauthorized, UnsupportedMediaType, error_headers,
 )
-from ember.server.reqlog import RequestRecord
+from ember.server.request_events import log_request
+from ember.server.request_record import RequestRecord
 
 logger = logging.getLogger("ember.server")
 
 OPEN_PATHS = ("/health", "/v1/health")  # answer without an API key
 
 
+class ClientGone(Exception):
+    """The client closed the connection before its answer was ready."""
+
+
 def error_response(error: EmberError, record: RequestRecord | None) -> Response:
-    render = record.error_body if record is not None else openai_error_body
-    if record is not None:
-        record.note_error(error)
-    shape = record.error_shape if record is not None else None
-    if shape is not None:  # a dialect with its own statuses and a request id in the body
-        return JSONResponse(shape.body(error, record.request_id), status_code=shape.status(error),
+    """The refusal in the shape of the request's route (OpenAI's where there is no record)."""
+    if record is None:
+        return JSONResponse(OPENAI_ERRORS.body(error, None), status_code=OPENAI_ERRORS.status(error),
                             headers=error_headers(error))
-    return JSONResponse(render(error), status_code=error.status, headers=error_headers(error))
+    record.note_error(error)
+    shape = record.errors
+    return JSONResponse(shape.body(error, record.request_id), status_code=shape.status(error),
+                        headers=error_headers(error))
 
 
 class RequestContextMiddleware:
-    """`error_shapes` maps a path prefix to its dialect's error body (OpenAI's by default), or to an
-    ErrorShape (statuses, body and an id header of its own), so even refusals made before routing
-    (401, 413, 415) answer in the shape the client expects."""
+    """`error_shapes` maps a path prefix to its dialect's ErrorShape (OpenAI's elsewhere), so even
+    refusals made before routing (401, 413, 415) answer in the shape the client expects."""
 
-    def __init__(self, app, state, observer=None, error_shapes: dict[str, Any] | None = None) -> None:
+    def __init__(self, app, state, observer=None, error_shapes: dict[str, ErrorShape] | None = None) -> None:
         self.app = app
         self.state = state
         self.observer = observer  # has request_ended(record)
@@ -57,10 +60,7 @@ class RequestContextMiddleware:
         record = RequestRecord.from_scope(scope)
         for prefix, shape in self.error_shapes.items():
             if record.path == prefix or record.path.startswith(prefix.rstrip("/") + "/"):
-                if isinstance(shape, ErrorShape):
-                    record.error_shape = shape
-                else:
-                    record.error_body = shape
+                record.errors = shape
         scope["ember.record"] = record
         started = False
 
@@ -70,8 +70,8 @@ class RequestContextMiddleware:
                 started = True
                 record.status = message["status"]
                 MutableHeaders(scope=message).append("x-request-id", record.request_id)
-                if record.error_shape is not None and record.error_shape.id_header:
-                    MutableHeaders(scope=message).append(record.error_shape.id_header, record.request_id)
+                if record.errors.id_header:
+                    MutableHeaders(scope=message).append(record.errors.id_header, record.request_id)
             await send(message)
 
         try:
@@ -87,7 +87,7 @@ class RequestContextMiddleware:
                 error.code = "internal_error"
                 await error_response(error, record)(scope, receive, send_with_id)
         finally:
-            record.log()
+            log_request(record)
             if self.observer is not None:
                 try:
                     self.observer.request_ended(record)
@@ -116,7 +116,9 @@ class GuardMiddleware:
         except EmberError as error:
             await error_response(error, record)(scope, receive, send)
             return
-        except _ClientGone:
+        except ClientGone:
+            if record is not None:
+                record.client_gone = True
             return
         await self.app(scope, receive, send)
 
@@ -146,7 +148,7 @@ class GuardMiddleware:
         while True:
             message = await receive()
             if message["type"] == "http.disconnect":
-                raise _ClientGone()
+                raise ClientGone()
             chunk = message.get("body", b"")
             size += len(chunk)
             if size > self.max_body_bytes:
@@ -154,10 +156,6 @@ class GuardMiddleware:
             chunks.append(chunk)
             if not message.get("more_body", False):
                 return b"".join(chunks)
-
-
-class _ClientGone(Exception):
-    pass
 
 
 def _is_json(content_type: str) -> bool:

@@ -15,9 +15,9 @@ from typing import Any
 
 import ember
 from ember.server.metrics import Metrics
-from ember.server.reqlog import RequestRecord
+from ember.server.request_record import RequestRecord
 from ember.server.request_events import start_event, telemetry, terminal_kind
-from ember.server.request_log import RequestLog, redact_argv
+from ember.server.request_log import RequestLog
 
 RECENT_REQUESTS = 100
 
@@ -50,7 +50,7 @@ class Observability:
                     "max_pending": config.max_pending, "pending_timeout_seconds": config.pending_timeout,
                     "max_request_bytes": config.max_request_bytes, "default_max_tokens": config.default_max_tokens,
                     "log_stats_interval_seconds": config.log_stats_interval},
-                argv=redact_argv(self.argv, config.api_key))
+                argv=self.argv)
 
     def close(self) -> None:
         if self.request_log is not None:

@@ -22,17 +22,14 @@ from ember.protocols.errors import GenerationFailed
 from ember.protocols.chat_reply import ReplyPlan
 from ember.protocols.neutral import Dialect, ResponseMeta, RunResult, choice_seeds, resolve_sampling
 from ember.protocols.sse import ServerEvent, encode, with_keep_alive
-from ember.server.reqlog import RequestRecord
+from ember.server.middleware import ClientGone
+from ember.server.request_record import RequestRecord
 from ember.server.state import ServerState
 from ember.types import FinishReason, GenerationOutput, SamplingParams
 
 logger = logging.getLogger("ember.server")
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-
-
-class ClientGone(Exception):
-    """The client closed the connection before its answer was ready."""
 
 
 class ChoiceRun:
@@ -105,18 +102,18 @@ class ChoiceRun:
 async def serve_generation(request: Request, dialect: Dialect) -> Response:
     state: ServerState = request.app.state.ember
     record: RequestRecord = request.scope["ember.record"]
-    record.route, record.error_body = dialect.name, dialect.error_body
+    record.route, record.errors = dialect.name, dialect.errors
     state.require_ready()
     job = dialect.parse(parse_json(await request.body()), state.model)
     prompt_token_ids = await state.encode(job.prompt)
     plan = state.reply_plan(job, prompt_token_ids)
     constraints = await state.grammar_constraints(job, plan)
     record.prompt_tokens = len(prompt_token_ids)
-    params = resolve_sampling(job, len(prompt_token_ids), state.model)
+    params, fit = resolve_sampling(job, len(prompt_token_ids), state.model)
     ticket = await state.admission.acquire(job.n)
     try:
         request.app.state.observability.request_started(record, job, params)
-        result = RunResult(job.n, prompt_token_ids, record.received, plan)
+        result = RunResult(job.n, prompt_token_ids, record.received, plan, fit)
         record.result = result
         meta = ResponseMeta(f"{dialect.id_prefix}{record.internal_id}", int(record.received), state.model.name,
                             state.fingerprint, state.decode, record.request_id)

@@ -1,15 +1,22 @@
-"""What the request log and /debug/requests say about one request, built from its RequestRecord.
+"""What is said about one request, built from its RequestRecord: the server log's line, the
+request log's events, the /debug/requests entry and the finish label of metrics.
 
-Only counts, settings and times: never prompt or output text, stop strings, tool names or keys.
+Only ids, counts, settings and times: never prompt or output text, stop strings, tool names or keys.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any
 
-from ember.server.reqlog import RequestRecord
+from ember.protocols.neutral import GenerationRequest
+from ember.server.request_record import RequestRecord
 from ember.types import FinishReason, SamplingParams
+
+logger = logging.getLogger("ember.request")
+
+_QUIET_PATHS = ("/health", "/v1/health", "/metrics")  # logged at debug level: probes would drown the rest
 
 _SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty",
                     "frequency_penalty", "seed", "max_tokens", "min_tokens", "ignore_eos", "logprobs",
@@ -25,40 +32,40 @@ def sampling_summary(params: SamplingParams) -> dict[str, Any]:
     return summary
 
 
-def request_shape(job: Any) -> dict[str, Any]:
+def request_shape(job: GenerationRequest) -> dict[str, Any]:
     """The request's form: choices, streaming, messages, tools and thinking (counts and modes; a
     named tool choice is `function`, its name left out), extras."""
-    messages = getattr(getattr(job, "prompt", None), "messages", None)
-    chat = getattr(job, "chat", None)  # ChatOptions, on chat dialects
+    messages = getattr(job.prompt, "messages", None)  # chat prompts only
+    chat = job.chat  # chat dialects only
+    chat_fields = {"tool_choice": None, "parallel_tool_calls": None, "thinking": None, "thinking_budget": None,
+                   "reasoning_effort": None}
+    if chat is not None:
+        chat_fields = {name: getattr(chat, name) for name in chat_fields}
     return {
-        "n": getattr(job, "n", 1),
-        "stream": bool(getattr(job, "stream", False)),
-        "include_usage": bool(getattr(job, "include_usage", False)),
+        "n": job.n,
+        "stream": job.stream,
+        "include_usage": job.include_usage,
         "num_messages": len(messages) if messages is not None else None,
-        "num_tools": len(getattr(chat, "tools", ())),
-        "tool_choice": getattr(chat, "tool_choice", None),
-        "parallel_tool_calls": getattr(chat, "parallel_tool_calls", None),
-        "thinking": getattr(chat, "thinking", None),
-        "thinking_budget": getattr(chat, "thinking_budget", None),
-        "reasoning_effort": getattr(chat, "reasoning_effort", None),
-        "return_token_ids": bool(getattr(job, "return_token_ids", False)),
-        "return_progress": bool(getattr(job, "return_progress", False)),
-        "timings_per_token": bool(getattr(job, "timings_per_token", False)),
-        "echo": bool(getattr(job, "echo", False)),
+        "num_tools": len(chat.tools) if chat is not None else 0,
+        **chat_fields,
+        "return_token_ids": job.return_token_ids,
+        "return_progress": job.return_progress,
+        "timings_per_token": job.timings_per_token,
+        "echo": job.echo,
     }
 
 
 def start_event(record: RequestRecord) -> dict[str, Any]:
-    params = record.params
-    requested = getattr(getattr(record.job, "params", None), "max_tokens", None)
+    """The request log's request_start: called once the request was admitted, so job and params are set."""
+    params, job = record.params, record.job
     return {
         "request_id": record.request_id,
         "protocol": record.route,
         "prompt_tokens": record.prompt_tokens,
         "admission_wait_seconds": _span(record.received, record.admitted),
-        "sampling": sampling_summary(params) if params is not None else None,
-        "limits": {"max_tokens": getattr(params, "max_tokens", None), "requested_max_tokens": requested},
-        "shape": request_shape(record.job),
+        "sampling": sampling_summary(params),
+        "limits": {"max_tokens": params.max_tokens, "requested_max_tokens": job.params.max_tokens},
+        "shape": request_shape(job),
     }
 
 
@@ -89,7 +96,7 @@ def telemetry(record: RequestRecord) -> dict[str, Any]:
     first = result.first_token_time() if result is not None else None
     entry.update({
         "n": len(choices),
-        "stream": bool(getattr(record.job, "stream", False)),
+        "stream": record.job is not None and record.job.stream,
         "finish_reasons": [c.finish_reason.value if c.finish_reason else None for c in choices],
         "cached_tokens": result.num_cached_tokens if result is not None else 0,
         "completion_tokens": result.num_completion_tokens if result is not None else 0,
@@ -124,6 +131,35 @@ def finish_label(record: RequestRecord) -> str:
     if record.error_code:
         return FinishReason.ERROR.value
     return FinishReason.LENGTH.value if FinishReason.LENGTH in reasons else FinishReason.STOP.value
+
+
+def log_line(record: RequestRecord) -> str:
+    """The server log's one line per request: `id METHOD path status`, then counts and times."""
+    parts = [f"{record.request_id} {record.method} {record.path} {record.status if record.status else '-'}"]
+    if record.prompt_tokens is not None:
+        parts.append(f"prompt={record.prompt_tokens}")
+    result = record.result
+    if result is not None:
+        timings = result.timings()
+        first = result.first_token_time()
+        ttft = f"{(first - record.received) * 1000:.0f}ms" if first is not None else "-"
+        reasons = ",".join(sorted({c.finish_reason.value for c in result.choices if c.finish_reason})) or "-"
+        parts.append(f"cached={result.num_cached_tokens} completion={result.num_completion_tokens} "
+                     f"ttft={ttft} tok/s={timings['predicted_per_second']:.1f} finish={reasons}")
+        if len(result.choices) > 1:
+            parts.append(f"n={len(result.choices)}")
+    if record.client_gone:
+        parts.append("client_gone")
+    if record.error_code:
+        parts.append(f"error={record.error_code}" + (f" param={record.error_param}" if record.error_param else ""))
+    parts.append(f"{record.elapsed():.3f}s")
+    return " ".join(parts)
+
+
+def log_request(record: RequestRecord) -> None:
+    level = logging.DEBUG if record.path in _QUIET_PATHS else logging.INFO
+    if logger.isEnabledFor(level):
+        logger.log(level, "%s", log_line(record))
 
 
 def _error_fields(record: RequestRecord) -> dict[str, Any]:

@@ -13,8 +13,6 @@ from typing import Any, TextIO
 logger = logging.getLogger("ember.server")
 
 REDACTED = "<redacted>"
-_KEY_FLAG = "--api-key"
-_SHORTEST_KEY_PREFIX = "--api"  # argparse accepts unambiguous prefixes of a long flag
 
 
 class RequestLogError(Exception):
@@ -67,29 +65,3 @@ class RequestLog:
                 self.stream.close()
             except OSError:
                 pass
-
-
-def redact_argv(argv: list[str], api_key: str | None = None) -> list[str]:
-    """The command line with the API key's value replaced, however it was given:
-    `--api-key KEY`, `--api-key=KEY`, an abbreviated flag, or the key's text anywhere."""
-    redacted = []
-    hide_next = False
-    for arg in argv:
-        if hide_next:
-            redacted.append(REDACTED)
-            hide_next = False
-            continue
-        flag, eq, _ = arg.partition("=")
-        if _is_key_flag(flag):
-            if eq:
-                arg = f"{flag}={REDACTED}"
-            else:
-                hide_next = True
-        elif api_key and api_key in arg:
-            arg = arg.replace(api_key, REDACTED)
-        redacted.append(arg)
-    return redacted
-
-
-def _is_key_flag(flag: str) -> bool:
-    return len(flag) >= len(_SHORTEST_KEY_PREFIX) and _KEY_FLAG.startswith(flag)

@@ -97,7 +97,6 @@ class ServerState:
         self.started = int(time.time())
         self.admission = Admission(config.max_running, config.max_pending, config.pending_timeout)
         self.runs: set = set()  # live ChoiceRuns, stopped when the server stops
-        self.on_ready: Callable[[LoadedModel], None] | None = None
         self.ready_hooks: list[Callable[[LoadedModel], None]] = []  # observers of the model becoming ready
         self._prompt_pool = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="ember-prompt")
         self._load_task: asyncio.Task | None = None
@@ -144,8 +143,6 @@ class ServerState:
                 hook(loaded)
             except Exception:  # an observer's fault must not stop serving
                 logger.exception("a ready hook failed")
-        if self.on_ready is not None:
-            self.on_ready(loaded)
 
     def begin_shutdown(self) -> None:
         """Stop taking requests and end the running ones (their KV blocks go back to the pool)."""

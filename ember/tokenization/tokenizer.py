@@ -13,10 +13,10 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from ember.errors import InvalidRequest, ModelLoadError
+from ember.tokenization.vocab import TokenBytes, build_token_bytes, byte_alphabet
 
 if TYPE_CHECKING:
     from ember.tokenization.chat_prompt import TemplateTraits
-    from ember.tokenization.vocab import TokenBytes
 
 logger = logging.getLogger("ember.tokenization")
 
@@ -133,7 +133,6 @@ class Tokenizer:
     @functools.cached_property
     def token_bytes(self) -> "TokenBytes":
         """Every token's raw bytes (built on first use, about 0.1 s per 50k tokens)."""
-        from ember.tokenization.vocab import build_token_bytes
         return build_token_bytes(self._backend, self.vocab_size)
 
     @functools.cached_property
@@ -202,7 +201,7 @@ def gguf_eos_token_ids(metadata: Mapping[str, Any]) -> list[int]:
 def _byte_level_bpe(tokens: list[str], token_types: list[int], metadata: Mapping[str, Any]) -> Any:
     from tokenizers import Regex, Tokenizer as Backend, decoders, models, normalizers, pre_tokenizers
 
-    alphabet = _byte_alphabet()
+    alphabet = byte_alphabet()
     vocab: dict[str, int] = {}
     for index, (token, token_type) in enumerate(zip(tokens, token_types)):
         if token_type == _NORMAL and not set(token) <= alphabet.keys():
@@ -294,21 +293,8 @@ def _add_special_tokens(backend: Any, tokens: list[str], token_types: list[int])
         backend.add_tokens(user)
 
 
-def _byte_alphabet() -> dict[str, int]:
-    """GPT-2's printable stand-in character for each byte, as char -> byte."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
-                 *range(ord("®"), ord("ÿ") + 1)]
-    chars = {b: chr(b) for b in printable}
-    extra = 0
-    for b in range(256):
-        if b not in chars:
-            chars[b] = chr(256 + extra)
-            extra += 1
-    return {c: b for b, c in chars.items()}
-
-
 def _spell_bytes(text: str) -> Iterable[str]:
-    by_byte = {b: c for c, b in _byte_alphabet().items()}
+    by_byte = {b: c for c, b in byte_alphabet().items()}
     return (by_byte[b] for b in text.encode("utf-8"))
 
 

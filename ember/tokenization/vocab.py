@@ -3,6 +3,7 @@ at a time (a marker spread over several tokens, a name held to a list of names).
 
 from __future__ import annotations
 
+import functools
 import re
 from collections import defaultdict
 from collections.abc import Sequence
@@ -41,10 +42,8 @@ def build_token_bytes(backend: Any, vocab_size: int) -> TokenBytes:
     """From a `tokenizers.Tokenizer`: byte-level vocabularies map their stand-in characters back to
     bytes; SentencePiece ones turn "▁" into a space and <0xNN> pieces into that byte. Added tokens
     are their text."""
-    from ember.tokenization.tokenizer import _byte_alphabet
-
     byte_level = "ByteLevel" in type(backend.decoder).__name__ if backend.decoder is not None else False
-    alphabet = _byte_alphabet()
+    alphabet = byte_alphabet()
     added = {token_id: token.content for token_id, token in backend.get_added_tokens_decoder().items()}
     pieces: list[bytes] = []
     for token_id in range(vocab_size):
@@ -62,3 +61,17 @@ def build_token_bytes(backend: Any, vocab_size: int) -> TokenBytes:
             match = _BYTE_PIECE.fullmatch(token)
             pieces.append(bytes([int(match.group(1), 16)]) if match else token.replace("▁", " ").encode())
     return TokenBytes(pieces)
+
+
+@functools.cache
+def byte_alphabet() -> dict[str, int]:
+    """GPT-2's printable stand-in character for each byte, as char -> byte."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
+                 *range(ord("®"), ord("ÿ") + 1)]
+    chars = {b: chr(b) for b in printable}
+    extra = 0
+    for b in range(256):
+        if b not in chars:
+            chars[b] = chr(256 + extra)
+            extra += 1
+    return {c: b for b, c in chars.items()}

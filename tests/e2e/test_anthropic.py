@@ -38,7 +38,8 @@ def check_stream(events: list[dict], *, raw: bool = False) -> dict:
     assert message["type"] == "message" and message["role"] == "assistant" and message["id"].startswith("msg_")
     assert message["content"] == [] and message["stop_reason"] is None and message["stop_sequence"] is None
     usage = message["usage"]
-    assert usage["input_tokens"] >= 0 and usage["cache_read_input_tokens"] >= 0 and usage["output_tokens"] == 0
+    assert min(usage["input_tokens"], usage["cache_read_input_tokens"]) >= 0 and usage["output_tokens"] == 0
+    assert usage["input_tokens"] + usage["cache_read_input_tokens"] >= 1  # the prompt, cached or not
     if raw:
         assert events[1]["type"] == "ping"
     open_index, signed, partial, ended = None, False, "", False
@@ -89,7 +90,7 @@ def check_stream(events: list[dict], *, raw: bool = False) -> dict:
             assert open_index is None, "message_delta with a block still open"
             assert e["delta"]["stop_reason"] in STOP_REASONS
             message["stop_reason"], message["stop_sequence"] = e["delta"]["stop_reason"], e["delta"]["stop_sequence"]
-            assert e["usage"]["output_tokens"] >= 0
+            assert e["usage"]["output_tokens"] >= (1 if message["content"] else 0)
             message["usage"].update(e["usage"])
             ended = True
         elif kind == "message_stop":

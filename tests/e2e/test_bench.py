@@ -320,19 +320,22 @@ def test_ctrl_c_cancels_the_streams_and_still_reports(tmp_path):
     assert any(r["outcome"] == "cancelled" for r in level["requests"])
 
 
-def test_plot_needs_matplotlib_or_draws(tmp_path):
-    from ember.bench.plot import require_matplotlib, write_plot
+def test_plot_draws_a_png(tmp_path):
+    from ember.bench.plot import write_plot
 
-    try:
-        require_matplotlib()
-    except BenchError as exc:
-        assert "pip install" in str(exc)
-        pytest.skip("matplotlib is not installed")
     with FlakyServer() as flaky:
         result = run(BenchConfig(base_url=flaky.url, concurrency=[1, 2], input_len=8, output_len=2, num_requests=1,
                                  quiet=True))
     write_plot(result, tmp_path / "plot.png")
-    assert (tmp_path / "plot.png").stat().st_size > 0
+    assert (tmp_path / "plot.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plot_without_matplotlib_says_what_to_install(monkeypatch):
+    from ember.bench import plot
+
+    monkeypatch.setattr(plot.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(BenchError, match=r"pip install 'ember\[plot\]'"):
+        plot.require_matplotlib()
 
 
 # ---- offline --------------------------------------------------------------------------------------

@@ -78,7 +78,8 @@ def test_a_prompt_keeps_its_bits_however_it_is_chunked(llm):
     prompt = llm.encode_prompt(LONG)
     assert len(prompt) > 100
     whole = _alone(llm, LONG, GREEDY)
-    small_budget = _sibling_engine(llm.engine, max_num_batched_tokens=48, enable_prefix_caching=False)
+    small_budget = _sibling_engine(llm.engine, max_num_batched_tokens=48, attention_cost_tokens=0,
+                                   enable_prefix_caching=False)
     small_budget.add_request("chunked", prompt, GREEDY)
     tokens, logprobs, steps = [], [], 0
     while small_budget.has_unfinished():

@@ -32,7 +32,7 @@ PROMPTS = [
 
 def _reference_model(llm, **config):
     """transformers' model on the same GGUF file, in float32."""
-    transformers = pytest.importorskip("transformers")
+    import transformers
     path = Path(llm.source.path)
     return transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
                                                              dtype=torch.float32, **config).eval()

@@ -73,7 +73,11 @@ def test_tensor_given_twice_is_an_error():
 def test_rotary_buffers_of_old_checkpoints_are_ignored():
     weights, config = checkpoint("llama_llama3")
     weights["model.layers.0.self_attn.rotary_emb.inv_freq"] = torch.ones(8)
-    fresh(config).load_weights(weights.items())
+    model = fresh(config)
+    table = model.model.rotary.cos_sin.clone()
+    model.load_weights(weights.items())  # no error for the unknown buffer
+    assert torch.equal(model.model.rotary.cos_sin, table)  # and the table is ember's own, not the checkpoint's
+    assert torch.equal(model.model.embed_tokens.weight, weights["model.embed_tokens.weight"])
 
 
 @torch.inference_mode()

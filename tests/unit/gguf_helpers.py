@@ -48,8 +48,8 @@ def gguf_tensor_name(hf_name: str) -> str:
 def byte_level_vocab(size: int) -> tuple[list[str], list[int], list[str]]:
     """A tiny GPT-2 style vocabulary of `size` tokens: specials, the 256 byte characters, then
     merged tokens built from a few merges. Returns (tokens, token types, merges)."""
-    from ember.tokenization.tokenizer import _byte_alphabet
-    chars = list(_byte_alphabet())
+    from ember.tokenization.vocab import byte_alphabet
+    chars = list(byte_alphabet())
     tokens = SPECIAL_TOKENS + chars
     types = [3] * len(SPECIAL_TOKENS) + [1] * len(chars)
     merges: list[str] = []

@@ -4,6 +4,7 @@ error shape. Pure logic, no model."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 
@@ -15,7 +16,7 @@ from ember.protocols.anthropic_messages import parse_count_tokens, parse_message
 from ember.protocols.anthropic_render import BlockAssembler, MessagesRenderer, signature_matches
 from ember.protocols.chat_reply import ChatFeatures
 from ember.protocols.errors import ModelLoading, QueueTimeout, RequestTooLarge, ServerOverloaded, Unauthorized
-from ember.protocols.neutral import ModelInfo, ResponseMeta, RunResult
+from ember.protocols.neutral import ModelInfo, ResponseMeta, RunResult, resolve_sampling
 from ember.types import FinishReason
 
 MODEL = ModelInfo(name="served", max_model_len=2048, vocab_size=1000, chat=ChatFeatures(ThinkMarkers(), HERMES))
@@ -44,7 +45,7 @@ def test_a_plain_request():
     assert request.prompt.template_kwargs == {"enable_thinking": False}  # no thinking field: no thinking
     assert request.model_label == "claude-sonnet" and request.params.max_tokens == 64
     assert request.chat.thinking is False and request.chat.tools == ()
-    assert not request.stream and request.context_limit == 2048
+    assert not request.stream
 
 
 def test_the_model_is_any_non_empty_label_and_max_tokens_is_optional():
@@ -294,8 +295,8 @@ def test_blocks_open_on_text_and_thinking_signs_before_it_stops():
 
 def _renderer(finish, stop_reason=None, tokens=4, prompt=10, max_tokens=None, limit=2048, parts=()):
     request = parse(max_tokens=max_tokens) if max_tokens else parse_messages({"messages": HI}, MODEL)
-    request.context_limit = limit
-    result = RunResult(1, list(range(prompt)))
+    _, fit = resolve_sampling(request, prompt, replace(MODEL, max_model_len=limit))
+    result = RunResult(1, list(range(prompt)), fit=fit)
     choice = result.choices[0]
     choice.token_ids, choice.finish_reason, choice.stop_reason = list(range(tokens)), finish, stop_reason
     choice.text = "x"

@@ -54,15 +54,21 @@ def request_with(max_tokens=None, min_tokens=0, param="prompt") -> GenerationReq
                              prompt_param=param)
 
 
+def fitted(request, num_prompt_tokens, model) -> tuple[int, bool]:
+    params, fit = resolve_sampling(request, num_prompt_tokens, model)
+    assert params.max_tokens == fit.max_tokens
+    return fit.max_tokens, fit.reaches_window
+
+
 def test_max_tokens_is_capped_to_the_room_left():
-    assert resolve_sampling(request_with(32000), 90, MODEL).max_tokens == 10
-    assert resolve_sampling(request_with(5), 90, MODEL).max_tokens == 5
-    assert resolve_sampling(request_with(None), 40, MODEL).max_tokens == 60
+    assert fitted(request_with(32000), 90, MODEL) == (10, True)
+    assert fitted(request_with(5), 90, MODEL) == (5, False)
+    assert fitted(request_with(None), 40, MODEL) == (60, True)
     defaulted = ModelInfo(name="m", max_model_len=100, vocab_size=10, default_max_tokens=16)
-    assert resolve_sampling(request_with(None), 40, defaulted).max_tokens == 16
-    assert resolve_sampling(request_with(None), 95, defaulted).max_tokens == 5
+    assert fitted(request_with(None), 40, defaulted) == (16, False)
+    assert fitted(request_with(None), 95, defaulted) == (5, True)
     small_cache = ModelInfo(name="m", max_model_len=100, vocab_size=10, kv_capacity_tokens=50)
-    assert resolve_sampling(request_with(None), 40, small_cache).max_tokens == 10
+    assert fitted(request_with(None), 40, small_cache) == (10, True)
 
 
 def test_a_prompt_that_fills_the_window_is_refused_with_the_usual_words():

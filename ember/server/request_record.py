@@ -1,0 +1,57 @@
+"""The record of one HTTP request, filled in as it passes through the server: its ids, route,
+outcome, the validated request and its result. What is said about it (the log line, the request
+log's events, /debug/requests, metrics) is built from it elsewhere (server.request_events)."""
+
+from __future__ import annotations
+
+import re
+import time
+import uuid
+from dataclasses import dataclass, field
+
+from ember.protocols.errors import OPENAI_ERRORS, ErrorShape
+from ember.protocols.neutral import GenerationRequest, RunResult
+from ember.types import SamplingParams
+
+_CLIENT_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
+
+
+@dataclass(slots=True)
+class RequestRecord:
+    method: str
+    path: str
+    request_id: str  # the x-request-id header: the client's own if it sent a sane one
+    internal_id: str = field(default_factory=lambda: uuid.uuid4().hex)  # unique; names engine requests
+    received: float = field(default_factory=time.time)
+    started: float = field(default_factory=time.perf_counter)
+    status: int | None = None
+    route: str | None = None  # the dialect, for generation routes
+    errors: ErrorShape = OPENAI_ERRORS  # how refusals on this route are answered
+    error_type: str | None = None
+    error_code: str | None = None
+    error_param: str | None = None
+    prompt_tokens: int | None = None
+    job: GenerationRequest | None = None  # the validated request, of whichever dialect
+    params: SamplingParams | None = None  # its resolved sampling (max_tokens fitted to the window)
+    admitted: float | None = None  # time.time() when it was admitted to run; request_start was logged then
+    result: RunResult | None = None
+    client_gone: bool = False
+
+    @classmethod
+    def from_scope(cls, scope) -> "RequestRecord":
+        client_id = None
+        for name, value in scope.get("headers", ()):
+            if name == b"x-request-id":
+                text = value.decode("latin-1")
+                client_id = text if _CLIENT_ID.fullmatch(text) else None
+        record = cls(scope.get("method", ""), scope.get("path", ""), "")
+        record.request_id = client_id or record.internal_id
+        return record
+
+    def note_error(self, error) -> None:
+        self.error_type = getattr(error, "type", None)
+        self.error_code = getattr(error, "code", None) or getattr(error, "type", None)
+        self.error_param = getattr(error, "param", None)
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.started
