@@ -18,16 +18,16 @@ _MIN_MAX_NUM_SEQS = 16
 
 class EngineTransport:
     def __init__(self, config: BenchConfig) -> None:
-        from ember.engine.engine import AsyncEngine
+        from ember.engine.engine import AsyncEngine, build_off_thread
         from ember.llm import LLM
 
         settings: OfflineSettings = config.offline
         largest = max(config.concurrency) if config.request_rates is None else _MIN_MAX_NUM_SEQS
-        self.llm = LLM(settings.model, cache_dir=settings.cache_dir, dtype=settings.dtype, device=settings.device,
-                       max_model_len=settings.max_model_len,
-                       max_num_seqs=settings.max_num_seqs or max(largest, _MIN_MAX_NUM_SEQS),
-                       enable_prefix_caching=settings.enable_prefix_caching,
-                       batch_invariant=settings.batch_invariant, quantization=settings.quantization)
+        self.llm = build_off_thread(lambda: LLM(
+            settings.model, cache_dir=settings.cache_dir, dtype=settings.dtype, device=settings.device,
+            max_model_len=settings.max_model_len, max_num_seqs=settings.max_num_seqs or max(largest, _MIN_MAX_NUM_SEQS),
+            enable_prefix_caching=settings.enable_prefix_caching, batch_invariant=settings.batch_invariant,
+            quantization=settings.quantization))
         self.engine = AsyncEngine(self.llm.engine, self.llm.tokenizer)
         self.endpoint = config.endpoint
         self.temperature = config.temperature

@@ -15,7 +15,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncIterator, Callable, TypeVar
 
 from ember.engine.core import EngineCore
 from ember.engine.outputs import RequestTracker
@@ -58,6 +58,34 @@ class Shutdown:
 class EngineUnavailable(EmberError):
     status = 503
     type = "server_error"
+
+
+T = TypeVar("T")
+
+
+def build_off_thread(factory: Callable[[], T]) -> T:
+    """`factory()` run on a short-lived thread, for what builds a model an AsyncEngine will run.
+
+    Loading runs parallel torch operations, and each thread that does gets its own OpenMP thread
+    team, which lives as long as that thread. With two teams on a small machine (the loading
+    thread's and the engine thread's), libgomp counts more threads than cores and lets idle workers
+    sleep between parallel regions instead of spinning: a decode step on 2 cores then runs about 3x
+    slower. A team built on a thread that has ended is gone, so the engine thread's is the only one.
+    """
+    box: dict[str, Any] = {}
+
+    def work() -> None:
+        try:
+            box["value"] = factory()
+        except BaseException as exc:  # re-raised on the caller's thread
+            box["error"] = exc
+
+    thread = threading.Thread(target=work, name="ember-build")
+    thread.start()
+    thread.join()
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
 
 
 class AsyncEngine:

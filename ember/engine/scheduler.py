@@ -5,12 +5,13 @@ and prefix-cache hits simply arrive already computed. Running requests are paid 
 waiting requests are admitted by (priority, arrival) while budget, seats and blocks last.
 
 Running requests that decode go before those still prefilling, and every one of them gets its
-token each step, even past the budget. The budget counts what tokens cost, not only how many
-there are: with `attention_cost_tokens`
-(K) set, a token attending to c keys costs 1 + c / K, K being the context at which its attention
-costs as much as the rest of its layer. A step of max_num_batched_tokens short-context tokens
-and a step holding one chunk of a 20,000-token prompt then take about the same time, so the
-requests running beside a long prompt keep their pace while it prefills.
+token each step, even past the budget. While any request decodes, the budget counts what tokens
+cost, not only how many there are: with `attention_cost_tokens` (K) set, a token attending to c
+keys costs 1 + c / K, K being the context at which its attention costs as much as the rest of
+its layer. A step of max_num_batched_tokens short-context tokens and a step holding one chunk of
+a 20,000-token prompt then take about the same time, so the streams running beside a long
+prompt keep the pace of a short step while it prefills. With no stream to protect, every token
+costs 1 and prompts prefill in full-budget chunks.
 """
 
 from __future__ import annotations
@@ -117,6 +118,7 @@ class Scheduler:
         self.kv_cache = kv_cache
         self.requests: dict[str, Request] = {}  # every unfinished request
         self.running: list[Request] = []
+        self._attention_cost_tokens: int | None = None  # this step's K: the config's while a request decodes
         self.waiting = WaitingQueue()
 
     @property
@@ -143,16 +145,18 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         scheduled: list[ScheduledRequest] = []
         preempted: list[Request] = []
+        decoding = any(r.num_tokens - r.num_computed_tokens == 1 for r in self.running)
+        self._attention_cost_tokens = self.config.attention_cost_tokens if decoding else None
         budget = self._schedule_running(float(self.config.max_num_batched_tokens), scheduled, preempted)
         if not preempted:  # memory is short when something was preempted; admitting now would thrash
             self._admit_waiting(budget, scheduled)
         return SchedulerOutput(scheduled, sum(entry.num_new_tokens for entry in scheduled), preempted)
 
     def _cost(self, start: int, count: int) -> float:
-        return chunk_cost(start, count, self.config.attention_cost_tokens)
+        return chunk_cost(start, count, self._attention_cost_tokens)
 
     def _tokens_within(self, start: int, wanted: int, budget: float) -> int:
-        return tokens_within(start, wanted, budget, self.config.attention_cost_tokens)
+        return tokens_within(start, wanted, budget, self._attention_cost_tokens)
 
     def _schedule_running(self, budget: float, scheduled: list[ScheduledRequest], preempted: list[Request]) -> float:
         # Decodes first, then prompts still being prefilled: a long prompt never holds back the

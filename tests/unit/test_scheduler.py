@@ -48,7 +48,9 @@ def step(scheduler, token=7, sampled=None):
     assert all(s.num_new_tokens > 0 for s in output.scheduled), "scheduled zero tokens"
     assert output.num_scheduled_tokens == sum(s.num_new_tokens for s in output.scheduled)
     assert output.num_scheduled_tokens <= scheduler.config.max_num_batched_tokens
-    costs = [chunk_cost(s.start, s.num_new_tokens, scheduler.config.attention_cost_tokens) for s in output.scheduled]
+    decoding = any(s.num_new_tokens == 1 and s.request.num_prompt_tokens <= s.start for s in output.scheduled)
+    k = scheduler.config.attention_cost_tokens if decoding else None
+    costs = [chunk_cost(s.start, s.num_new_tokens, k) for s in output.scheduled]
     assert sum(costs[:-1]) < scheduler.config.max_num_batched_tokens  # each was paid from budget left
     if sampled is None:
         sampled = {s.request.request_id: [token] for s in output.scheduled if s.samples}
@@ -389,4 +391,7 @@ def test_a_long_context_chunk_is_cut_to_its_cost_and_decodes_go_first(make_sched
         assert count == tokens_within(start, 199 - start, 32 - spent, 16)
         sizes.append(count)
     assert sizes == sorted(sizes, reverse=True) and sizes[-1] < sizes[0]  # later chunks see more keys: fewer tokens
-    scheduler.finish_requests(["long", "talker"], RequestStatus.FINISHED_ABORTED)
+    scheduler.finish_requests(["talker"], RequestStatus.FINISHED_ABORTED)
+    output, _ = step(scheduler)  # no stream left to protect: the prompt goes on in full-budget chunks
+    assert [c[0] for c in chunks(output)] == ["long"] and chunks(output)[0][2] == 32
+    scheduler.finish_requests(["long"], RequestStatus.FINISHED_ABORTED)
