@@ -448,19 +448,9 @@ void rotary_store_(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin
     at::parallel_for(0, T, 8, [&](int64_t begin, int64_t end) {
       std::vector<float> c(half), s(half);
       for (int64_t t = begin; t < end; ++t) {
-        for (int64_t i = 0; i < half; ++i) {
-          c[i] = to_float<T_>(cos.data_ptr<T_>()[t * row_stride + i]);
-          s[i] = to_float<T_>(sin.data_ptr<T_>()[t * row_stride + i]);
-        }
         T_* row = qkv.data_ptr<T_>() + t * qkv.stride(0);
-        for (int64_t h = 0; h < heads + kv_heads; ++h) {
-          T_* x = row + h * D;
-          for (int64_t i = 0; i < half; ++i) {
-            const float x1 = to_float<T_>(x[i]), x2 = to_float<T_>(x[i + half]);
-            x[i] = from_float<T_>(std::fma(x1, c[i], -x2 * s[i]));
-            x[i + half] = from_float<T_>(std::fma(x2, c[i], x1 * s[i]));
-          }
-        }
+        rotate_heads<T_>(row, heads + kv_heads, D, half, cos.data_ptr<T_>() + t * row_stride,
+                         sin.data_ptr<T_>() + t * row_stride, c.data(), s.data());
         for (int64_t h = 0; h < kv_heads; ++h)
           store_row<T_>(row + (heads + h) * D, row + (heads + kv_heads + h) * D, slots.data_ptr<int64_t>()[t], h,
                         k_cache.data_ptr<T_>(), v_cache.data_ptr<T_>(), k_cache.stride(0), D);

@@ -136,4 +136,24 @@ template <typename F> void dispatch_float_or_bf16(at::ScalarType dtype, F&& body
   }
 }
 
+// Rotary embedding of one token's heads, in place: for each of `heads` rows of D = 2 half values
+// (`stride` apart), x1' = x1 cos - x2 sin and x2' = x2 cos + x1 sin, each in one float rounding.
+// cos and sin are the token's (D / 2) row in T; c and s are scratch of D / 2 floats.
+template <typename T>
+inline void rotate_heads(T* x, int64_t heads, int64_t stride, int64_t half, const T* cos, const T* sin, float* c,
+                         float* s) {
+  for (int64_t i = 0; i < half; ++i) {
+    c[i] = to_float<T>(cos[i]);
+    s[i] = to_float<T>(sin[i]);
+  }
+  for (int64_t h = 0; h < heads; ++h) {
+    T* row = x + h * stride;
+    for (int64_t i = 0; i < half; ++i) {
+      const float x1 = to_float<T>(row[i]), x2 = to_float<T>(row[i + half]);
+      row[i] = from_float<T>(std::fma(x1, c[i], -x2 * s[i]));
+      row[i + half] = from_float<T>(std::fma(x2, c[i], x1 * s[i]));
+    }
+  }
+}
+
 }  // namespace ember_kernels

@@ -90,20 +90,9 @@ void rotary_(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
     using T_ = decltype(tag);
     at::parallel_for(0, T, 8, [&](int64_t begin, int64_t end) {
       std::vector<float> c(half), s(half);
-      for (int64_t t = begin; t < end; ++t) {
-        for (int64_t i = 0; i < half; ++i) {
-          c[i] = to_float<T_>(cos.data_ptr<T_>()[t * row_stride + i]);
-          s[i] = to_float<T_>(sin.data_ptr<T_>()[t * row_stride + i]);
-        }
-        for (int64_t h = 0; h < H; ++h) {
-          T_* row = x.data_ptr<T_>() + t * x.stride(0) + h * D;
-          for (int64_t i = 0; i < half; ++i) {
-            const float x1 = to_float<T_>(row[i]), x2 = to_float<T_>(row[i + half]);
-            row[i] = from_float<T_>(std::fma(x1, c[i], -x2 * s[i]));
-            row[i + half] = from_float<T_>(std::fma(x2, c[i], x1 * s[i]));
-          }
-        }
-      }
+      for (int64_t t = begin; t < end; ++t)
+        rotate_heads<T_>(x.data_ptr<T_>() + t * x.stride(0), H, D, half, cos.data_ptr<T_>() + t * row_stride,
+                         sin.data_ptr<T_>() + t * row_stride, c.data(), s.data());
     });
   });
 }
