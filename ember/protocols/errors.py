@@ -45,6 +45,14 @@ class Unauthorized(EmberError):
         super().__init__(message, code="invalid_api_key")
 
 
+class Forbidden(EmberError):
+    status = 403
+    type = "permission_error"
+
+    def __init__(self, message: str, code: str) -> None:
+        super().__init__(message, code=code)
+
+
 class RequestTooLarge(EmberError):
     status = 413
     type = "invalid_request_error"

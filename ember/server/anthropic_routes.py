@@ -14,7 +14,8 @@ from fastapi.responses import Response
 
 from ember.protocols.anthropic_errors import ANTHROPIC_ERRORS
 from ember.protocols.anthropic_messages import MESSAGES, parse_count_tokens
-from ember.server.pipeline import parse_json, serve_generation
+from ember.protocols.json_body import parse_body
+from ember.server.pipeline import serve_generation
 from ember.server.state import ServerState
 
 ANTHROPIC_PATHS = {"/v1/messages": ANTHROPIC_ERRORS}
@@ -97,7 +98,7 @@ def add_anthropic_routes(app: FastAPI, state: ServerState) -> None:
               **_docs("CountTokensRequest", {200: "{\"input_tokens\": N}", **_REFUSALS}))
     async def count_tokens(request: Request) -> dict:
         state.require_ready()
-        job = parse_count_tokens(parse_json(await request.body()), state.model)
+        job = parse_count_tokens(parse_body(await request.body()), state.model)
         prompt_token_ids = await state.encode(job.prompt)
         request.scope["ember.record"].prompt_tokens = len(prompt_token_ids)
         return {"input_tokens": len(prompt_token_ids)}

@@ -20,6 +20,7 @@ from ember.server.config import ServerConfig
 from ember.server.metrics import Metrics
 from ember.server.middleware import GuardMiddleware, RequestContextMiddleware, error_response
 from ember.server.observability import Observability
+from ember.server.origin_guard import OriginGuardMiddleware
 from ember.server.openapi import build_document, generation_route_docs
 from ember.server.pipeline import serve_generation
 from ember.server.request_log import RequestLog
@@ -67,6 +68,8 @@ def create_app(config: ServerConfig, loader: Callable[[ServerConfig], LoadedMode
     if config.cors_origins:
         app.add_middleware(CORSMiddleware, allow_origins=config.cors_origins, allow_methods=["GET", "POST", "OPTIONS"],
                            allow_headers=["*"], expose_headers=["x-request-id", "request-id"], max_age=600)
+    app.add_middleware(OriginGuardMiddleware, listen_host=config.host, allowed_hosts=config.allowed_hosts,
+                       cors_origins=config.cors_origins)
     app.add_middleware(RequestContextMiddleware, state=state, observer=observability, error_shapes=ANTHROPIC_PATHS)
     return app
 

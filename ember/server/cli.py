@@ -45,6 +45,10 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     net.add_argument("--cors-origins", action="append", default=[], metavar="ORIGIN[,ORIGIN...]",
                      help="browser origins allowed to call the API, comma-separated or repeated (e.g. "
                           "http://localhost:3000; '*' allows any). Default: none, no CORS headers")
+    net.add_argument("--allowed-hosts", action="append", default=[], metavar="NAME[,NAME...]",
+                     help="host names clients may use for this server besides its address and localhost, "
+                          "comma-separated or repeated ('.example.com' includes subdomains; '*' allows any). "
+                          "Requests naming another host get 403, which stops DNS rebinding")
     net.add_argument("--max-request-mb", type=float, default=16.0,
                      help="largest request body in MiB; larger ones get 413 (default 16)")
     model = p.add_argument_group("model")
@@ -156,8 +160,8 @@ def build_config(args: argparse.Namespace, environ=os.environ) -> ServerConfig:
         model=args.model, cache_dir=environ.get("EMBER_CACHE_DIR") or None, host=args.host, port=args.port,
         served_model_names=_split(args.served_model_name), api_key=api_key, max_pending=args.max_pending,
         pending_timeout=args.pending_timeout, max_request_bytes=max(1, int(args.max_request_mb * (1 << 20))),
-        cors_origins=origins, default_max_tokens=args.default_max_tokens, chat_template=chat_template,
-        sse_keepalive=args.sse_keepalive, request_log=args.request_log, reasoning_parser=args.reasoning_parser,
+        cors_origins=origins, allowed_hosts=_split(args.allowed_hosts), default_max_tokens=args.default_max_tokens,
+        chat_template=chat_template, sse_keepalive=args.sse_keepalive, request_log=args.request_log, reasoning_parser=args.reasoning_parser,
         tool_call_parser=args.tool_call_parser, default_thinking_budget=args.default_thinking_budget,
         log_stats_interval=args.log_stats_interval, response_store_max_records=args.response_store_max_records,
         response_store_max_mb=args.response_store_max_mb, engine=engine)

@@ -20,6 +20,7 @@ class ServerConfig:
     pending_timeout: float = 120.0  # seconds a request may wait for a slot; 0: no limit
     max_request_bytes: int = 16 << 20
     cors_origins: list[str] = field(default_factory=list)
+    allowed_hosts: list[str] = field(default_factory=list)  # host names requests may use besides the address
     default_max_tokens: int | None = None
     chat_template: str | None = None  # template text replacing the model's own
     reasoning_parser: str = "auto"  # auto | none | think

@@ -10,16 +10,16 @@ request is admitted, so every refusal is a plain HTTP status; after that, failur
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 from typing import Any, AsyncIterator, Callable
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from ember.errors import EmberError, InvalidRequest
-from ember.protocols.errors import GenerationFailed
+from ember.errors import EmberError
 from ember.protocols.chat_reply import ReplyPlan
+from ember.protocols.errors import GenerationFailed
+from ember.protocols.json_body import parse_body
 from ember.protocols.neutral import Dialect, ResponseMeta, RunResult, choice_seeds, resolve_sampling
 from ember.protocols.sse import ServerEvent, encode, with_keep_alive
 from ember.server.middleware import ClientGone
@@ -104,7 +104,7 @@ async def serve_generation(request: Request, dialect: Dialect) -> Response:
     record: RequestRecord = request.scope["ember.record"]
     record.route, record.errors = dialect.name, dialect.errors
     state.require_ready()
-    job = dialect.parse(parse_json(await request.body()), state.model)
+    job = dialect.parse(parse_body(await request.body()), state.model)
     prompt_token_ids = await state.encode(job.prompt)
     plan = state.reply_plan(job, prompt_token_ids)
     constraints = await state.grammar_constraints(job, plan)
@@ -135,15 +135,6 @@ async def serve_generation(request: Request, dialect: Dialect) -> Response:
     finally:
         if ticket is not None:
             ticket.release()
-
-
-def parse_json(body: bytes) -> Any:
-    if not body.strip():
-        raise InvalidRequest("The request body is empty; send a JSON object.", code="invalid_json")
-    try:
-        return json.loads(body)
-    except (ValueError, RecursionError) as exc:
-        raise InvalidRequest(f"The request body is not valid JSON: {exc}", code="invalid_json") from None
 
 
 async def collect_unless_gone(request: Request, run: ChoiceRun, result: RunResult, state: ServerState) -> None:

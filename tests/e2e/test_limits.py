@@ -24,7 +24,7 @@ def tight():
         "--api-key", KEY, "--cors-origins", ALLOWED, "--max-num-seqs", "1", "--max-pending", "1",
         "--pending-timeout", "1", "--max-request-mb", "0.01", "--max-model-len", "1024",
         "--max-num-batched-tokens", "32", "--sse-keepalive", "0.05",
-        "--served-model-name", "tight-model,tight-alias").start()
+        "--served-model-name", "tight-model,tight-alias", "--allowed-hosts", "ember.internal,.lan.example").start()
     yield process
     process.stop()
 
@@ -71,17 +71,42 @@ def test_cors_only_for_listed_origins(tight, session):
     reply = httpx.options(tight.url + "/v1/chat/completions", headers=preflight)  # no key: preflight is open
     assert reply.status_code == 200 and reply.headers["access-control-allow-origin"] == ALLOWED
     reply = httpx.options(tight.url + "/v1/chat/completions", headers={**preflight, "Origin": "http://evil.example"})
-    assert reply.headers.get("access-control-allow-origin") != "http://evil.example"
+    assert reply.status_code == 403 and reply.json()["error"]["code"] == "origin_not_allowed"
+    assert "access-control-allow-origin" not in reply.headers
     reply = session.get("/v1/models", headers={"Origin": ALLOWED})
     assert reply.headers["access-control-allow-origin"] == ALLOWED
     assert "x-request-id" in reply.headers["access-control-expose-headers"].lower()
     reply = session.get("/v1/models", headers={"Origin": "http://evil.example"})
-    assert "access-control-allow-origin" not in reply.headers
+    assert reply.status_code == 403 and "access-control-allow-origin" not in reply.headers
 
 
-def test_no_cors_headers_by_default(http):
-    reply = http.get("/v1/models", headers={"Origin": ALLOWED})
-    assert "access-control-allow-origin" not in reply.headers
+def test_a_page_of_another_origin_is_refused_before_any_work(http):
+    reply = http.post("/v1/chat/completions", json={"messages": HI, "max_tokens": 2},
+                      headers={"Origin": "http://evil.example"})
+    assert reply.status_code == 403 and reply.json()["error"]["type"] == "permission_error"
+    assert "x-request-id" in reply.headers and "access-control-allow-origin" not in reply.headers
+    assert http.get("/v1/models", headers={"Origin": ALLOWED}).status_code == 403  # no --cors-origins: none
+    assert http.get("/v1/models", headers={"Origin": "null"}).status_code == 403  # a file:// page or a sandbox
+    same_origin = http.base_url.scheme + "://" + http.base_url.netloc.decode()
+    assert http.get("/v1/models", headers={"Origin": same_origin}).status_code == 200  # ember's own page
+    reply = http.post("/v1/messages", json={"model": "m", "max_tokens": 2, "messages": HI},
+                      headers={"Origin": "http://evil.example"})
+    assert reply.status_code == 403 and reply.json()["error"]["type"] == "permission_error"  # Anthropic's shape
+    assert reply.json()["type"] == "error" and reply.headers["request-id"]
+
+
+def test_a_foreign_host_name_is_refused_and_loopback_names_pass(tight):
+    def status(host: str) -> int:
+        return httpx.get(tight.url + "/v1/models", headers={**AUTH, "Host": host}).status_code
+
+    port = tight.url.rsplit(":", 1)[1]
+    assert status(f"rebind.attacker.example:{port}") == 403  # DNS rebinding names the attacker's host
+    assert status("127.0.0.1.attacker.example") == 403 and status("localhost.evil") == 403
+    for host in (f"localhost:{port}", f"127.0.0.1:{port}", "127.0.0.1", f"[::1]:{port}", "ember.internal",
+                 f"node.lan.example:{port}"):
+        assert status(host) == 200, host
+    reply = httpx.get(tight.url + "/v1/models", headers={**AUTH, "Host": "evil.example"})
+    assert reply.json()["error"]["code"] == "host_not_allowed" and "--allowed-hosts" in reply.json()["error"]["message"]
 
 
 def test_body_over_the_limit_is_413(session):
@@ -167,3 +192,23 @@ def _wait_for(condition, timeout: float = 60) -> None:
             return
         time.sleep(0.05)
     raise AssertionError("condition not reached")
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/responses", "/v1/messages"])
+def test_hostile_bodies_get_400_and_the_server_stays_up(http, path):
+    bodies = {
+        b"[" * 10_000 + b"]" * 10_000: None,
+        b'{"messages": [{"role": "user", "content": "a\\u0000b"}], "max_tokens": 2}': "messages[0].content",
+        b'{"messages": [{"role": "user", "content": "\\udc00"}], "max_tokens": 2}': "messages[0].content",
+        b'{"messages": [{"role": "user", "content": "hi"}], "temperature": 1e999}': "temperature",
+        b'{"messages": [{"role": "user", "content": "\xc3\x28"}]}': None,
+    }
+    for body, param in bodies.items():
+        reply = http.post(path, content=body, headers={"Content-Type": "application/json"})
+        assert reply.status_code == 400, (path, body[:40], reply.text[:200])
+        error = reply.json()["error"]
+        if path == "/v1/messages":  # Anthropic's errors have no param: the message names the place
+            assert param is None or param in error["message"]
+        else:
+            assert error["param"] == param
+    assert http.get("/health").status_code == 200
