@@ -127,6 +127,9 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                             "recently used go first (default 1024)")
     other.add_argument("--response-store-max-mb", type=float, default=256.0, metavar="MIB",
                        help="MiB the stored Responses may take, conversations included (default 256)")
+    other.add_argument("--reasoning-key-file", default=None, metavar="FILE",
+                       help="the key that seals Responses' encrypted reasoning, as 64 hexadecimal digits "
+                            "(openssl rand -hex 32); sealed items then survive restarts (default: a key per process)")
     other.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                        help="stderr verbosity; info logs one line per request (default info)")
     return p
@@ -156,6 +159,9 @@ def build_config(args: argparse.Namespace, environ=os.environ) -> ServerConfig:
                           attention_cost_tokens=args.attention_cost_tokens)
     if args.max_request_mb <= 0:
         raise ValueError("--max-request-mb must be positive")
+    if args.reasoning_key_file:
+        from ember.protocols.reasoning_seal import ReasoningSeal
+        ReasoningSeal.from_key_file(args.reasoning_key_file)  # refused at start, with the reason
     return ServerConfig(
         model=args.model, cache_dir=environ.get("EMBER_CACHE_DIR") or None, host=args.host, port=args.port,
         served_model_names=_split(args.served_model_name), api_key=api_key, max_pending=args.max_pending,
@@ -164,7 +170,7 @@ def build_config(args: argparse.Namespace, environ=os.environ) -> ServerConfig:
         chat_template=chat_template, sse_keepalive=args.sse_keepalive, request_log=args.request_log, reasoning_parser=args.reasoning_parser,
         tool_call_parser=args.tool_call_parser, default_thinking_budget=args.default_thinking_budget,
         log_stats_interval=args.log_stats_interval, response_store_max_records=args.response_store_max_records,
-        response_store_max_mb=args.response_store_max_mb, engine=engine)
+        response_store_max_mb=args.response_store_max_mb, reasoning_key_file=args.reasoning_key_file, engine=engine)
 
 
 def _json_object(text: str) -> dict:

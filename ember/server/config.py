@@ -31,6 +31,7 @@ class ServerConfig:
     log_stats_interval: float = 10.0  # seconds between throughput lines on stderr; 0: none
     response_store_max_records: int = 1024  # stored Responses kept (least recently used go first)
     response_store_max_mb: float = 256.0  # MiB the stored Responses may take
+    reasoning_key_file: str | None = None  # the key of encrypted reasoning (64 hex digits); None: one per process
     engine: EngineConfig = field(default_factory=EngineConfig)
 
     def __post_init__(self) -> None:

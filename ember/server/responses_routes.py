@@ -49,7 +49,8 @@ def make_context(store: ResponseStore, seal: ReasoningSeal | None = None) -> Res
 def add_responses_routes(app: FastAPI, state: ServerState) -> None:
     config = state.config
     store = ResponseStore(config.response_store_max_records, int(config.response_store_max_mb * (1 << 20)))
-    dialect = responses_dialect(make_context(store))
+    seal = ReasoningSeal.from_key_file(config.reasoning_key_file) if config.reasoning_key_file else None
+    dialect = responses_dialect(make_context(store, seal))
     app.state.responses = store
 
     @app.post("/v1/responses", summary="Create a response (OpenAI Responses)",

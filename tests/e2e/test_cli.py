@@ -65,7 +65,8 @@ def test_rope_scaling_that_is_not_a_json_object_is_a_usage_error(capsys):
 
 @pytest.mark.parametrize("argv", [["--host", "192.168.1.5"], ["--chat-template", "/no/such/file"],
                                   ["--max-request-mb", "0"], ["--log-stats-interval", "-1"],
-                                  ["--rope-scaling", '{"rope_type": "yarn", "factor": 0.5}']])
+                                  ["--rope-scaling", '{"rope_type": "yarn", "factor": 0.5}'],
+                                  ["--reasoning-key-file", "/no/such/file"]])
 def test_bad_settings_are_refused_with_a_message(argv):
     with pytest.raises(ValueError):
         build_config(parse(*argv), environ={})

@@ -212,7 +212,8 @@ def test_encrypted_reasoning_is_read_back_and_cannot_be_forged():
     # The sealed text wins over a content the client changed.
     items[1] = {**items[1], "content": [{"type": "reasoning_text", "text": "Something else."}]}
     assert parse(ctx, input=items).prompt.messages[1]["reasoning_content"] == "I should look it up."
-    for forged in (sealed[:-2] + "xx", "ember1.AAAA", ReasoningSeal(b"z" * 32).seal("mine"), "plain"):
+    for forged in (sealed[:-2] + "xx", "ember2.AAAA", ReasoningSeal(b"z" * 32).seal("mine"), "plain",
+                   "ember1." + sealed[len("ember2."):]):
         items[1] = {"type": "reasoning", "summary": [], "encrypted_content": forged}
         error = refused(ctx, input=items)
         assert error.param == "input[1].encrypted_content" and error.code == "invalid_encrypted_content"
@@ -222,8 +223,22 @@ def test_seal_round_trips_any_text():
     seal = ReasoningSeal()
     for text in ("", "é" * 100, "x" * 10000):
         assert seal.open(seal.seal(text)) == text
+    assert seal.seal("same") != seal.seal("same")  # a fresh nonce per item
     with pytest.raises(SealError):
         ReasoningSeal().open(seal.seal("another process"))
+
+
+def test_a_key_file_lets_another_process_open_the_seal(tmp_path):
+    key_file = tmp_path / "reasoning.key"
+    key_file.write_text(bytes(range(32)).hex() + "\n")
+    token = ReasoningSeal.from_key_file(str(key_file)).seal("kept across restarts")
+    assert ReasoningSeal.from_key_file(str(key_file)).open(token) == "kept across restarts"
+    for text, words in (("abc", "64 hexadecimal"), ("zz" * 32, "hexadecimal"), ("00" * 16, "64 hexadecimal")):
+        key_file.write_text(text)
+        with pytest.raises(ValueError, match=words):
+            ReasoningSeal.from_key_file(str(key_file))
+    with pytest.raises(ValueError, match="cannot read"):
+        ReasoningSeal.from_key_file(str(tmp_path / "missing"))
 
 
 def test_previous_response_id_rebuilds_the_stored_chain_without_its_instructions():
