@@ -75,9 +75,14 @@ class ServerOverloaded(EmberError):
     status = 429
     type = "rate_limit_error"
 
-    def __init__(self, num_waiting: int, retry_after: int) -> None:
-        super().__init__(f"The server is busy: {num_waiting} requests are already waiting for a slot "
-                         f"(--max-pending). Retry in a few seconds.", code="server_overloaded")
+    def __init__(self, num_waiting: int, retry_after: int, tenant: str | None = None) -> None:
+        if tenant is None:
+            message = (f"The server is busy: {num_waiting} requests are already waiting for a slot "
+                       f"(--max-pending). Retry in a few seconds.")
+        else:
+            message = (f"Your tenant '{tenant}' already has {num_waiting} requests waiting for a slot, its share "
+                       f"(--max-pending-per-tenant). Retry in a few seconds.")
+        super().__init__(message, code="server_overloaded" if tenant is None else "tenant_overloaded")
         self.retry_after = retry_after
 
 

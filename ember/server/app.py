@@ -64,7 +64,7 @@ def create_app(config: ServerConfig, loader: Callable[[ServerConfig], LoadedMode
     add_responses_routes(app, state)
     add_anthropic_routes(app, state)
     _add_error_handlers(app)
-    app.add_middleware(GuardMiddleware, api_key=config.api_key, max_body_bytes=config.max_request_bytes)
+    app.add_middleware(GuardMiddleware, keys=state.keys, max_body_bytes=config.max_request_bytes)
     if config.cors_origins:
         app.add_middleware(CORSMiddleware, allow_origins=config.cors_origins, allow_methods=["GET", "POST", "OPTIONS"],
                            allow_headers=["*"], expose_headers=["x-request-id", "request-id"], max_age=600)

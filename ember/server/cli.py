@@ -11,6 +11,7 @@ import argparse
 import json
 import logging
 import os
+import signal
 import socket
 import sys
 import time
@@ -18,6 +19,7 @@ import time
 from ember.config import EngineConfig
 from ember.parsers import REASONING_PARSERS, TOOL_PARSERS
 from ember.server.config import ServerConfig, is_loopback
+from ember.server.keys import read_key_file
 from ember.server.request_log import REDACTED
 
 _ALLOW_OPEN_FLAG = "--allow-no-api-key"
@@ -40,6 +42,9 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     net.add_argument("--api-key", default=None,
                      help="require this key as 'Authorization: Bearer KEY' or 'x-api-key: KEY' on every route "
                           "but /health (default: $EMBER_API_KEY, else no key)")
+    net.add_argument("--api-key-file", default=None, metavar="FILE",
+                     help="accept the keys in FILE, one a line, optionally 'TENANT: KEY' (a tenant's keys share "
+                          "its queue share); read again on SIGHUP")
     net.add_argument(_ALLOW_OPEN_FLAG, action="store_true",
                      help="allow listening on a non-loopback address without an API key")
     net.add_argument("--cors-origins", action="append", default=[], metavar="ORIGIN[,ORIGIN...]",
@@ -96,6 +101,9 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                              "each step (default 512 on the CPU, 2048 on GPUs)")
     engine.add_argument("--max-pending", type=int, default=128,
                         help="most requests waiting for a slot; one more gets 429 with Retry-After (default 128)")
+    engine.add_argument("--max-pending-per-tenant", type=int, default=0, metavar="N",
+                        help="with --api-key-file: most waiting requests of one tenant, within --max-pending; "
+                             "a freed slot goes to the tenant running the fewest (default 0: no share)")
     engine.add_argument("--pending-timeout", type=float, default=120.0,
                         help="seconds a request may wait for a slot before it gets 503 (default 120; 0: no limit)")
     engine.add_argument("--attention-cost-tokens", type=int, default=None, metavar="N",
@@ -138,10 +146,14 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
 def build_config(args: argparse.Namespace, environ=os.environ) -> ServerConfig:
     """Settings from the flags; raises ValueError with a message for the user."""
     api_key = args.api_key or environ.get("EMBER_API_KEY") or None
-    if not is_loopback(args.host) and not api_key and not args.allow_no_api_key:
+    if not is_loopback(args.host) and not api_key and not args.api_key_file and not args.allow_no_api_key:
         raise ValueError(f"refusing to listen on {args.host} without an API key: anyone who can reach it could "
-                         f"use the model. Set --api-key (or EMBER_API_KEY), or pass {_ALLOW_OPEN_FLAG} to serve "
-                         f"openly on purpose")
+                         f"use the model. Set --api-key (or EMBER_API_KEY) or --api-key-file, or pass "
+                         f"{_ALLOW_OPEN_FLAG} to serve openly on purpose")
+    if args.api_key_file:
+        read_key_file(args.api_key_file)  # refused at start, naming the file and line
+    if args.max_pending_per_tenant < 0:
+        raise ValueError("--max-pending-per-tenant must be 0 (no share) or more")
     chat_template = None
     if args.chat_template:
         try:
@@ -164,7 +176,8 @@ def build_config(args: argparse.Namespace, environ=os.environ) -> ServerConfig:
         ReasoningSeal.from_key_file(args.reasoning_key_file)  # refused at start, with the reason
     return ServerConfig(
         model=args.model, cache_dir=environ.get("EMBER_CACHE_DIR") or None, host=args.host, port=args.port,
-        served_model_names=_split(args.served_model_name), api_key=api_key, max_pending=args.max_pending,
+        served_model_names=_split(args.served_model_name), api_key=api_key, api_key_file=args.api_key_file,
+        max_pending_per_tenant=args.max_pending_per_tenant, max_pending=args.max_pending,
         pending_timeout=args.pending_timeout, max_request_bytes=max(1, int(args.max_request_mb * (1 << 20))),
         cors_origins=origins, allowed_hosts=_split(args.allowed_hosts), default_max_tokens=args.default_max_tokens,
         chat_template=chat_template, sse_keepalive=args.sse_keepalive, request_log=args.request_log, reasoning_parser=args.reasoning_parser,
@@ -212,6 +225,8 @@ def run_serve(args: argparse.Namespace) -> int:
     url = f"http://{'[' + host + ']' if ':' in host else host}:{port}"
     app = create_app(config, request_log=request_log, argv=redact_argv(sys.argv, config.api_key))
     state = app.state.ember
+    if config.api_key_file and hasattr(signal, "SIGHUP"):
+        signal.signal(signal.SIGHUP, lambda *_: _reload_keys(state.keys))
     began = time.monotonic()
     state.ready_hooks.append(lambda loaded: print(
         f"ember: model {loaded.name} loaded in {time.monotonic() - began:.1f} s; serving it as "
@@ -227,6 +242,15 @@ def run_serve(args: argparse.Namespace) -> int:
     if state.status == "loading":  # stopped mid-load: do not wait for (or trip over) the loading thread
         os._exit(0)
     return 0
+
+
+def _reload_keys(keys) -> None:
+    try:
+        count = keys.reload()
+    except ValueError as exc:
+        print(f"ember: SIGHUP: the API keys are unchanged: {exc}", file=sys.stderr, flush=True)
+        return
+    print(f"ember: SIGHUP: {count} API keys in force from {keys.key_file}", file=sys.stderr, flush=True)
 
 
 def _open_request_log(path: str | None):

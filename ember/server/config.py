@@ -16,6 +16,8 @@ class ServerConfig:
     port: int = 8000
     served_model_names: list[str] = field(default_factory=list)  # first: the public id; others: aliases
     api_key: str | None = None
+    api_key_file: str | None = None  # keys, one a line, optionally "tenant: key" (server.keys)
+    max_pending_per_tenant: int = 0  # one tenant's share of the waiting requests; 0: no share
     max_pending: int = 128  # requests allowed to wait for a slot
     pending_timeout: float = 120.0  # seconds a request may wait for a slot; 0: no limit
     max_request_bytes: int = 16 << 20

@@ -2,8 +2,9 @@
 
 Request metrics are observed when each HTTP request ends. Engine gauges and counters come from
 one statistics snapshot per scrape, through a custom collector, so the engine's growing totals
-are exposed as true counters. No label carries a user, a key, a prompt or a request id: labels
-are the route (the dialect), the HTTP status and the finish reason only.
+are exposed as true counters. No label carries a key, a prompt or a request id: labels are the
+route (the dialect), the HTTP status, the finish reason and, with API keys, the tenant (a name
+from the key file, so a bounded set).
 """
 
 from __future__ import annotations
@@ -83,6 +84,8 @@ class Metrics:
         self.info = Info("ember:model", "The served model and the engine's settings", registry=r)
         self.http_requests = Counter("ember:http_requests", "HTTP requests answered", ["route", "status"],
                                      registry=r)
+        self.tenant_requests = Counter("ember:tenant_requests", "HTTP requests answered, by the tenant of their key",
+                                       ["tenant", "route", "status"], registry=r)
         self.finished = Counter("ember:requests_finished", "Generation requests that ran and ended",
                                 ["route", "finished_reason"], registry=r)
         self.ttft = Histogram("ember:time_to_first_token_seconds", "From arrival to the first generated token",
@@ -102,6 +105,8 @@ class Metrics:
     def observe(self, record: RequestRecord) -> None:
         route = record.route or route_label(record.path)
         self.http_requests.labels(route, str(record.status or 0)).inc()
+        if record.tenant is not None:
+            self.tenant_requests.labels(record.tenant, route, str(record.status or 0)).inc()
         if record.admitted is None:  # not a generation request, or refused before it ran
             return
         self.finished.labels(route, finish_label(record)).inc()

@@ -9,7 +9,6 @@
 
 from __future__ import annotations
 
-import hmac
 import logging
 from typing import Any, Callable
 
@@ -20,6 +19,7 @@ from ember.errors import EmberError
 from ember.protocols.errors import (
     OPENAI_ERRORS, ErrorShape, GenerationFailed, RequestTooLarge, Unauthorized, UnsupportedMediaType, error_headers,
 )
+from ember.server.keys import KeyRing
 from ember.server.request_events import log_request
 from ember.server.request_record import RequestRecord
 
@@ -96,9 +96,9 @@ class RequestContextMiddleware:
 
 
 class GuardMiddleware:
-    def __init__(self, app, api_key: str | None, max_body_bytes: int) -> None:
+    def __init__(self, app, keys: KeyRing, max_body_bytes: int) -> None:
         self.app = app
-        self.api_key = api_key.encode() if api_key else None
+        self.keys = keys
         self.max_body_bytes = max_body_bytes
 
     async def __call__(self, scope, receive, send) -> None:
@@ -108,8 +108,10 @@ class GuardMiddleware:
         record = scope.get("ember.record")
         headers = Headers(scope=scope)
         try:
-            if self.api_key is not None and scope["path"] not in OPEN_PATHS:
-                self._check_key(headers)
+            if self.keys.required and scope["path"] not in OPEN_PATHS:
+                tenant = self._check_key(headers)
+                if record is not None:
+                    record.tenant = tenant
             if scope["method"] == "POST":
                 body = await self._read_body(headers, receive)
                 receive = _replay(body, receive)
@@ -122,7 +124,8 @@ class GuardMiddleware:
             return
         await self.app(scope, receive, send)
 
-    def _check_key(self, headers: Headers) -> None:
+    def _check_key(self, headers: Headers) -> str:
+        """The tenant of the key the request offers; Unauthorized if it offers none that is accepted."""
         offered = []
         authorization = headers.get("authorization", "")
         scheme, _, token = authorization.partition(" ")
@@ -132,10 +135,10 @@ class GuardMiddleware:
             offered.append(headers["x-api-key"].strip())
         if not offered:
             raise Unauthorized("This server needs an API key: send 'Authorization: Bearer KEY' or 'x-api-key: KEY'.")
-        # Every offered key is compared, in constant time, whatever the outcome of the others.
-        matches = [hmac.compare_digest(key.encode(), self.api_key) for key in offered]
-        if not any(matches):
+        tenant = self.keys.tenant_of(offered)
+        if tenant is None:
             raise Unauthorized("The API key is not valid for this server.")
+        return tenant
 
     async def _read_body(self, headers: Headers, receive: Callable) -> bytes:
         content_type = headers.get("content-type")

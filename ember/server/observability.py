@@ -31,9 +31,14 @@ class Observability:
         self.argv = list(argv or [])
         self.recent: deque[dict[str, Any]] = deque(maxlen=RECENT_REQUESTS)
         self.requests_finished = 0  # generation requests that ran and ended, whatever the outcome
-        if request_log is not None and state.config.api_key:
-            request_log.hide(state.config.api_key)
+        if request_log is not None:
+            self._hide(state.keys.texts())
+            state.keys.listeners.append(self._hide)
         state.ready_hooks.append(self.server_ready)
+
+    def _hide(self, keys: list[str]) -> None:
+        for key in keys:
+            self.request_log.hide(key)
 
     # ---- server -------------------------------------------------------------------------------
 
@@ -46,7 +51,7 @@ class Observability:
             self.request_log.write(
                 "server_start", ember_version=ember.__version__, model=identity, engine=engine,
                 memory=memory_budget(loaded), batch_invariance=loaded.batch_invariance, server={
-                    "host": config.host, "port": config.port, "api_key_required": bool(config.api_key),
+                    "host": config.host, "port": config.port, "api_key_required": self.state.keys.required,
                     "max_pending": config.max_pending, "pending_timeout_seconds": config.pending_timeout,
                     "max_request_bytes": config.max_request_bytes, "default_max_tokens": config.default_max_tokens,
                     "log_stats_interval_seconds": config.log_stats_interval},

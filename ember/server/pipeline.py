@@ -22,6 +22,7 @@ from ember.protocols.errors import GenerationFailed
 from ember.protocols.json_body import parse_body
 from ember.protocols.neutral import Dialect, ResponseMeta, RunResult, choice_seeds, resolve_sampling
 from ember.protocols.sse import ServerEvent, encode, with_keep_alive
+from ember.server.keys import DEFAULT_TENANT
 from ember.server.middleware import ClientGone
 from ember.server.request_record import RequestRecord
 from ember.server.state import ServerState
@@ -110,7 +111,7 @@ async def serve_generation(request: Request, dialect: Dialect) -> Response:
     constraints = await state.grammar_constraints(job, plan)
     record.prompt_tokens = len(prompt_token_ids)
     params, fit = resolve_sampling(job, len(prompt_token_ids), state.model)
-    ticket = await state.admission.acquire(job.n)
+    ticket = await state.admission.acquire(job.n, record.tenant or DEFAULT_TENANT)
     try:
         request.app.state.observability.request_started(record, job, params)
         result = RunResult(job.n, prompt_token_ids, record.received, plan, fit)

@@ -61,6 +61,7 @@ def start_event(record: RequestRecord) -> dict[str, Any]:
     return {
         "request_id": record.request_id,
         "protocol": record.route,
+        "tenant": record.tenant,
         "prompt_tokens": record.prompt_tokens,
         "admission_wait_seconds": _span(record.received, record.admitted),
         "sampling": sampling_summary(params),
@@ -83,6 +84,7 @@ def telemetry(record: RequestRecord) -> dict[str, Any]:
     entry: dict[str, Any] = {
         "request_id": record.request_id,
         "protocol": record.route,
+        "tenant": record.tenant,
         "status": record.status,
         "received_unix": record.received,
         "prompt_tokens": record.prompt_tokens,

@@ -36,6 +36,7 @@ class RequestRecord:
     admitted: float | None = None  # time.time() when it was admitted to run; request_start was logged then
     result: RunResult | None = None
     client_gone: bool = False
+    tenant: str | None = None  # the owner of its API key, when the server takes keys
 
     @classmethod
     def from_scope(cls, scope) -> "RequestRecord":

@@ -21,6 +21,7 @@ from ember.grammar.compiler import load_grammars
 from ember.grammar.plan import build_constraints
 from ember.server.admission import Admission
 from ember.server.config import ServerConfig
+from ember.server.keys import KeyRing
 
 logger = logging.getLogger("ember.server")
 
@@ -95,7 +96,9 @@ class ServerState:
         self.model: ModelInfo | None = None
         self.fingerprint = ""
         self.started = int(time.time())
-        self.admission = Admission(config.max_running, config.max_pending, config.pending_timeout)
+        self.admission = Admission(config.max_running, config.max_pending, config.pending_timeout,
+                                   config.max_pending_per_tenant)
+        self.keys = KeyRing(config.api_key, config.api_key_file)
         self.runs: set = set()  # live ChoiceRuns, stopped when the server stops
         self.ready_hooks: list[Callable[[LoadedModel], None]] = []  # observers of the model becoming ready
         self._prompt_pool = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="ember-prompt")
