@@ -31,10 +31,15 @@ class ModelName:
 def parse_model_name(model: str | None, revision: str | None = None) -> ModelName:
     """Read a model argument. An existing path always wins over a repo id of the same spelling.
     `revision` (--revision) applies to a repo id; it must agree with an `@revision` in the name."""
+    name = _parse(model, revision)
+    if revision and name.kind != "hub":
+        raise ModelLoadError(f"--revision applies to a Hugging Face repo id, and {model or 'the default model'!r} "
+                             f"is not one", param="revision", code="invalid_model")
+    return name
+
+
+def _parse(model: str | None, revision: str | None) -> ModelName:
     if model is None:
-        if revision:
-            raise ModelLoadError("--revision applies to a Hugging Face repo id; no model was named",
-                                 param="revision", code="invalid_model")
         return ModelName("default", "")
     if model.startswith(OLLAMA_PREFIX):
         return _ollama_name(model)

@@ -15,6 +15,7 @@ import pytest
 from conftest import ServerProcess, serve_command
 from ember import LLM, SamplingParams
 from ember.loaders.default_model import default_model_path
+from ember.loaders.resolve import resolve_model
 from ember.store_cli import human_size
 from local_hub import LocalHub
 from model_stores import folder_files, tiny_hf_folder, write_hub_repo, write_ollama_model
@@ -122,6 +123,18 @@ def test_pull_after_an_interrupted_download_fetches_only_the_missing_files(tiny_
         assert hub.downloaded(REPO) == {"model.safetensors"}
     snapshot = cache / "models--ember-tests--tiny-llama" / "snapshots" / hub.commits[REPO]
     assert (snapshot / "model.safetensors").read_bytes() == files["model.safetensors"]
+
+
+def test_pull_of_a_sharded_repo_fetches_the_shards_its_index_names(tmp_path):
+    _, folder = tiny_hf_folder(tmp_path / "sharded", max_shard_size="100KB")
+    files = {name: path.read_bytes() for name, path in folder_files(folder).items()}
+    assert "model.safetensors.index.json" in files
+    cache = tmp_path / "hub"
+    with LocalHub({REPO: {**files, "consolidated.safetensors": b"a second copy of the weights"}}) as hub:
+        done = ember("pull", REPO, env=hub_env(cache, offline=False, endpoint=hub.url))
+        assert done.returncode == 0, done.stderr
+        assert hub.downloaded(REPO) == set(files)
+    assert resolve_model(REPO, hub_cache=cache, offline=True).path.is_dir()
 
 
 def test_pull_of_a_gguf_tag_fetches_that_file_and_an_unknown_tag_lists_the_others(tmp_path):

@@ -40,8 +40,10 @@ def test_revision_flag_and_at_revision_must_agree():
     with pytest.raises(ModelLoadError, match="names revision 'dev' but --revision says 'main'") as caught:
         parse_model_name("org/name@dev", "main")
     assert caught.value.param == "revision"
-    with pytest.raises(ModelLoadError, match="--revision applies to a Hugging Face repo id"):
-        parse_model_name(None, "dev")
+    for not_a_repo in (None, "ollama:smollm2", "/no/such/folder"):
+        with pytest.raises(ModelLoadError, match="--revision applies to a Hugging Face repo id") as caught:
+            parse_model_name(not_a_repo, "dev")
+        assert caught.value.param == "revision"
 
 
 def test_a_malformed_ollama_name_is_refused():
