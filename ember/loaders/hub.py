@@ -112,7 +112,7 @@ def cached_snapshot(repo_id: str, revision: str | None, cache: pathlib.Path) -> 
 
 def list_hub_models(cache: pathlib.Path) -> list[LocalModel]:
     """What the cache holds that ember loads: a snapshot with config.json and safetensors weights, and
-    each GGUF file (named by its quantization tag)."""
+    each GGUF file (org/name:TAG, or its path when its name carries no tag)."""
     from huggingface_hub import scan_cache_dir
     from huggingface_hub.errors import CacheNotFound
 
@@ -134,7 +134,8 @@ def list_hub_models(cache: pathlib.Path) -> list[LocalModel]:
                 found.append(LocalModel(base, weights, "safetensors", "huggingface", str(snapshot)))
             for path, size in sorted(gguf_files(sizes).items()):
                 tag = quant_tag(path)
-                found.append(LocalModel(f"{base}:{tag}" if tag else f"{base} ({path})", size, "gguf",
+                # a file without a tag in its name is served by its path
+                found.append(LocalModel(f"{base}:{tag}" if tag else str(snapshot / path), size, "gguf",
                                         "huggingface", str(snapshot / path)))
     return found
 

@@ -127,3 +127,10 @@ def test_the_ollama_store_lists_its_models_with_sizes(ollama_store):
     listed = list_ollama_models(store)
     assert [model.name for model in listed] == ["ollama:smollm2:135m", "ollama:smollm2:latest"]
     assert all(m.size_bytes == default_model_path().stat().st_size and m.path == str(blob) for m in listed)
+
+
+def test_a_cached_gguf_without_a_tag_is_listed_by_its_path(tmp_path):
+    snapshot = write_hub_repo(tmp_path, "ember-tests/plain", {"model.gguf": b"GGUF" + b"\0" * 12})
+    [listed] = list_hub_models(tmp_path)
+    assert listed.name == str(snapshot / "model.gguf") and listed.size_bytes == 16
+    assert resolve_model("ember-tests/plain", hub_cache=tmp_path, offline=True).path == snapshot / "model.gguf"
