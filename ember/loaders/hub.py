@@ -41,14 +41,14 @@ def hub_cache_dir(cache_dir: pathlib.Path | None = None) -> pathlib.Path:
 def resolve_hub_model(name: ModelName, *, cache_dir: pathlib.Path | None = None, offline: bool | None = None,
                       refresh: bool = False) -> pathlib.Path:
     """The local folder (safetensors) or .gguf file for a repo id, downloading what is missing.
-    `refresh` asks the hub for the revision's latest files even when the cache could serve."""
+    `refresh` asks the hub for the revision's latest files even when the cache could serve (unless offline)."""
     cache = hub_cache_dir(cache_dir)
     if offline is None:
         from huggingface_hub import constants
         offline = bool(constants.HF_HUB_OFFLINE)
     snapshot = cached_snapshot(name.repo_id, name.revision, cache)
     lacking = "it is not there"
-    if snapshot is not None and not refresh:
+    if snapshot is not None and (not refresh or offline):
         found, lacking = _from_snapshot(snapshot, name)
         if found is not None:
             logger.info("%s: using the cached copy %s", name.text, found)
