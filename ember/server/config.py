@@ -10,8 +10,10 @@ from ember.config import EngineConfig
 
 @dataclass(slots=True)
 class ServerConfig:
-    model: str | None = None  # a model folder or GGUF file; None: the default model
+    model: str | None = None  # a model folder, GGUF file, repo id or ollama: name; None: the default model
     cache_dir: str | None = None
+    revision: str | None = None  # of a Hugging Face repo id (--revision)
+    ollama_models: str | None = None  # Ollama's store ($OLLAMA_MODELS; None: ~/.ollama/models)
     host: str = "127.0.0.1"
     port: int = 8000
     served_model_names: list[str] = field(default_factory=list)  # first: the public id; others: aliases

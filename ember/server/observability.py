@@ -88,7 +88,7 @@ class Observability:
 def model_identity(state, loaded) -> dict[str, Any]:
     model = state.model
     return {"model": model.name, "aliases": list(model.aliases), "source": loaded.name,
-            "path": state.config.model, "dtype": loaded.dtype, "max_model_len": loaded.max_model_len,
+            "path": loaded.path or state.config.model, "dtype": loaded.dtype, "max_model_len": loaded.max_model_len,
             "vocab_size": loaded.vocab_size, "fingerprint": state.fingerprint}
 
 

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 import ember
+from ember.errors import EmberError
 from ember.protocols.errors import ModelLoading, ServerUnavailable
 from ember.parsers import resolve_reasoning, resolve_tool_format
 from ember.protocols.chat_reply import ChatFeatures, ReplyPlan, plan_reply
@@ -38,6 +39,7 @@ class LoadedModel:
     name: str
     max_model_len: int
     vocab_size: int
+    path: str = ""  # what was loaded: a folder or a GGUF file (a named model's, once resolved)
     kv_capacity_tokens: int | None = None
     sampling_defaults: dict[str, Any] = field(default_factory=dict)
     dtype: str = ""
@@ -52,7 +54,9 @@ def load_model(config: ServerConfig) -> LoadedModel:
     from ember.engine.engine import AsyncEngine
     from ember.loaders import load_model_source
 
-    source = load_model_source(config.model, Path(config.cache_dir) if config.cache_dir else None)
+    source = load_model_source(config.model, Path(config.cache_dir) if config.cache_dir else None,
+                               revision=config.revision,
+                               ollama_models=Path(config.ollama_models) if config.ollama_models else None)
     tokenizer = source.tokenizer
     if config.chat_template is not None:
         tokenizer.chat_template = config.chat_template
@@ -67,7 +71,7 @@ def load_model(config: ServerConfig) -> LoadedModel:
     defaults = {k: generation_config[k] for k in _SAMPLING_DEFAULTS
                 if isinstance(generation_config.get(k), (int, float)) and not isinstance(generation_config[k], bool)}
     return LoadedModel(
-        engine=AsyncEngine(core, tokenizer), tokenizer=tokenizer, name=source.name,
+        engine=AsyncEngine(core, tokenizer), tokenizer=tokenizer, name=source.name, path=source.path,
         max_model_len=core.max_model_len, vocab_size=core.model_config.vocab_size,
         kv_capacity_tokens=getattr(core, "kv_capacity_tokens", None), sampling_defaults=defaults,
         dtype=str(getattr(core, "dtype", "")).replace("torch.", ""), chat=chat, grammars=grammars,
@@ -101,6 +105,7 @@ class ServerState:
         self.keys = KeyRing(config.api_key, config.api_key_file)
         self.runs: set = set()  # live ChoiceRuns, stopped when the server stops
         self.ready_hooks: list[Callable[[LoadedModel], None]] = []  # observers of the model becoming ready
+        self.load_failed_hooks: list[Callable[[str], None]] = []  # observers of a failed load, given the reason
         self._prompt_pool = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="ember-prompt")
         self._load_task: asyncio.Task | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
@@ -124,8 +129,11 @@ class ServerState:
         try:
             loaded = await asyncio.wrap_future(future)
         except Exception as exc:
-            logger.error("loading the model failed: %s", exc)
+            # An EmberError's message says what is wrong; anything else is a fault worth its traceback.
+            logger.error("loading the model failed: %s", exc, exc_info=not isinstance(exc, EmberError))
             self.status, self.failure = "unavailable", f"the model failed to load: {exc}"
+            for hook in self.load_failed_hooks:
+                hook(str(exc))
             return
         self._install(loaded)
 

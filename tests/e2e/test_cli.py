@@ -13,7 +13,7 @@ from ember.server.cli import add_serve_parser, build_config
 FLAGS = ["--host", "--port", "--served-model-name", "--api-key", "--max-model-len", "--max-num-seqs",
          "--max-num-batched-tokens", "--max-pending", "--pending-timeout", "--max-request-mb", "--cors-origins",
          "--no-prefix-caching", "--dtype", "--seed", "--chat-template", "--default-max-tokens", "--log-level",
-         "--request-log", "--log-stats-interval", "--rope-scaling"]
+         "--request-log", "--log-stats-interval", "--rope-scaling", "--revision", "ollama:NAME"]
 
 
 def parse(*argv: str) -> argparse.Namespace:
@@ -42,12 +42,14 @@ def test_settings_from_flags_and_environment(tmp_path):
     args = parse("some/model", "--served-model-name", "pub,alias1", "--served-model-name", "alias2",
                  "--cors-origins", "http://a.example,http://b.example", "--max-request-mb", "0.5",
                  "--max-num-seqs", "3", "--no-prefix-caching", "--chat-template", str(template),
-                 "--pending-timeout", "2.5")
-    config = build_config(args, environ={"EMBER_API_KEY": "from-env", "EMBER_CACHE_DIR": "/tmp/cache"})
+                 "--pending-timeout", "2.5", "--revision", "v2")
+    config = build_config(args, environ={"EMBER_API_KEY": "from-env", "EMBER_CACHE_DIR": "/tmp/cache",
+                                         "OLLAMA_MODELS": "/tmp/ollama"})
     assert config.model == "some/model" and config.served_model_names == ["pub", "alias1", "alias2"]
     assert config.cors_origins == ["http://a.example", "http://b.example"]
     assert config.max_request_bytes == 512 * 1024 and config.pending_timeout == 2.5
     assert config.api_key == "from-env" and config.cache_dir == "/tmp/cache"
+    assert config.revision == "v2" and config.ollama_models == "/tmp/ollama"
     assert config.engine.max_num_seqs == 3 and config.engine.enable_prefix_caching is False
     assert config.chat_template == "{{ messages[0]['content'] }}"
     assert build_config(parse("--host", "0.0.0.0", "--allow-no-api-key"), environ={}).api_key is None

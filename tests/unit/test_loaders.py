@@ -13,9 +13,9 @@ from ember.config import ModelConfig
 from ember.errors import ModelLoadError
 from ember.loaders import ModelSource, load_model_source, supported_architectures
 from ember.loaders import default_model, gguf_cache, gguf_file
-from ember.tokenization.tokenizer import Tokenizer
-from gguf_helpers import CHAT_TEMPLATE, byte_level_vocab
-from gguf_models import default_gguf_model, state_dict_of, tiny_model
+from gguf_helpers import CHAT_TEMPLATE
+from gguf_models import default_gguf_model, state_dict_of
+from model_stores import tiny_hf_folder
 
 
 # ---- the default model ---------------------------------------------------------------------------
@@ -102,28 +102,9 @@ def test_default_model_second_load_hits_the_cache(default_loads):
 
 # ---- Hugging Face folders --------------------------------------------------------------------
 
-def _tiny_tokenizer(vocab_size: int) -> Tokenizer:
-    tokens, types, merges = byte_level_vocab(vocab_size)
-    return Tokenizer.from_gguf_metadata({
-        "tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "default",
-        "tokenizer.ggml.tokens": tokens, "tokenizer.ggml.token_type": types,
-        "tokenizer.ggml.merges": merges, "tokenizer.ggml.bos_token_id": 1,
-        "tokenizer.ggml.eos_token_id": 2, "tokenizer.chat_template": CHAT_TEMPLATE})
-
-
-def _hf_folder(tmp_path: pathlib.Path, model_type: str = "llama", **save_kwargs) -> tuple:
-    model = tiny_model(model_type, tie_word_embeddings=False)
-    folder = tmp_path / f"tiny-{model_type}"
-    model.save_pretrained(folder, **save_kwargs)
-    _tiny_tokenizer(model.config.vocab_size).save(folder)
-    (folder / "generation_config.json").write_text(json.dumps(
-        {"eos_token_id": [2, 0], "temperature": 0.7, "top_p": 0.9}))
-    return model, folder
-
-
 @pytest.mark.parametrize("sharded", [False, True])
 def test_hf_folder_loads_back(tmp_path, sharded):
-    model, folder = _hf_folder(tmp_path, **({"max_shard_size": "100KB"} if sharded else {}))
+    model, folder = tiny_hf_folder(tmp_path, **({"max_shard_size": "100KB"} if sharded else {}))
     assert (folder / "model.safetensors.index.json").is_file() == sharded
     source = load_model_source(str(folder))
     assert isinstance(source, ModelSource) and source.format == "hf"
@@ -144,7 +125,7 @@ def test_hf_folder_loads_back(tmp_path, sharded):
 
 
 def test_hf_folder_qwen3(tmp_path):
-    model, folder = _hf_folder(tmp_path, "qwen3")
+    model, folder = tiny_hf_folder(tmp_path, "qwen3")
     source = load_model_source(str(folder))
     loaded = dict(source.weights())
     assert any(name.endswith("self_attn.q_norm.weight") for name in loaded)
@@ -157,11 +138,6 @@ def test_refuses_a_missing_path(tmp_path):
     with pytest.raises(ModelLoadError, match=r"model path '.*nowhere' does not exist") as caught:
         load_model_source(str(tmp_path / "nowhere"))
     assert caught.value.param == "model"
-
-
-def test_refuses_a_hub_id_it_would_have_to_download():
-    with pytest.raises(ModelLoadError, match="never downloads"):
-        load_model_source("HuggingFaceTB/SmolLM2-135M-Instruct-does-not-exist-here")
 
 
 def test_refuses_a_folder_without_config(tmp_path):
@@ -185,7 +161,7 @@ def test_refuses_a_folder_without_safetensors(tmp_path):
 
 
 def test_refuses_a_truncated_safetensors_file(tmp_path):
-    _, folder = _hf_folder(tmp_path)
+    _, folder = tiny_hf_folder(tmp_path)
     weights = folder / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:-100])
     with pytest.raises(ModelLoadError, match="not a readable safetensors file"):
