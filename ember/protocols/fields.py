@@ -6,10 +6,21 @@ NaN or Infinity (which Python's json module accepts) is refused wherever a numbe
 
 from __future__ import annotations
 
+import json
 import math
 from typing import Any, Iterable, Mapping
 
 from ember.errors import InvalidRequest
+
+def read_json(body: bytes, **options: Any) -> Any:
+    """A request body as JSON (`options` go to json.loads); a refusal says what is wrong with it."""
+    if not body.strip():
+        raise InvalidRequest("The request body is empty; send a JSON object.", code="invalid_json")
+    try:
+        return json.loads(body, **options)
+    except (ValueError, RecursionError) as exc:
+        raise InvalidRequest(f"The request body is not valid JSON: {exc}", code="invalid_json") from None
+
 
 def json_type(value: Any) -> str:
     """The JSON name of a value's type, for messages."""
