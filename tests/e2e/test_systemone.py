@@ -170,7 +170,8 @@ def test_a_full_queue_refuses_the_whole_request(one_slot):
     hold = {"text": "Count:", "stream": True, "sampling_params": {"max_new_tokens": 900, "ignore_eos": True}}
     with httpx.Client(base_url=one_slot.url, timeout=120) as session:
         with session.stream("POST", "/generate", json=hold) as stream:
-            next(line for line in stream.iter_lines() if line.startswith("data: "))  # admitted and running
+            lines = stream.iter_lines()  # kept: a dropped line iterator closes the stream
+            next(line for line in lines if line.startswith("data: "))  # admitted and running
             full = session.post("/v1/systemone", json=REQUEST)
         assert full.status_code == 429, full.text
         assert full.json()["error"]["code"] == "server_overloaded"
