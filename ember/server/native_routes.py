@@ -17,7 +17,7 @@ from ember.protocols.native_generate import GENERATE
 from ember.protocols.native_tokens import parse_detokenize, parse_tokenize, render_detokenize, render_tokenize
 from ember.protocols.systemone import SYSTEMONE
 from ember.server.openapi import generation_route_docs
-from ember.server.pipeline import parse_json, serve_generation
+from ember.server.pipeline import parse_json, serve_generation, tokenize_only
 from ember.server.state import ServerState
 
 DECIDER_CONFIG = "decider_config.json"
@@ -54,9 +54,7 @@ def add_native_routes(app: FastAPI, state: ServerState) -> None:
     @app.post("/tokenize", summary="The token ids of a prompt or of messages (vLLM's shape)",
               **_body_docs("TokenizeRequest"))
     async def tokenize(request: Request) -> dict:
-        state.require_ready()
-        job = parse_tokenize(parse_json(await request.body()), state.model)
-        token_ids = await state.encode(job.prompt)
+        job, token_ids = await tokenize_only(request, parse_tokenize)
         strs = state.loaded.tokenizer.convert_ids_to_tokens(token_ids) if job.return_token_strs else []
         return render_tokenize(job, token_ids, state.model, list(strs))
 

@@ -153,6 +153,16 @@ async def serve_generation(request: Request, dialect: Dialect) -> Response:
             ticket.release()
 
 
+async def tokenize_only(request: Request, parse: Callable[[Any, Any], Any]) -> tuple[Any, list[int]]:
+    """A counting route's request (parsed by `parse`) and its prompt's token ids; nothing runs."""
+    state: ServerState = request.app.state.ember
+    state.require_ready()
+    job = parse(parse_json(await request.body()), state.model)
+    prompt_token_ids = await state.encode(job.prompt)
+    request.scope["ember.record"].prompt_tokens = len(prompt_token_ids)
+    return job, prompt_token_ids
+
+
 def parse_json(body: bytes) -> Any:
     return read_json(body)
 
