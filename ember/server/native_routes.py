@@ -42,8 +42,11 @@ def add_native_routes(app: FastAPI, state: ServerState) -> None:
     async def generate(request: Request) -> Response:
         return await serve_generation(request, GENERATE)
 
-    @app.post("/v1/systemone", summary="Typed decisions read from next-token probabilities",
-              **generation_route_docs("SystemOneRequest"))
+    systemone_docs = generation_route_docs("SystemOneRequest")
+    systemone_docs["responses"][200] = {"description": "The answers, by question name (never streamed).",
+                                        "content": {"application/json": {}}}
+
+    @app.post("/v1/systemone", summary="Typed decisions read from next-token probabilities", **systemone_docs)
     async def systemone(request: Request) -> Response:
         if decider is not None:
             raise InvalidRequest(f"this model folder holds {DECIDER_CONFIG} (a trained decider); ember reads "
