@@ -37,6 +37,7 @@ class SamplingParams:
     min_tokens: int = 0
     ignore_eos: bool = False
     logprobs: int | None = None  # None: off; k >= 0: the chosen token plus k alternatives
+    logprob_token_ids: list[int] | None = None  # with logprobs: these ids' log probabilities at every position too
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
 
@@ -64,6 +65,12 @@ class SamplingParams:
             raise InvalidRequest("stop must be a non-empty string or a list of non-empty strings", param="stop")
         if not isinstance(self.stop_token_ids, list) or not all(_is_int(t) and t >= 0 for t in self.stop_token_ids):
             raise InvalidRequest("stop_token_ids must be a list of token ids", param="stop_token_ids")
+        if self.logprob_token_ids is not None:
+            if not isinstance(self.logprob_token_ids, list) or not all(_is_int(t) and t >= 0
+                                                                       for t in self.logprob_token_ids):
+                raise InvalidRequest("logprob_token_ids must be a list of token ids", param="logprob_token_ids")
+            if self.logprobs is None:
+                raise InvalidRequest("logprob_token_ids needs logprobs (0 or more)", param="logprob_token_ids")
         if self.logit_bias is not None:
             if not isinstance(self.logit_bias, dict):
                 raise InvalidRequest("logit_bias must map token ids to numbers", param="logit_bias")
@@ -114,6 +121,7 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: list[tuple[int, float]]  # the most likely alternatives, best first
+    requested: list[tuple[int, float]] = field(default_factory=list)  # SamplingParams.logprob_token_ids, in order
 
 
 @dataclass(slots=True)

@@ -58,7 +58,8 @@ class Sampler:
         chosen = token_ids.tolist()
         logprobs: list[TokenLogprob | None] = [None] * len(rows)
         if raw_logprobs is not None:
-            logprobs = _gather_logprobs(raw_logprobs, token_ids, want_logprobs)
+            logprobs = _gather_logprobs(raw_logprobs, token_ids, want_logprobs,
+                                        [row.params.logprob_token_ids for row in rows])
         return SamplerOutput(chosen, logprobs, failed)
 
     def _adjust(self, logits: torch.Tensor, rows: list[SamplingRow], failed: dict[int, str]) -> torch.Tensor:
@@ -243,8 +244,9 @@ def _filter_top_p_min_p(logits: torch.Tensor, top_ps: list[float], min_ps: list[
     return logits
 
 
-def _gather_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor,
-                     counts: list[int | None]) -> list[TokenLogprob | None]:
+def _gather_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor, counts: list[int | None],
+                     requested: list[list[int] | None]) -> list[TokenLogprob | None]:
+    """logprobs: (N, V), the model's own distribution (before penalties, bias, temperature, masks)."""
     chosen = logprobs.gather(1, token_ids[:, None]).squeeze(1).tolist()
     chosen_ids = token_ids.tolist()
     most = max(k for k in counts if k is not None)
@@ -255,5 +257,15 @@ def _gather_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor,
             result.append(None)
             continue
         top = list(zip(top_ids[i, :k].tolist(), top_values[i, :k].tolist())) if k else []
-        result.append(TokenLogprob(chosen_ids[i], chosen[i], top))
+        result.append(TokenLogprob(chosen_ids[i], chosen[i], top, _requested(logprobs[i], requested[i])))
     return result
+
+
+def _requested(row_logprobs: torch.Tensor, token_ids: list[int] | None) -> list[tuple[int, float]]:
+    """The log probabilities of the ids a request named; an id past the vocabulary has none (-inf)."""
+    if not token_ids:
+        return []
+    vocab = row_logprobs.shape[0]
+    inside = [t for t in token_ids if t < vocab]
+    values = dict(zip(inside, row_logprobs[inside].tolist())) if inside else {}
+    return [(t, values.get(t, float("-inf"))) for t in token_ids]

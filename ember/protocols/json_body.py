@@ -10,7 +10,7 @@ beyond the float range (`1e999`) and the NaN and Infinity literals JSON does not
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, Callable
 
 from ember.errors import InvalidRequest
 
@@ -18,7 +18,10 @@ MAX_DEPTH = 64  # objects and arrays inside one another
 MAX_ITEMS = 100_000  # entries of one array or object
 
 
-def parse_body(body: bytes) -> Any:
+def parse_body(body: bytes, *, object_pairs_hook: Callable[[list[tuple[str, Any]]], Any] | None = None,
+               parse_float: Callable[[str], Any] | None = None) -> Any:
+    """The body's JSON value. A route that reads numbers or objects its own way passes json.loads'
+    hooks; `parse_float` then also decides what a number beyond the float range becomes."""
     if not body.strip():
         raise InvalidRequest("The request body is empty; send a JSON object.", code="invalid_json")
     try:
@@ -27,7 +30,8 @@ def parse_body(body: bytes) -> Any:
         raise InvalidRequest(f"The request body is not UTF-8: byte {exc.start} cannot be decoded.",
                              code="invalid_json") from None
     try:
-        value = json.loads(text, parse_float=_float, parse_constant=_NotANumber)
+        value = json.loads(text, parse_float=parse_float or _float, parse_constant=_NotANumber,
+                           object_pairs_hook=object_pairs_hook)
     except RecursionError:
         raise InvalidRequest(f"The request body nests deeper than {MAX_DEPTH} levels.", code="invalid_json") from None
     except ValueError as exc:  # JSONDecodeError, and integers of more digits than Python converts

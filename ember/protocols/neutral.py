@@ -37,6 +37,7 @@ class ChatPrompt:
 @dataclass(slots=True)
 class TextPrompt:
     text: str
+    add_special_tokens: bool = True  # the tokenizer's own (a BOS token, where the model has one)
 
 
 @dataclass(slots=True)
@@ -55,10 +56,13 @@ class ModelInfo:
     max_model_len: int
     vocab_size: int
     aliases: tuple[str, ...] = ()  # other ids requests may use
+    has_chat_template: bool = True
     default_max_tokens: int | None = None  # None: up to the end of the context window
     kv_capacity_tokens: int | None = None  # the most tokens one request can hold in the KV cache
     sampling_defaults: dict[str, Any] = field(default_factory=dict)  # from the model's generation config
     chat: ChatFeatures = field(default_factory=ChatFeatures)  # reasoning markers and tool-call format
+    # text -> the id of the one token it encodes to, None when it takes more or fewer tokens
+    single_token_id: Callable[[str], int | None] = lambda text: None
 
     def accepts(self, model: str) -> bool:
         return model == self.name or model in self.aliases
@@ -66,6 +70,15 @@ class ModelInfo:
     @property
     def window(self) -> ContextWindow:
         return ContextWindow(self.max_model_len, self.kv_capacity_tokens)
+
+
+@dataclass(slots=True)
+class PromptRun:
+    """One prompt of a batch, with its own sampling settings."""
+
+    prompt: Prompt
+    params: SamplingParams
+    prompt_param: str  # the field blamed when this prompt does not fit
 
 
 @dataclass(slots=True)
@@ -84,6 +97,12 @@ class GenerationRequest:
     timings_per_token: bool = False  # streams: running timings on every delta chunk
     chat: ChatOptions | None = None  # chat dialects: tools and thinking
     grammar: GrammarSpec | None = None  # structured output: what the reply (its answer, after reasoning) must match
+    # several prompts run together, one choice each (n is 1; prompt and params are the first's)
+    batch: list[PromptRun] | None = None
+    dialect_options: Any = None  # what only the dialect's own renderer reads
+
+    def prompt_runs(self) -> list[PromptRun]:
+        return self.batch if self.batch is not None else [PromptRun(self.prompt, self.params, self.prompt_param)]
 
 
 @dataclass(slots=True)
@@ -108,7 +127,7 @@ def encode_prompt(prompt: Prompt, tokenizer, tool_format=None) -> list[int]:
     if isinstance(prompt, TokenPrompt):
         return list(prompt.token_ids)
     if isinstance(prompt, TextPrompt):
-        return tokenizer.encode(prompt.text, add_special_tokens=True)
+        return tokenizer.encode(prompt.text, add_special_tokens=prompt.add_special_tokens)
     try:
         messages, tools = prepare_conversation(prompt.messages, prompt.tools, tokenizer.template_traits, tool_format)
         return tokenizer.apply_chat_template(messages, add_generation_prompt=prompt.add_generation_prompt,
@@ -120,13 +139,15 @@ def encode_prompt(prompt: Prompt, tokenizer, tool_format=None) -> list[int]:
                              param="messages") from None
 
 
-def resolve_sampling(request: GenerationRequest, num_prompt_tokens: int,
-                     model: ModelInfo) -> tuple[SamplingParams, OutputFit]:
-    """The request's SamplingParams with max_tokens fitted to the room the prompt leaves, by the
-    rule in ember.context_window (over HTTP a max_tokens beyond the room is capped), and the fit."""
-    params = request.params
+def resolve_sampling(request: GenerationRequest, num_prompt_tokens: int, model: ModelInfo,
+                     params: SamplingParams | None = None, prompt_param: str | None = None
+                     ) -> tuple[SamplingParams, OutputFit]:
+    """The request's SamplingParams (or a batch prompt's `params`) with max_tokens fitted to the
+    room the prompt leaves, by the rule in ember.context_window (over HTTP a max_tokens beyond the
+    room is capped), and the fit."""
+    params = params if params is not None else request.params
     fit = fit_output(model.window, num_prompt_tokens, params.max_tokens, default_max_tokens=model.default_max_tokens,
-                     prompt_param=request.prompt_param)
+                     prompt_param=prompt_param or request.prompt_param)
     if params.min_tokens > fit.max_tokens:
         raise InvalidRequest(f"min_tokens ({params.min_tokens}) is more than the {fit.room} tokens the context "
                              f"window leaves after the prompt", param="min_tokens")
@@ -180,8 +201,10 @@ class RunResult:
     """The outputs of one request's choices, gathered as they arrive."""
 
     def __init__(self, num_choices: int, prompt_token_ids: list[int], received: float | None = None,
-                 plan: ReplyPlan | None = None, fit: OutputFit | None = None) -> None:
-        self.prompt_token_ids = prompt_token_ids
+                 plan: ReplyPlan | None = None, fit: OutputFit | None = None,
+                 batch_prompt_ids: list[list[int]] | None = None) -> None:
+        self.prompt_token_ids = prompt_token_ids  # a batch's first prompt
+        self.batch_prompt_ids = batch_prompt_ids  # a batch: choice i runs prompt i
         self.fit = fit  # how max_tokens was fitted to the context window
         self.received = received if received is not None else time.time()
         self.plan = plan
@@ -220,8 +243,14 @@ class RunResult:
                 return choice.error or "the request was cancelled"
         return None
 
+    def choice_prompt_ids(self, index: int) -> list[int]:
+        return self.batch_prompt_ids[index] if self.batch_prompt_ids is not None else self.prompt_token_ids
+
     @property
     def num_prompt_tokens(self) -> int:
+        """A batch counts every prompt."""
+        if self.batch_prompt_ids is not None:
+            return sum(len(ids) for ids in self.batch_prompt_ids)
         return len(self.prompt_token_ids)
 
     @property
@@ -237,7 +266,10 @@ class RunResult:
 
     @property
     def num_cached_tokens(self) -> int:
-        """Prompt tokens the first choice found in the prefix cache (later choices share its prompt)."""
+        """Prompt tokens the first choice found in the prefix cache (later choices share its prompt);
+        a batch counts every prompt's."""
+        if self.batch_prompt_ids is not None:
+            return sum(c.num_cached_tokens for c in self.choices)
         return self.choices[0].num_cached_tokens
 
     def first_token_time(self) -> float | None:
@@ -299,7 +331,7 @@ class Renderer(Protocol):
 
     def stream_error(self, error: EmberError) -> list[ServerEvent]: ...
 
-    def response(self) -> dict[str, Any]: ...
+    def response(self) -> Any: ...  # a JSON value, or bytes of JSON the dialect wrote itself
 
 
 @dataclass(frozen=True, slots=True)
@@ -311,3 +343,4 @@ class Dialect:
     parse: Callable[[Any, ModelInfo], GenerationRequest]
     renderer: Callable[[GenerationRequest, RunResult, ResponseMeta], Renderer]
     errors: ErrorShape  # how refusals on its routes are answered
+    read_body: Callable[[bytes], Any] | None = None  # JSON bytes -> the body parse takes; None: plain JSON

@@ -14,8 +14,7 @@ from fastapi.responses import Response
 
 from ember.protocols.anthropic_errors import ANTHROPIC_ERRORS
 from ember.protocols.anthropic_messages import MESSAGES, parse_count_tokens
-from ember.protocols.json_body import parse_body
-from ember.server.pipeline import serve_generation
+from ember.server.pipeline import serve_generation, tokenize_only
 from ember.server.state import ServerState
 
 ANTHROPIC_PATHS = {"/v1/messages": ANTHROPIC_ERRORS}
@@ -97,8 +96,5 @@ def add_anthropic_routes(app: FastAPI, state: ServerState) -> None:
     @app.post("/v1/messages/count_tokens", summary="The prompt tokens a Messages request would have",
               **_docs("CountTokensRequest", {200: "{\"input_tokens\": N}", **_REFUSALS}))
     async def count_tokens(request: Request) -> dict:
-        state.require_ready()
-        job = parse_count_tokens(parse_body(await request.body()), state.model)
-        prompt_token_ids = await state.encode(job.prompt)
-        request.scope["ember.record"].prompt_tokens = len(prompt_token_ids)
+        _, prompt_token_ids = await tokenize_only(request, parse_count_tokens)
         return {"input_tokens": len(prompt_token_ids)}

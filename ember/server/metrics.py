@@ -22,7 +22,7 @@ _TOKEN_TIME_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25
 # The route label of the other routes: a fixed set, since a path may be anything a client sends.
 _ROUTE_LABELS = {"/health": "health", "/v1/health": "health", "/metrics": "metrics", "/v1/models": "models",
                  "/openapi.json": "openapi", "/debug/requests": "debug", "/v1/messages/count_tokens": "count_tokens",
-                 "/v1/responses/input_tokens": "input_tokens"}
+                 "/v1/responses/input_tokens": "input_tokens", "/tokenize": "tokenize", "/detokenize": "detokenize"}
 
 # name -> (EngineStats field, help)
 ENGINE_GAUGES = {

@@ -11,6 +11,7 @@ from typing import Any
 from fastapi.openapi.utils import get_openapi
 
 import ember
+from ember.server.native_schemas import NATIVE_SCHEMAS
 
 DESCRIPTION = (
     "ember serves one model in the OpenAI Chat Completions, Completions and Responses dialects and "
@@ -194,4 +195,5 @@ def build_document(app) -> dict[str, Any]:
                     "CompletionRequest": COMPLETION_REQUEST, "ResponsesRequest": RESPONSES_REQUEST})
     from ember.server.anthropic_routes import ANTHROPIC_SCHEMAS
     schemas.update(ANTHROPIC_SCHEMAS)
+    schemas.update(NATIVE_SCHEMAS)
     return document

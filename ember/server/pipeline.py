@@ -36,21 +36,22 @@ SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 class ChoiceRun:
     """Runs a request's choices on the engine and merges their outputs in arrival order.
 
-    Choice 0 starts first; the others start once it has produced a token, when its prompt is in
-    the prefix cache for them to share. `stop` ends the run from outside (server shutdown).
+    Choice 0 starts first; when the choices share one prompt, the others start once it has produced
+    a token, when its prompt is in the prefix cache for them to share (a batch starts them all). `stop` ends the run from outside (server shutdown).
     With `report_progress`, choice 0 also yields prefill progress outputs (no tokens) first.
     """
 
-    def __init__(self, engine, prompt_token_ids: list[int], params: list[SamplingParams], request_id: str,
+    def __init__(self, engine, prompts: list[list[int]], params: list[SamplingParams], request_id: str,
                  report_progress: bool = False, plan: ReplyPlan | None = None,
                  constraints: Callable[[], Any] | None = None) -> None:
         self.engine = engine
-        self.prompt_token_ids = prompt_token_ids
+        self.prompts = prompts  # one per choice: a request's n choices share one list, a batch's differ
         self.params = params
         self.request_id = request_id
         self.report_progress = report_progress
         self.plan = plan  # each choice gets its own token constraint from it, if the reply is steered
         self.constraints = constraints  # or from this factory (a grammar), which then replaces the plan's
+        self.shared_prompt = all(p is prompts[0] for p in prompts)
         self._queue: asyncio.Queue = asyncio.Queue()
         self._tasks: list[asyncio.Task] = []
 
@@ -64,7 +65,7 @@ class ChoiceRun:
         if constraint is not None:
             extra["constraint"] = constraint
         try:
-            async for output in self.engine.generate(self.prompt_token_ids, self.params[index], request_id=request_id,
+            async for output in self.engine.generate(self.prompts[index], self.params[index], request_id=request_id,
                                                      **extra):
                 self._queue.put_nowait((index, output, None))
         except Exception as exc:
@@ -79,7 +80,8 @@ class ChoiceRun:
         self._queue.put_nowait((None, None, error))
 
     async def outputs(self) -> AsyncIterator[tuple[int, GenerationOutput]]:
-        self._start(0)
+        for index in range(1 if self.shared_prompt else len(self.params)):
+            self._start(index)
         unfinished = len(self.params)
         while unfinished:
             index, output, error = await self._queue.get()
@@ -105,21 +107,32 @@ async def serve_generation(request: Request, dialect: Dialect) -> Response:
     record: RequestRecord = request.scope["ember.record"]
     record.route, record.errors = dialect.name, dialect.errors
     state.require_ready()
-    job = dialect.parse(parse_body(await request.body()), state.model)
-    prompt_token_ids = await state.encode(job.prompt)
+    body = await request.body()
+    job = dialect.parse(dialect.read_body(body) if dialect.read_body else parse_body(body), state.model)
+    runs = job.prompt_runs()
+    prompts = [await state.encode(run.prompt) for run in runs]
+    prompt_token_ids = prompts[0]
     plan = state.reply_plan(job, prompt_token_ids)
     constraints = await state.grammar_constraints(job, plan)
-    record.prompt_tokens = len(prompt_token_ids)
-    params, fit = resolve_sampling(job, len(prompt_token_ids), state.model)
-    ticket = await state.admission.acquire(job.n, record.tenant or DEFAULT_TENANT)
+    record.prompt_tokens = sum(len(ids) for ids in prompts)
+    fitted = [resolve_sampling(job, len(ids), state.model, run.params, run.prompt_param)
+              for run, ids in zip(runs, prompts)]
+    params, fit = fitted[0]
+    num_sequences = len(runs) * job.n
+    ticket = await state.admission.acquire(num_sequences, record.tenant or DEFAULT_TENANT)
     try:
         request.app.state.observability.request_started(record, job, params)
-        result = RunResult(job.n, prompt_token_ids, record.received, plan, fit)
+        batch_prompt_ids = prompts if job.batch is not None else None
+        result = RunResult(num_sequences, prompt_token_ids, record.received, plan, fit, batch_prompt_ids)
         record.result = result
         meta = ResponseMeta(f"{dialect.id_prefix}{record.internal_id}", int(record.received), state.model.name,
                             state.fingerprint, state.decode, record.request_id)
         renderer = dialect.renderer(job, result, meta)
-        run = ChoiceRun(state.engine, prompt_token_ids, choice_seeds(params, job.n), record.internal_id,
+        if job.batch is not None:
+            choice_prompts, choice_params = prompts, [p for p, _ in fitted]
+        else:
+            choice_prompts, choice_params = [prompt_token_ids] * job.n, choice_seeds(params, job.n)
+        run = ChoiceRun(state.engine, choice_prompts, choice_params, record.internal_id,
                         report_progress=job.stream and job.return_progress, plan=plan, constraints=constraints)
         if job.stream:
             frames = stream_frames(renderer, result, run, state, record)
@@ -129,13 +142,26 @@ async def serve_generation(request: Request, dialect: Dialect) -> Response:
         await collect_unless_gone(request, run, result, state)
         if result.error is not None:
             raise GenerationFailed(result.error)
-        return JSONResponse(renderer.response())
+        body = renderer.response()
+        if isinstance(body, bytes):  # JSON the dialect wrote itself
+            return Response(body, media_type="application/json")
+        return JSONResponse(body)
     except ClientGone:
         record.client_gone = True
         return Response(status_code=499)
     finally:
         if ticket is not None:
             ticket.release()
+
+
+async def tokenize_only(request: Request, parse: Callable[[Any, Any], Any]) -> tuple[Any, list[int]]:
+    """A counting route's request (parsed by `parse`) and its prompt's token ids; nothing runs."""
+    state: ServerState = request.app.state.ember
+    state.require_ready()
+    job = parse(parse_body(await request.body()), state.model)
+    prompt_token_ids = await state.encode(job.prompt)
+    request.scope["ember.record"].prompt_tokens = len(prompt_token_ids)
+    return job, prompt_token_ids
 
 
 async def collect_unless_gone(request: Request, run: ChoiceRun, result: RunResult, state: ServerState) -> None:

@@ -11,11 +11,10 @@ from fastapi.responses import JSONResponse, Response
 
 from ember.errors import EmberError, InvalidRequest
 from ember.protocols.errors import unsupported
-from ember.protocols.json_body import parse_body
 from ember.protocols.openai_responses import ResponsesContext, ResponseSpec, responses_dialect
 from ember.protocols.reasoning_seal import ReasoningSeal
 from ember.server.openapi import generation_route_docs
-from ember.server.pipeline import serve_generation
+from ember.server.pipeline import serve_generation, tokenize_only
 from ember.server.response_store import ResponseStore, StoredResponse, record_size
 from ember.server.state import ServerState
 
@@ -60,9 +59,7 @@ def add_responses_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.post("/v1/responses/input_tokens", summary="The prompt tokens a create request would have")
     async def count_input_tokens(request: Request) -> dict:
-        state.require_ready()
-        job = dialect.parse(parse_body(await request.body()), state.model)
-        prompt_token_ids = await state.encode(job.prompt)
+        _, prompt_token_ids = await tokenize_only(request, dialect.parse)
         return {"object": "response.input_tokens", "input_tokens": len(prompt_token_ids)}
 
     @app.post("/v1/responses/compact", summary="Refused: ember does not compact conversations")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 import hashlib
 import logging
 import threading
@@ -78,6 +79,14 @@ def load_model(config: ServerConfig) -> LoadedModel:
         batch_invariance=core.invariance.as_dict())
 
 
+def _single_token_id(tokenizer, vocab_size: int, text: str) -> int | None:
+    """The id `text` encodes to when it is one token of its own inside the model's vocabulary."""
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    if len(ids) != 1 or ids[0] >= vocab_size or tokenizer.decode(ids, skip_special_tokens=False) != text:
+        return None
+    return ids[0]
+
+
 def _warm_up(core, tokenizer) -> None:
     """One tiny request before the engine thread starts, so the first client does not pay for
     the kernels' first run."""
@@ -144,7 +153,8 @@ class ServerState:
             name=names[0], aliases=tuple(names[1:]), max_model_len=loaded.max_model_len,
             vocab_size=loaded.vocab_size, default_max_tokens=self.config.default_max_tokens,
             kv_capacity_tokens=loaded.kv_capacity_tokens, sampling_defaults=loaded.sampling_defaults,
-            chat=loaded.chat)
+            chat=loaded.chat, has_chat_template=loaded.tokenizer.chat_template is not None,
+            single_token_id=functools.partial(_single_token_id, loaded.tokenizer, loaded.vocab_size))
         digest = hashlib.sha256(f"{ember.__version__}|{loaded.name}|{loaded.dtype}|{loaded.max_model_len}".encode())
         self.fingerprint = f"fp_{digest.hexdigest()[:10]}"
         loaded.engine.start()

@@ -1,8 +1,10 @@
 """The batched sampler on synthetic logits (no model needed)."""
 
+import pytest
 import torch
 
 from ember.engine.sampler import Sampler, SamplingRow
+from ember.errors import InvalidRequest
 from ember.types import SamplingParams
 
 VOCAB = 50
@@ -81,3 +83,22 @@ def test_logprobs_are_the_model_distribution():
     assert abs(lp.logprob - expected.max().item()) < 1e-6
     assert [t for t, _ in lp.top] == expected.topk(2).indices.tolist()
     assert out.logprobs[1] is None
+
+
+def test_named_token_ids_report_their_log_probabilities():
+    sampler = Sampler(VOCAB, torch.device("cpu"))
+    x = logits(2, seed=5)
+    named = SamplingParams(temperature=0.7, top_k=3, repetition_penalty=1.3, logprobs=0,
+                           logprob_token_ids=[4, 0, 4, VOCAB + 3])
+    out = sampler(x, rows(named, SamplingParams(temperature=0.0, logprobs=1)))
+    expected = torch.log_softmax(x[0], dim=-1)  # the model's own, before penalty, top-k and temperature
+    assert out.logprobs[0].requested[:3] == [(4, expected[4].item()), (0, expected[0].item()),
+                                             (4, expected[4].item())]
+    assert out.logprobs[0].requested[3] == (VOCAB + 3, float("-inf"))  # past the vocabulary
+    assert out.logprobs[0].top == [] and out.logprobs[1].requested == []
+
+
+def test_named_token_ids_need_logprobs():
+    with pytest.raises(InvalidRequest) as caught:
+        SamplingParams(logprob_token_ids=[1])
+    assert caught.value.param == "logprob_token_ids"
