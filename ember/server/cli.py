@@ -123,6 +123,9 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                             "recently used go first (default 1024)")
     other.add_argument("--response-store-max-mb", type=float, default=256.0, metavar="MIB",
                        help="MiB the stored Responses may take, conversations included (default 256)")
+    other.add_argument("--ui", action="store_true",
+                       help="serve a chat page at / for trying the model in a browser (its files ship with "
+                            "ember; no internet needed). Default: / answers as /health")
     other.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                        help="stderr verbosity; info logs one line per request (default info)")
     return p
@@ -160,7 +163,7 @@ def build_config(args: argparse.Namespace, environ=os.environ) -> ServerConfig:
         sse_keepalive=args.sse_keepalive, request_log=args.request_log, reasoning_parser=args.reasoning_parser,
         tool_call_parser=args.tool_call_parser, default_thinking_budget=args.default_thinking_budget,
         log_stats_interval=args.log_stats_interval, response_store_max_records=args.response_store_max_records,
-        response_store_max_mb=args.response_store_max_mb, engine=engine)
+        response_store_max_mb=args.response_store_max_mb, ui=args.ui, engine=engine)
 
 
 def _json_object(text: str) -> dict:
@@ -202,10 +205,11 @@ def run_serve(args: argparse.Namespace) -> int:
     url = f"http://{'[' + host + ']' if ':' in host else host}:{port}"
     app = create_app(config, request_log=request_log, argv=redact_argv(sys.argv, config.api_key))
     state = app.state.ember
+    page = f", chat page at {url}/" if config.ui else ""
     began = time.monotonic()
     state.ready_hooks.append(lambda loaded: print(
         f"ember: model {loaded.name} loaded in {time.monotonic() - began:.1f} s; serving it as "
-        f"'{state.model.name}' at {url}/v1 (Ctrl-C stops)", file=sys.stderr, flush=True))
+        f"'{state.model.name}' at {url}/v1{page} (Ctrl-C stops)", file=sys.stderr, flush=True))
     print(f"ember: listening on {url}; loading {config.model or 'the default model'} ...", file=sys.stderr, flush=True)
     server = _make_server(uvicorn.Config(app, log_config=None, access_log=False, lifespan="on",
                                     timeout_graceful_shutdown=5), state)

@@ -30,6 +30,7 @@ class ServerConfig:
     log_stats_interval: float = 10.0  # seconds between throughput lines on stderr; 0: none
     response_store_max_records: int = 1024  # stored Responses kept (least recently used go first)
     response_store_max_mb: float = 256.0  # MiB the stored Responses may take
+    ui: bool = False  # serve the chat page at / (otherwise / answers as /health)
     engine: EngineConfig = field(default_factory=EngineConfig)
 
     def __post_init__(self) -> None:
