@@ -265,7 +265,8 @@ def test_a_busy_server_gets_a_clear_message_and_the_draft_is_kept(page, http, ui
     hold = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 900, "ignore_eos": True, "stream": True}
     with httpx.Client(base_url=ui_server.url, timeout=120) as holder:
         with holder.stream("POST", "/v1/chat/completions", json=hold) as stream:
-            next(line for line in stream.iter_lines() if line.startswith("data: "))  # it holds the only slot
+            lines = stream.iter_lines()  # kept: a dropped line iterator closes the stream
+            next(line for line in lines if line.startswith("data: "))  # it holds the only slot
             send(page, "Are you there?")
             page.wait_for_selector("#notice.error")
             assert "The server is busy" in page.inner_text("#notice")
