@@ -17,7 +17,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests" / "e2e"))
 
-from browser import WAIT_MS, chromium_path  # noqa: E402
+from browser import WAIT_MS, chromium_path, wait_until  # noqa: E402
 
 PROMPTS = ("Write a Python function that reverses a string.", "What is the capital of France?")
 
@@ -35,7 +35,7 @@ def main() -> int:
         page = desktop.new_page()
         page.set_default_timeout(WAIT_MS)
         page.goto(args.url + "/")
-        page.wait_for_function("document.querySelector('#model-context').textContent !== ''")
+        wait_until(page, "() => document.querySelector('#model-context').textContent !== ''")
         page.click("#toggle-settings")
         page.fill("#set-temperature", "0")
         page.fill("#set-max-tokens", "120")
@@ -51,7 +51,7 @@ def main() -> int:
                                     device_scale_factor=2, color_scheme="dark", storage_state=state)
         page = phone.new_page()
         page.goto(args.url + "/")
-        page.wait_for_function("document.querySelector('#model-context').textContent !== ''")
+        wait_until(page, "() => document.querySelector('#model-context').textContent !== ''")
         page.screenshot(path=str(args.out / "ui-phone.png"))
         browser.close()
     print(f"wrote {args.out / 'ui-desktop.png'} and {args.out / 'ui-phone.png'}")
