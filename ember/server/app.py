@@ -29,6 +29,7 @@ from ember.server.anthropic_routes import ANTHROPIC_PATHS, add_anthropic_routes
 from ember.server.native_routes import add_native_routes
 from ember.server.state import LoadedModel, ServerState, load_model
 from ember.server.stats_logger import ThroughputReporter
+from ember.server.ui_routes import add_ui_routes
 
 logger = logging.getLogger("ember.server")
 
@@ -92,10 +93,13 @@ def _add_routes(app: FastAPI, state: ServerState, observability: Observability) 
     app.add_api_route("/health", health, methods=["GET"], summary="Readiness and counters", **health_docs)
     app.add_api_route("/v1/health", health, methods=["GET"], summary="Readiness (same as /health)",
                       include_in_schema=False)
+    add_ui_routes(app, state.config.ui, health)
 
     def model_card() -> dict:
+        chat = state.model.chat
         return {"id": state.model.name, "object": "model", "created": state.started, "owned_by": "ember",
-                "max_model_len": state.model.max_model_len}
+                "max_model_len": state.model.max_model_len,
+                "capabilities": {"reasoning": chat.think is not None, "tool_calls": chat.tool_format is not None}}
 
     @app.get("/v1/models", summary="The served model")
     async def list_models() -> dict:

@@ -146,6 +146,9 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     other.add_argument("--reasoning-key-file", default=None, metavar="FILE",
                        help="the key that seals Responses' encrypted reasoning, as 64 hexadecimal digits "
                             "(openssl rand -hex 32); sealed items then survive restarts (default: a key per process)")
+    other.add_argument("--ui", action="store_true",
+                       help="serve a chat page at / for trying the model in a browser (its files ship with "
+                            "ember; no internet needed). Default: / answers as /health")
     other.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                        help="stderr verbosity; info logs one line per request (default info)")
     return p
@@ -192,7 +195,8 @@ def build_config(args: argparse.Namespace, environ=os.environ) -> ServerConfig:
         chat_template=chat_template, sse_keepalive=args.sse_keepalive, request_log=args.request_log,
         reasoning_parser=args.reasoning_parser, tool_call_parser=args.tool_call_parser, default_thinking_budget=args.default_thinking_budget,
         log_stats_interval=args.log_stats_interval, response_store_max_records=args.response_store_max_records,
-        response_store_max_mb=args.response_store_max_mb, reasoning_key_file=args.reasoning_key_file, engine=engine)
+        response_store_max_mb=args.response_store_max_mb, reasoning_key_file=args.reasoning_key_file, ui=args.ui,
+        engine=engine)
 
 
 def _json_object(text: str) -> dict:
@@ -236,10 +240,11 @@ def run_serve(args: argparse.Namespace) -> int:
     state = app.state.ember
     if config.api_key_file and hasattr(signal, "SIGHUP"):
         signal.signal(signal.SIGHUP, lambda *_: _reload_keys(state.keys))
+    page = f", chat page at {url}/" if config.ui else ""
     began = time.monotonic()
     state.ready_hooks.append(lambda loaded: print(
         f"ember: model {loaded.name} loaded in {time.monotonic() - began:.1f} s; serving it as "
-        f"'{state.model.name}' at {url}/v1 (Ctrl-C stops)", file=sys.stderr, flush=True))
+        f"'{state.model.name}' at {url}/v1{page} (Ctrl-C stops)", file=sys.stderr, flush=True))
     print(f"ember: listening on {url}; loading {config.model or 'the default model'} ...", file=sys.stderr, flush=True)
     server = _make_server(uvicorn.Config(app, log_config=None, access_log=False, lifespan="on",
                                     timeout_graceful_shutdown=5), state)

@@ -36,6 +36,7 @@ class ServerConfig:
     response_store_max_records: int = 1024  # stored Responses kept (least recently used go first)
     response_store_max_mb: float = 256.0  # MiB the stored Responses may take
     reasoning_key_file: str | None = None  # the key of encrypted reasoning (64 hex digits); None: one per process
+    ui: bool = False  # serve the chat page at / (otherwise / answers as /health)
     engine: EngineConfig = field(default_factory=EngineConfig)
 
     def __post_init__(self) -> None:

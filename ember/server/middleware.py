@@ -4,7 +4,7 @@
   status, a last-resort 500 in the route's error shape, one log line per request, and the
   observer told once when the request has ended (metrics, request log, /debug/requests).
 - (Starlette's CORSMiddleware, for the listed origins only, when --cors-origins is given.)
-- Guard: the API key (constant-time), then POST bodies: JSON only (415), at most the size limit (413).
+- Guard: the API key (constant-time; not for health and the chat page's files), then POST bodies: JSON only (415), at most the size limit (413).
 """
 
 from __future__ import annotations
@@ -22,10 +22,16 @@ from ember.protocols.errors import (
 from ember.server.keys import KeyRing
 from ember.server.request_events import log_request
 from ember.server.request_record import RequestRecord
+from ember.server.ui_routes import UI_PREFIX
 
 logger = logging.getLogger("ember.server")
 
-OPEN_PATHS = ("/health", "/v1/health")  # answer without an API key
+OPEN_PATHS = ("/", "/health", "/v1/health")  # answer without an API key ("/" is health or the chat page)
+OPEN_PREFIXES = (UI_PREFIX,)  # the chat page's own files: the page asks for the key itself
+
+
+def is_open_path(path: str) -> bool:
+    return path in OPEN_PATHS or path.startswith(OPEN_PREFIXES)
 
 
 class ClientGone(Exception):
@@ -108,7 +114,7 @@ class GuardMiddleware:
         record = scope.get("ember.record")
         headers = Headers(scope=scope)
         try:
-            if self.keys.required and scope["path"] not in OPEN_PATHS:
+            if self.keys.required and not is_open_path(scope["path"]):
                 tenant = self._check_key(headers)
                 if record is not None:
                     record.tenant = tenant

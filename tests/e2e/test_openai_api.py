@@ -40,6 +40,8 @@ def check_timings(timings: dict, usage: dict) -> None:
 def test_health_and_models(http, model_id, server):
     assert http.get("/health").json()["status"] == "ok"
     assert http.get("/v1/health").status_code == 200
+    root = http.get("/")  # without --ui, / answers as health
+    assert root.headers["content-type"] == "application/json" and root.json()["status"] == "ok"
     # While loading, the fixture saw only "loading" answers before the first "ok".
     assert all(code == 503 and body == {"status": "loading"} for code, body in server.health_seen[:-1])
     models = http.get("/v1/models").json()
@@ -47,6 +49,7 @@ def test_health_and_models(http, model_id, server):
     card = models["data"][0]
     assert card["id"] == model_id == MODEL
     assert card["object"] == "model" and card["max_model_len"] == 1024
+    assert card["capabilities"] == {"reasoning": False, "tool_calls": True}  # SmolLM2's template writes no <think>
     assert http.get(f"/v1/models/{model_id}").json()["id"] == model_id
     missing = http.get("/v1/models/gpt-4o")
     assert missing.status_code == 404

@@ -1,0 +1,62 @@
+"""Headless Chromium for the chat page's tests: Debian's `chromium` package driven by Playwright
+(which cannot download its own browsers here). Tests skip, saying why, when either is missing."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+
+import pytest
+
+CHROMIUM_PATHS = ("chromium", "chromium-browser", "/usr/bin/chromium", "/usr/lib/chromium/chromium")
+WAIT_MS = 180_000  # a reply on a busy 2-core machine; only a bound for a hang, never a timing check
+
+
+def chromium_path() -> str | None:
+    for name in CHROMIUM_PATHS:
+        found = shutil.which(name) or (name if os.path.isfile(name) else None)
+        if found:
+            return found
+    return None
+
+
+@pytest.fixture(scope="session")
+def browser():
+    sync_api = pytest.importorskip("playwright.sync_api", reason="pip install playwright")
+    path = chromium_path()
+    if path is None:
+        pytest.skip("no Chromium: apt-get install chromium")
+    with sync_api.sync_playwright() as playwright:
+        # --no-sandbox: Chromium's sandbox cannot start as root, which CI runs as.
+        launched = playwright.chromium.launch(executable_path=path, headless=True, args=["--no-sandbox"])
+        yield launched
+        launched.close()
+
+
+class PageErrors:
+    """Script errors and console errors (a Content-Security-Policy refusal is one) seen by a page."""
+
+    def __init__(self, page) -> None:
+        self.seen: list[str] = []
+        page.on("pageerror", lambda error: self.seen.append(f"pageerror: {error}"))
+        page.on("console", lambda message: message.type == "error" and self.seen.append(f"console: {message.text}"))
+
+    @property
+    def unexpected(self) -> list[str]:
+        """All but the browser's own note on a refused fetch (a 401 or 429 the page answers itself)."""
+        return [e for e in self.seen if "Failed to load resource" not in e]
+
+
+def wait_until(page, script: str, arg=None, timeout_ms: int = WAIT_MS):
+    """Poll `script` (a function of `arg`) in the page until it returns something true, and return
+    it. Playwright's own wait_for_function evaluates strings in the page, which the page's
+    Content-Security-Policy forbids; evaluate goes through the browser's debugger protocol."""
+    deadline = time.monotonic() + timeout_ms / 1000
+    while True:
+        value = page.evaluate(script, arg)
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"never true in the page: {script}")
+        page.wait_for_timeout(100)
