@@ -37,14 +37,24 @@ def post(url: str, key: str, body: dict, client: httpx.AsyncClient) -> "asyncio.
 def test_a_flooding_tenant_gets_its_own_429_and_the_other_tenant_goes_first(tenants):
     server, _, log = tenants
 
+    async def until(client: httpx.AsyncClient, gauge: str, count: int) -> None:
+        """Until admission's gauge reads `count` (from /metrics, not guessed from time)."""
+        for _ in range(600):
+            text = (await client.get(server.url + "/metrics", headers={"x-api-key": BETA})).text
+            if f"ember:num_requests_{gauge} {float(count)}" in text:
+                return
+            await asyncio.sleep(0.1)
+        raise AssertionError(f"ember:num_requests_{gauge} never read {count}")
+
     async def scenario():
-        async with httpx.AsyncClient(timeout=300) as client:
-            running = asyncio.ensure_future(post(server.url, ALPHA, LONG, client))
-            await asyncio.sleep(0.5)
+        async with httpx.AsyncClient(timeout=600) as client:
+            running = asyncio.ensure_future(post(server.url, ALPHA, {**LONG, "max_tokens": 600}, client))
+            await until(client, "running", 1)
             queued = [asyncio.ensure_future(post(server.url, ALPHA, LONG, client)) for _ in range(2)]
-            await asyncio.sleep(0.5)
+            await until(client, "waiting", 2)
             refused = await post(server.url, ALPHA, LONG, client)
             other = asyncio.ensure_future(post(server.url, BETA, {**LONG, "max_tokens": 4}, client))
+            await until(client, "waiting", 3)
             replies = await asyncio.gather(running, *queued, other)
             return refused, replies
 
