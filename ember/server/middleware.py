@@ -25,7 +25,7 @@ from ember.server.request_record import RequestRecord
 
 logger = logging.getLogger("ember.server")
 
-OPEN_PATHS = ("/health", "/v1/health")  # answer without an API key
+OPEN_PATHS = ("/health", "/v1/health", "/healthz")  # answer without an API key
 
 
 class ClientGone(Exception):
