@@ -33,7 +33,7 @@ def read_sampling(f: Fields, model: ModelInfo, *, logprobs: int | None,
     """The sampling fields both endpoints honour, validated into SamplingParams."""
     values: dict[str, Any] = dict(model.sampling_defaults)
     values["max_tokens"], max_tokens_param = read_max_tokens(f, ("max_completion_tokens", "max_tokens"))
-    names = read_sampling_fields(f, values, stop_names=("stop", "stop_sequences"), stop_limit=MAX_STOP_STRINGS)
+    names = read_shared_sampling(f, values)
     values["stop_token_ids"] = read_token_ids(f, "stop_token_ids", model.vocab_size)
     values["logit_bias"] = read_logit_bias(f, model.vocab_size)
     values["ignore_eos"] = f.boolean("ignore_eos", False)
@@ -41,6 +41,12 @@ def read_sampling(f: Fields, model: ModelInfo, *, logprobs: int | None,
     values["skip_special_tokens"] = f.boolean("skip_special_tokens", True)
     values["logprobs"] = logprobs
     return build_sampling_params(values, {"max_tokens": max_tokens_param, **names, **(rename or {})})
+
+
+def read_shared_sampling(f: Fields, values: dict[str, Any]) -> dict[str, str]:
+    """The sampling fields every OpenAI-style route reads alike (temperature, top_p, top_k, min_p, the
+    penalties, seed, stop under both its names) into `values`; returns renames for refusals."""
+    return read_sampling_fields(f, values, stop_names=("stop", "stop_sequences"), stop_limit=MAX_STOP_STRINGS)
 
 
 def read_token_ids(f: Fields, name: str, vocab_size: int) -> list[int]:

@@ -21,9 +21,9 @@ from ember.protocols.neutral import (
     ChatPrompt, ChoiceResult, Dialect, GenerationRequest, ModelInfo, ResponseMeta, RunResult, build_sampling_params,
 )
 from ember.protocols.chat_reply import REASONING_EFFORTS
-from ember.protocols.openai_common import MAX_STOP_STRINGS, check_model
+from ember.protocols.openai_common import check_model, read_shared_sampling
 from ember.protocols.reasoning_seal import ReasoningSeal
-from ember.protocols.sampling_fields import read_max_tokens, read_sampling_fields, read_single_choice
+from ember.protocols.sampling_fields import read_max_tokens, read_single_choice
 from ember.protocols.responses_items import new_item_id, read_input, to_messages
 from ember.protocols.responses_tools import ToolRef, read_tool_choice, read_tools, unwrap_call
 from ember.protocols.structured import GrammarSpec, check_grammar_with_tools, read_flat_format
@@ -223,7 +223,7 @@ def read_sampling(f: Fields, model: ModelInfo):
     values: dict[str, Any] = dict(model.sampling_defaults)
     values["max_tokens"], max_tokens_param = read_max_tokens(
         f, ("max_output_tokens", "max_tokens", "max_completion_tokens"))
-    names = read_sampling_fields(f, values, stop_names=("stop", "stop_sequences"), stop_limit=MAX_STOP_STRINGS)
+    names = read_shared_sampling(f, values)
     values["ignore_eos"] = f.boolean("ignore_eos", False)
     return build_sampling_params(values, {"max_tokens": max_tokens_param, **names})
 
