@@ -8,6 +8,8 @@ must fit in the cache on its own. For a prompt of P tokens, the room is window -
   ContextLengthExceeded; the Anthropic dialect words it as Anthropic does);
 - with no max_tokens the reply may run to the window's end, or to the server's default limit
   (`--default-max-tokens`) if that is smaller;
+- a max_tokens of 0 asks for the prompt alone: it must fit as any prompt does, and it is prefilled
+  (its full blocks then serve later requests from the prefix cache) with no token generated;
 - a max_tokens beyond the room is capped to the room over HTTP (`over_room="cap"`: the reply
   then ends with `length`, Anthropic's `model_context_window_exceeded`), since agents routinely
   ask for more than a small window holds; the Python API refuses it with both numbers

@@ -22,7 +22,7 @@ class FinishReason(str, enum.Enum):
 class SamplingParams:
     """How to pick tokens and when to stop. Validated on construction."""
 
-    max_tokens: int | None = 16  # None: up to the end of the context window
+    max_tokens: int | None = 16  # None: up to the end of the context window; 0: the prompt is only prefilled
     temperature: float = 1.0  # 0 means greedy
     top_k: int = 0  # 0 or -1: off
     top_p: float = 1.0
@@ -44,7 +44,7 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        _check_int("max_tokens", self.max_tokens, low=1, optional=True)
+        _check_int("max_tokens", self.max_tokens, low=0, optional=True)
         _check_float("temperature", self.temperature, 0.0, 100.0)
         _check_int("top_k", self.top_k, low=-1)
         _check_float("top_p", self.top_p, 0.0, 1.0)

@@ -190,13 +190,13 @@ class EngineCore:
                                           - item.start)
             if item.num_new_tokens == 1 and item.start >= request.num_prompt_tokens:
                 num_decode_tokens += 1
-            new_tokens = result.sampled.get(request.request_id)
-            if not new_tokens:
+            new_tokens = result.sampled.get(request.request_id, [])
+            finished = request.status.is_finished  # with no new token: a prompt-only request (max_tokens 0)
+            if not new_tokens and not finished:
                 if request.request_id in self._progress_ids:
                     outputs.append(self._progress_output(request))
                 continue
             counters.generation_tokens += len(new_tokens)
-            finished = request.status.is_finished
             outputs.append(StepOutput(
                 request_id=request.request_id,
                 new_token_ids=new_tokens,
@@ -238,6 +238,7 @@ class EngineCore:
             self.counters,
             num_running=self.scheduler.num_running,
             num_waiting=self.scheduler.num_waiting,
+            num_prefilling=self.scheduler.num_prefilling,
             kv_blocks_total=kv.num_blocks - 1,
             kv_blocks_used=kv.num_used_blocks,
             kv_blocks_cached=kv.num_cached_blocks,

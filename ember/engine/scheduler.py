@@ -69,7 +69,8 @@ class ScheduledRequest:
     samples: bool = field(init=False)
 
     def __post_init__(self) -> None:
-        self.samples = self.start + self.num_new_tokens == self.request.num_tokens
+        reaches_end = self.start + self.num_new_tokens == self.request.num_tokens
+        self.samples = reaches_end and self.request.max_tokens > 0  # max_tokens 0: the prompt only
 
 
 @dataclass(slots=True)
@@ -124,6 +125,10 @@ class Scheduler:
     @property
     def num_running(self) -> int:
         return len(self.running)
+
+    @property
+    def num_prefilling(self) -> int:
+        return sum(1 for r in self.running if r.num_computed_tokens < r.num_prompt_tokens)
 
     @property
     def num_waiting(self) -> int:
@@ -222,6 +227,10 @@ class Scheduler:
                 continue  # finished or aborted since schedule()
             request.num_computed_tokens += entry.num_new_tokens
             self.kv_cache.cache_full_blocks(request)
+            if request.max_tokens == 0 and request.num_computed_tokens == request.num_tokens:
+                self._finish(request, RequestStatus.FINISHED_LENGTH)  # prefilled, its full blocks cached
+                finished.append(request)
+                continue
             if not entry.samples:
                 continue
             for token_id in sampled.get(request.request_id, ()):

@@ -33,6 +33,7 @@ class EngineCounters:
 class EngineStats:
     num_running: int
     num_waiting: int
+    num_prefilling: int  # running requests whose prompt is not yet computed
     kv_blocks_total: int  # allocatable blocks (the null block excluded)
     kv_blocks_used: int
     kv_blocks_cached: int  # free blocks still holding reusable prefix KV

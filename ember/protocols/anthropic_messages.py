@@ -22,11 +22,13 @@ from ember.protocols.chat_reply import (
 from ember.protocols.errors import unsupported
 from ember.protocols.fields import Fields, as_string, json_type
 from ember.protocols.neutral import ChatPrompt, Dialect, GenerationRequest, ModelInfo, build_sampling_params
+from ember.protocols.sampling_fields import read_max_tokens, read_sampling_fields, read_single_choice
 from ember.protocols.structured import GrammarSpec, check_grammar_with_tools, read_flat_format
 
 BILLING_HEADER = "x-anthropic-billing-header:"
 MIN_THINKING_BUDGET = 1024
 MAX_STOP_SEQUENCES = 64
+MAX_TOKENS_NAMES = ("max_tokens", "max_completion_tokens")
 ROLES = ("user", "assistant", "system")
 EFFORTS = {"low": "low", "medium": "medium", "high": "high", "xhigh": "xhigh", "max": "xhigh"}
 # Blocks a text-only model without Anthropic's server tools cannot take, and why.
@@ -66,7 +68,7 @@ def _parse(body: Any, model: ModelInfo, *, counting: bool) -> MessagesRequest:
     for name, reason in REFUSED_FIELDS.items():
         if f.has(name) and f.raw(name) != []:
             raise unsupported(name, f"{name} is not supported: {reason}")
-    max_tokens = None if counting else f.integer("max_tokens", low=1)
+    max_tokens, max_tokens_param = (None, "max_tokens") if counting else read_max_tokens(f, MAX_TOKENS_NAMES)
     messages = join_leading_system(read_system(f), read_messages(f))
     tools = read_tools(f)
     if tools and model.chat.tool_format is None:
@@ -90,7 +92,11 @@ def _parse(body: Any, model: ModelInfo, *, counting: bool) -> MessagesRequest:
                           reasoning_effort=effort)
     prompt = ChatPrompt(messages, template_kwargs, template_tools(options.tools) if options.calls_tools else None,
                         add_generation_prompt=not prefill)
-    params = read_sampling(f, model, max_tokens) if not counting else build_sampling_params({"max_tokens": None})
+    if counting:
+        params = build_sampling_params({"max_tokens": None})
+    else:
+        params = read_sampling(f, model, max_tokens, max_tokens_param)
+        read_single_choice(f, "a message")
     stream = False if counting else f.boolean("stream", False)
     f.object("metadata")
     f.string("service_tier")
@@ -407,20 +413,14 @@ def read_output_config(f: Fields) -> tuple[str | None, GrammarSpec | None]:
     return (EFFORTS[effort] if effort is not None else None), grammar
 
 
-def read_sampling(f: Fields, model: ModelInfo, max_tokens: int | None):
+def read_sampling(f: Fields, model: ModelInfo, max_tokens: int | None, max_tokens_param: str):
+    """Anthropic's sampling fields plus the ones other servers take on this route (min_p, the
+    penalties, seed, stop)."""
     values: dict[str, Any] = dict(model.sampling_defaults)
     values["max_tokens"] = max_tokens
-    for name in ("temperature", "top_p"):
-        if f.has(name):
-            values[name] = f.number(name)
-    if f.has("top_k"):
-        values["top_k"] = f.integer("top_k", low=0)
-    stops = f.array("stop_sequences") or []
-    if len(stops) > MAX_STOP_SEQUENCES:
-        raise InvalidRequest(f"stop_sequences holds {len(stops)} strings; at most {MAX_STOP_SEQUENCES} are allowed",
-                             param="stop_sequences")
-    values["stop"] = [as_string(s, f"stop_sequences[{i}]", non_empty=True) for i, s in enumerate(stops)]
-    return build_sampling_params(values, {"stop": "stop_sequences"})
+    f.integer("top_k", low=0)  # 0 is off; Anthropic has no -1
+    names = read_sampling_fields(f, values, stop_names=("stop_sequences", "stop"), stop_limit=MAX_STOP_SEQUENCES)
+    return build_sampling_params(values, {"max_tokens": max_tokens_param, **names})
 
 
 MESSAGES = Dialect(name="messages", id_prefix="msg_", parse=parse_messages, renderer=MessagesRenderer,

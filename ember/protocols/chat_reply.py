@@ -20,6 +20,28 @@ AUTO, NONE, REQUIRED, FUNCTION = "auto", "none", "required", "function"
 REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
 MAX_TOOLS = 128
 TOOL_NAME = re.compile(r"[A-Za-z0-9_.:\-]{1,128}")  # what every dialect accepts as a tool's name
+# Template arguments a request may not override: they belong to the server.
+RESERVED_TEMPLATE_KWARGS = ("messages", "conversation", "tools", "documents", "tokenize", "chat_template",
+                            "return_dict", "return_tensors", "tokenizer_kwargs")
+
+
+def read_template_kwargs(f: Fields, reserved: tuple[str, ...] = ()) -> dict[str, Any]:
+    """chat_template_kwargs, passed to the chat template as they are; the server's own arguments
+    (and `reserved`, a dialect's) may not be set."""
+    kwargs: dict[str, Any] = {}
+    options = f.object("chat_template_kwargs")
+    if options is not None:
+        for key, value in options.obj.items():
+            if key in RESERVED_TEMPLATE_KWARGS or key in reserved:
+                raise InvalidRequest(f"chat_template_kwargs may not set '{key}'", param=options.at(key))
+            kwargs[key] = value
+    return kwargs
+
+
+def read_thinking_budget(f: Fields) -> int | None:
+    """thinking_budget: reasoning tokens before ember closes the think block (0 or absent: None,
+    the server's default)."""
+    return f.integer("thinking_budget", low=0) or None
 
 
 def tool_items(f: Fields) -> list:

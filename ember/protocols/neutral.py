@@ -8,6 +8,7 @@ choices on the engine and feeds each output into a `RunResult`, which the dialec
 from __future__ import annotations
 
 import dataclasses
+import secrets
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol, Union
@@ -142,10 +143,10 @@ def encode_prompt(prompt: Prompt, tokenizer, tool_format=None) -> list[int]:
 def resolve_sampling(request: GenerationRequest, num_prompt_tokens: int, model: ModelInfo,
                      params: SamplingParams | None = None, prompt_param: str | None = None
                      ) -> tuple[SamplingParams, OutputFit]:
-    """The request's SamplingParams (or a batch prompt's `params`) with max_tokens fitted to the
-    room the prompt leaves, by the rule in ember.context_window (over HTTP a max_tokens beyond the
-    room is capped), and the fit."""
-    params = params if params is not None else request.params
+    """The request's SamplingParams (or a batch prompt's `params`) as they run: max_tokens fitted to
+    the room the prompt leaves, by the rule in ember.context_window (over HTTP a max_tokens beyond
+    the room is capped), and a seed drawn for a sampled request that names none; and the fit."""
+    params = draw_seed(params if params is not None else request.params)
     fit = fit_output(model.window, num_prompt_tokens, params.max_tokens, default_max_tokens=model.default_max_tokens,
                      prompt_param=prompt_param or request.prompt_param)
     if params.min_tokens > fit.max_tokens:
@@ -154,6 +155,14 @@ def resolve_sampling(request: GenerationRequest, num_prompt_tokens: int, model: 
     if fit.max_tokens != params.max_tokens:
         params = dataclasses.replace(params, max_tokens=fit.max_tokens)
     return params, fit
+
+
+def draw_seed(params: SamplingParams) -> SamplingParams:
+    """A sampled request without a seed gets a fresh one here, before the engine, so that the seed
+    it ran with can be logged and the reply reproduced. Greedy requests need none."""
+    if params.seed is not None or params.greedy:
+        return params
+    return dataclasses.replace(params, seed=secrets.randbits(63))
 
 
 def build_sampling_params(values: dict[str, Any], rename: dict[str, str] | None = None) -> SamplingParams:
@@ -190,6 +199,16 @@ class ChoiceResult:
     error: str | None = None
     parser: ReplyParser | None = None  # chat replies with reasoning or tools
     events: list[ReplyEvent] = field(default_factory=list)  # what the latest output added
+
+    @property
+    def matched_stop(self) -> str | int | None:
+        """What ended the reply: the stop string or token id, or the end-of-sequence token (the
+        engine's other way to stop); None when it did not stop (length, abort, error)."""
+        if self.finish_reason != FinishReason.STOP:
+            return None
+        if self.stop_reason is not None:
+            return self.stop_reason
+        return self.token_ids[-1] if self.token_ids else None
 
     @property
     def reply(self) -> ParsedReply:

@@ -8,7 +8,7 @@ from typing import Any
 from ember.errors import InvalidRequest
 from ember.protocols.errors import OPENAI_ERRORS, unsupported
 from ember.protocols.fields import Fields, as_string, json_type
-from ember.protocols.chat_reply import template_tools
+from ember.protocols.chat_reply import read_template_kwargs, template_tools
 from ember.protocols.neutral import ChatPrompt, ChoiceResult, Dialect, GenerationRequest, ModelInfo
 from ember.protocols.openai_chat_options import read_chat_options
 from ember.protocols.openai_common import (
@@ -26,9 +26,6 @@ ROLES = {"system": "system", "developer": "system", "user": "user", "assistant":
          "tool": "tool", "function": "tool"}
 # Content parts a text-only model cannot read.
 MEDIA_PARTS = ("image_url", "input_image", "input_audio", "audio_url", "video_url", "file", "input_file")
-# Template arguments a request may not override: they belong to the server.
-RESERVED_TEMPLATE_KWARGS = ("messages", "conversation", "tools", "documents", "tokenize", "chat_template",
-                            "return_dict", "return_tensors", "tokenizer_kwargs")
 
 
 def parse_chat(body: Any, model: ModelInfo) -> GenerationRequest:
@@ -168,13 +165,7 @@ def refuse_unsupported_outputs(f: Fields) -> None:
 
 def read_template_options(f: Fields) -> tuple[dict[str, Any], bool]:
     """chat_template_kwargs reach the template; continue_final_message extends the last assistant turn."""
-    kwargs: dict[str, Any] = {}
-    options = f.object("chat_template_kwargs")
-    if options is not None:
-        for key, value in options.obj.items():
-            if key in RESERVED_TEMPLATE_KWARGS:
-                raise InvalidRequest(f"chat_template_kwargs may not set '{key}'", param=options.at(key))
-            kwargs[key] = value
+    kwargs = read_template_kwargs(f)
     add_generation_prompt = f.boolean("add_generation_prompt", kwargs.pop("add_generation_prompt", True))
     if not isinstance(add_generation_prompt, bool):
         raise InvalidRequest("add_generation_prompt must be true or false",
@@ -234,6 +225,9 @@ class ChatRenderer(OpenAIRenderer):
         if choice.finish_reason in (FinishReason.STOP, FinishReason.LENGTH) and choice.reply.tool_calls:
             return "tool_calls"
         return finish_reason(choice.finish_reason)
+
+    def finish_extra(self, choice: ChoiceResult) -> dict[str, Any]:
+        return {"matched_stop": choice.matched_stop}
 
     def choice_body(self, choice) -> dict[str, Any]:
         logprobs = self.request.params.logprobs is not None

@@ -16,7 +16,8 @@ from typing import Any
 from ember.errors import InvalidRequest
 from ember.parsers.events import ToolSpec
 from ember.protocols.chat_reply import (
-    AUTO, FUNCTION, NONE, REQUIRED, REASONING_EFFORTS, ChatOptions, declare_tool, tool_items, tool_name, tool_schema,
+    AUTO, FUNCTION, NONE, REQUIRED, REASONING_EFFORTS, ChatOptions, declare_tool, read_thinking_budget, tool_items,
+    tool_name, tool_schema,
 )
 from ember.protocols.errors import unsupported
 from ember.protocols.fields import Fields
@@ -33,7 +34,7 @@ def read_chat_options(f: Fields, template_kwargs: dict[str, Any], model: ModelIn
     if chosen is not None:
         tools = chosen
     thinking, effort = read_thinking(f, template_kwargs)
-    budget = f.integer("thinking_budget", low=0) or None
+    budget = read_thinking_budget(f)
     return ChatOptions(tools=tuple(tools), tool_choice=choice, parallel_tool_calls=f.boolean("parallel_tool_calls", True),
                        thinking=thinking, thinking_budget=budget, reasoning_effort=effort)
 

@@ -8,16 +8,16 @@ from typing import Any, Callable
 
 from ember.errors import EmberError, InvalidRequest
 from ember.protocols.errors import ModelNotFound, openai_error_body
-from ember.protocols.fields import Fields, as_integer, as_number, as_string, json_type
+from ember.protocols.fields import Fields, as_integer, as_number
 from ember.protocols.neutral import GenerationRequest, ModelInfo, ResponseMeta, RunResult, build_sampling_params
 from ember.protocols.progress import PromptProgress, running_timings
+from ember.protocols.sampling_fields import read_max_tokens, read_sampling_fields
 from ember.protocols.sse import DONE, ServerEvent
 from ember.types import FinishReason, GenerationOutput, SamplingParams, TokenLogprob
 
 MAX_CHOICES = 8
 MAX_STOP_STRINGS = 16
 MAX_TOP_LOGPROBS = 20
-_SEED_RANGE = (-(1 << 63), (1 << 64) - 1)
 
 FINISH_REASONS = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length"}
 
@@ -32,47 +32,21 @@ def read_sampling(f: Fields, model: ModelInfo, *, logprobs: int | None,
                   rename: dict[str, str] | None = None) -> SamplingParams:
     """The sampling fields both endpoints honour, validated into SamplingParams."""
     values: dict[str, Any] = dict(model.sampling_defaults)
-    max_tokens = f.integer("max_completion_tokens", low=1)
-    max_tokens_param = "max_completion_tokens"
-    if max_tokens is None:
-        max_tokens, max_tokens_param = f.integer("max_tokens", low=1), "max_tokens"
-    values["max_tokens"] = max_tokens
-    read_shared_sampling(f, values)
+    values["max_tokens"], max_tokens_param = read_max_tokens(f, ("max_completion_tokens", "max_tokens"))
+    names = read_shared_sampling(f, values)
     values["stop_token_ids"] = read_token_ids(f, "stop_token_ids", model.vocab_size)
     values["logit_bias"] = read_logit_bias(f, model.vocab_size)
     values["ignore_eos"] = f.boolean("ignore_eos", False)
     values["min_tokens"] = f.integer("min_tokens", 0, low=0)
     values["skip_special_tokens"] = f.boolean("skip_special_tokens", True)
     values["logprobs"] = logprobs
-    names = {"max_tokens": max_tokens_param, **(rename or {})}
-    return build_sampling_params(values, names)
+    return build_sampling_params(values, {"max_tokens": max_tokens_param, **names, **(rename or {})})
 
 
-def read_shared_sampling(f: Fields, values: dict[str, Any]) -> None:
-    """The sampling fields every OpenAI dialect reads alike: temperature, top_p, top_k, min_p, the
-    penalties, seed and stop."""
-    for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
-        if f.has(name):
-            values[name] = f.number(name)
-    if f.has("top_k"):
-        values["top_k"] = f.integer("top_k")
-    values["seed"] = f.integer("seed", low=_SEED_RANGE[0], high=_SEED_RANGE[1])
-    values["stop"] = read_stop(f)
-
-
-def read_stop(f: Fields) -> list[str]:
-    stop = f.raw("stop")
-    if stop is None:
-        return []
-    if isinstance(stop, str):
-        stop = [stop]
-    elif not isinstance(stop, list):
-        raise InvalidRequest(f"stop must be a string or an array of strings, not {json_type(stop)}", param="stop")
-    if len(stop) > MAX_STOP_STRINGS:
-        raise InvalidRequest(f"stop holds {len(stop)} strings; at most {MAX_STOP_STRINGS} are allowed", param="stop")
-    for i, item in enumerate(stop):
-        as_string(item, f"stop[{i}]", non_empty=True)
-    return list(stop)
+def read_shared_sampling(f: Fields, values: dict[str, Any]) -> dict[str, str]:
+    """The sampling fields every OpenAI-style route reads alike (temperature, top_p, top_k, min_p, the
+    penalties, seed, stop under both its names) into `values`; returns renames for refusals."""
+    return read_sampling_fields(f, values, stop_names=("stop", "stop_sequences"), stop_limit=MAX_STOP_STRINGS)
 
 
 def read_token_ids(f: Fields, name: str, vocab_size: int) -> list[int]:
@@ -124,6 +98,7 @@ def usage_body(result: RunResult) -> dict[str, Any]:
     reasoning = result.num_reasoning_tokens
     if reasoning is not None:
         body["completion_tokens_details"] = {"reasoning_tokens": reasoning}
+    body["reasoning_tokens"] = reasoning or 0  # the flat spelling some clients read
     return body
 
 
@@ -200,7 +175,7 @@ class OpenAIRenderer:
             events.append(self.chunk([entry], **self.delta_extra()))
         if choice.finish_reason is not None and output.finish_reason is not None:
             events.append(self.chunk([{"index": choice.index, **self.empty_delta, "logprobs": None,
-                                       "finish_reason": self.finish_reason(choice)}],
+                                       "finish_reason": self.finish_reason(choice), **self.finish_extra(choice)}],
                                      **self.closing_extra()))
         return events
 
@@ -214,11 +189,16 @@ class OpenAIRenderer:
     def finish_reason(self, choice) -> str | None:
         return finish_reason(choice.finish_reason)
 
+    def finish_extra(self, choice) -> dict[str, Any]:
+        """The dialect's fields beside a finished choice's finish_reason (whole and streamed)."""
+        return {}
+
     def whole_response(self, obj: str) -> dict[str, Any]:
         """The non-streamed body: every choice, usage and timings."""
         choices = []
         for choice in self.result.choices:
-            entry = {"index": choice.index, **self.choice_body(choice), "finish_reason": self.finish_reason(choice)}
+            entry = {"index": choice.index, **self.choice_body(choice), "finish_reason": self.finish_reason(choice),
+                     **self.finish_extra(choice)}
             if self.request.return_token_ids:
                 entry["token_ids"] = choice.token_ids
             choices.append(entry)
@@ -255,4 +235,6 @@ class OpenAIRenderer:
         return events
 
     def stream_error(self, error: EmberError) -> list[ServerEvent]:
-        return [ServerEvent(openai_error_body(error)), ServerEvent(DONE)]
+        """An error event that names the request (its x-request-id), then [DONE]."""
+        body = {**openai_error_body(error), "request_id": self.meta.request_id}
+        return [ServerEvent(body), ServerEvent(DONE)]

@@ -14,7 +14,7 @@ from typing import Any, Callable
 
 from ember.errors import EmberError, InvalidRequest
 from ember.parsers.events import ContentText, ReasoningText, ReplyEvent, ToolCall
-from ember.protocols.chat_reply import ChatOptions, template_tools
+from ember.protocols.chat_reply import ChatOptions, read_template_kwargs, read_thinking_budget, template_tools
 from ember.protocols.errors import OPENAI_ERRORS, unsupported
 from ember.protocols.fields import Fields
 from ember.protocols.neutral import (
@@ -23,6 +23,7 @@ from ember.protocols.neutral import (
 from ember.protocols.chat_reply import REASONING_EFFORTS
 from ember.protocols.openai_common import check_model, read_shared_sampling
 from ember.protocols.reasoning_seal import ReasoningSeal
+from ember.protocols.sampling_fields import read_max_tokens, read_single_choice
 from ember.protocols.responses_items import new_item_id, read_input, to_messages
 from ember.protocols.responses_tools import ToolRef, read_tool_choice, read_tools, unwrap_call
 from ember.protocols.structured import GrammarSpec, check_grammar_with_tools, read_flat_format
@@ -97,19 +98,20 @@ def parse_responses(body: Any, model: ModelInfo, context: ResponsesContext) -> R
     text_echo, grammar = read_text(f)
     check_grammar_with_tools(grammar, choice, "tool_choice")
     parallel = f.boolean("parallel_tool_calls", True)
-    template_kwargs: dict[str, Any] = {}
+    template_kwargs = read_template_kwargs(f, reserved=("add_generation_prompt", "continue_final_message"))
     reasoning_echo, thinking, effort = read_reasoning(f, template_kwargs)
     options = ChatOptions(tools=tuple(callable_tools), tool_choice=choice, parallel_tool_calls=parallel,
-                          thinking=thinking, reasoning_effort=effort)
+                          thinking=thinking, thinking_budget=read_thinking_budget(f), reasoning_effort=effort)
 
     paths = [None] * len(history) + ["input" if isinstance(f.raw("input"), str) else f"input[{i}]"
                                      for i in range(len(input_items))]
     messages = to_messages(history + tuple(input_items), paths, instructions)
     prompt = ChatPrompt(messages, template_kwargs, template_tools(options.tools) if options.calls_tools else None)
     params = read_sampling(f, model)
+    read_single_choice(f, "a response")
     stream = f.boolean("stream", False)
     echo = {
-        "instructions": instructions, "max_output_tokens": f.raw("max_output_tokens"),
+        "instructions": instructions, "max_output_tokens": params.max_tokens,
         "max_tool_calls": f.integer("max_tool_calls", low=0), "metadata": read_metadata(f),
         "parallel_tool_calls": parallel, "previous_response_id": previous,
         "prompt_cache_key": f.string("prompt_cache_key"), "reasoning": reasoning_echo,
@@ -149,16 +151,26 @@ def read_include(f: Fields) -> bool:
 
 
 def read_reasoning(f: Fields, template_kwargs: dict[str, Any]) -> tuple[dict[str, Any], bool | None, str | None]:
-    """(the reasoning object the response repeats, thinking on/off or None, the effort)."""
+    """(the reasoning object the response repeats, thinking on/off or None, the effort). The
+    template's switch may also come from chat_template_kwargs.enable_thinking; a contradiction
+    with reasoning.effort is refused."""
+    thinking = template_kwargs.get("enable_thinking")
+    if thinking is not None and not isinstance(thinking, bool):
+        raise InvalidRequest("chat_template_kwargs.enable_thinking must be true or false",
+                             param="chat_template_kwargs.enable_thinking")
     reasoning = f.object("reasoning")
     if reasoning is None:
-        return {"effort": None, "summary": None}, None, None
+        return {"effort": None, "summary": None}, thinking, None
     effort = reasoning.string("effort", choices=REASONING_EFFORTS)
     summary = reasoning.string("summary", choices=("auto", "concise", "detailed"))
     reasoning.string("generate_summary", choices=("auto", "concise", "detailed"))
-    thinking = None
     if effort is not None:
-        thinking = effort != "none"
+        wants_thinking = effort != "none"
+        if thinking is not None and thinking != wants_thinking:
+            raise InvalidRequest(f"reasoning.effort '{effort}' contradicts chat_template_kwargs.enable_thinking "
+                                 f"{str(thinking).lower()}", param="reasoning.effort",
+                                 code="conflicting_template_option")
+        thinking = wants_thinking
         template_kwargs["enable_thinking"] = thinking
         if thinking:
             template_kwargs["reasoning_effort"] = effort
@@ -209,9 +221,11 @@ def read_service_tier(f: Fields) -> str:
 
 def read_sampling(f: Fields, model: ModelInfo):
     values: dict[str, Any] = dict(model.sampling_defaults)
-    values["max_tokens"] = f.integer("max_output_tokens", low=1)
-    read_shared_sampling(f, values)
-    return build_sampling_params(values, {"max_tokens": "max_output_tokens"})
+    values["max_tokens"], max_tokens_param = read_max_tokens(
+        f, ("max_output_tokens", "max_tokens", "max_completion_tokens"))
+    names = read_shared_sampling(f, values)
+    values["ignore_eos"] = f.boolean("ignore_eos", False)
+    return build_sampling_params(values, {"max_tokens": max_tokens_param, **names})
 
 
 # ---- output items ---------------------------------------------------------------------------------
@@ -414,12 +428,14 @@ class ResponsesRenderer:
         return self.close_open("incomplete") + self.failed(error)
 
     def failed(self, error: EmberError) -> list[ServerEvent]:
+        """An `error` event, then `response.failed` with the final object."""
         detail = {"code": "server_error", "message": error.message}
+        notice = self.event("error", code=error.code or error.type, message=error.message, param=error.param)
         try:
             body = self.finish("failed", detail)
         except EmberError:
             body = self.response_object("failed", detail)
-        return [self.event("response.failed", response=body)]
+        return [notice, self.event("response.failed", response=body)]
 
     def response(self) -> dict[str, Any]:
         reply = self.result.choices[0].reply

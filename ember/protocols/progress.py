@@ -8,7 +8,7 @@ from typing import Any
 
 from ember.protocols.fields import Fields
 from ember.protocols.neutral import RunResult
-from ember.types import GenerationOutput
+from ember.types import FinishReason, GenerationOutput
 
 
 def read_stream_extras(f: Fields) -> tuple[bool, bool]:
@@ -33,7 +33,7 @@ class PromptProgress:
     def update(self, output: GenerationOutput) -> list[dict[str, Any]]:
         if self.done:
             return []
-        if output.new_token_ids:
+        if output.new_token_ids or output.finish_reason == FinishReason.LENGTH:  # a token, or a prompt-only end
             processed, self.done = self.total, True
         elif output.finished:  # ended without a token (an error, an abort): nothing more to report
             self.done = True

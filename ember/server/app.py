@@ -93,6 +93,8 @@ def _add_routes(app: FastAPI, state: ServerState, observability: Observability) 
     app.add_api_route("/health", health, methods=["GET"], summary="Readiness and counters", **health_docs)
     app.add_api_route("/v1/health", health, methods=["GET"], summary="Readiness (same as /health)",
                       include_in_schema=False)
+    app.add_api_route("/healthz", health, methods=["GET"], summary="Readiness (same as /health)",
+                      include_in_schema=False)
     add_ui_routes(app, state.config.ui, health)
 
     def model_card() -> dict:
@@ -147,15 +149,24 @@ def health_counters(state: ServerState, observability: Observability, stats: dic
         "requests_waiting": state.admission.num_waiting,
         "requests_finished": observability.requests_finished,
     }
+    # The same numbers under the names other servers' pollers read.
+    running, waiting = body["requests_running"], body["requests_waiting"]
+    body.update(busy=running + waiting > 0, live_rows=running, waiting=waiting,
+                requests_total=observability.requests_finished + running,
+                context_length=state.model.window.tokens)
     invariance = state.loaded.batch_invariance
     if invariance:
         body.update(batch_invariant=invariance["holds"], batch_invariant_reason=invariance["reason"])
     if stats is not None:
+        prefilling = stats.get("num_prefilling", 0)
         body.update(prompt_tokens_total=stats.get("admitted_prompt_tokens"),
                     cached_tokens_total=stats.get("cached_prompt_tokens"),
                     completion_tokens_total=stats.get("generation_tokens"),
                     prefill_seconds_total=stats.get("prefill_seconds"),
                     decode_seconds_total=stats.get("decode_seconds"),
+                    rounds_total=stats.get("num_steps"),
+                    streams={"decoding": stats.get("num_running", 0) - prefilling, "prefilling": prefilling,
+                             "max": state.config.max_running},
                     engine=stats)
     return body
 

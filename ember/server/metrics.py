@@ -20,9 +20,10 @@ from ember.server.request_events import finish_label
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 _TOKEN_TIME_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 1, 2.5, 5)
 # The route label of the other routes: a fixed set, since a path may be anything a client sends.
-_ROUTE_LABELS = {"/health": "health", "/v1/health": "health", "/metrics": "metrics", "/v1/models": "models",
-                 "/openapi.json": "openapi", "/debug/requests": "debug", "/v1/messages/count_tokens": "count_tokens",
-                 "/v1/responses/input_tokens": "input_tokens", "/tokenize": "tokenize", "/detokenize": "detokenize"}
+_ROUTE_LABELS = {"/health": "health", "/v1/health": "health", "/healthz": "health", "/metrics": "metrics",
+                 "/v1/models": "models", "/openapi.json": "openapi", "/debug/requests": "debug",
+                 "/v1/messages/count_tokens": "count_tokens", "/v1/responses/input_tokens": "input_tokens",
+                 "/tokenize": "tokenize", "/detokenize": "detokenize"}
 
 # name -> (EngineStats field, help)
 ENGINE_GAUGES = {

@@ -26,7 +26,7 @@ from ember.server.ui_routes import UI_PREFIX
 
 logger = logging.getLogger("ember.server")
 
-OPEN_PATHS = ("/", "/health", "/v1/health")  # answer without an API key ("/" is health or the chat page)
+OPEN_PATHS = ("/", "/health", "/v1/health", "/healthz")  # answer without an API key ("/" is health or the chat page)
 OPEN_PREFIXES = (UI_PREFIX,)  # the chat page's own files: the page asks for the key itself
 
 

@@ -156,6 +156,11 @@ HEALTH = {
                    "requests_finished": _TOTAL, "prompt_tokens_total": _TOTAL, "cached_tokens_total": _TOTAL,
                    "completion_tokens_total": _TOTAL, "prefill_seconds_total": _TOTAL,
                    "decode_seconds_total": _TOTAL,
+                   "busy": {"type": "boolean", "description": "A request is running or waiting."},
+                   "live_rows": _INTEGER, "waiting": _INTEGER, "requests_total": _TOTAL, "rounds_total": _TOTAL,
+                   "context_length": _INTEGER,
+                   "streams": {"type": "object", "description": "Engine sequences decoding and prefilling, and the "
+                               "most that run at once."},
                    "batch_invariant": {"type": "boolean", "description": "Whether a greedy or seeded request gets the "
                                        "same bits alone as in any batch, as checked on this processor at startup."},
                    "batch_invariant_reason": {"type": "string", "description": "How the check decided, or why "

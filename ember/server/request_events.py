@@ -16,7 +16,7 @@ from ember.types import FinishReason, SamplingParams
 
 logger = logging.getLogger("ember.request")
 
-_QUIET_PATHS = ("/health", "/v1/health", "/metrics")  # logged at debug level: probes would drown the rest
+_QUIET_PATHS = ("/health", "/v1/health", "/healthz", "/metrics")  # logged at debug level: probes would drown the rest
 
 _SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty",
                     "frequency_penalty", "seed", "max_tokens", "min_tokens", "ignore_eos", "logprobs",
@@ -92,6 +92,7 @@ def telemetry(record: RequestRecord) -> dict[str, Any]:
     if record.admitted is None:  # refused before it ran
         return {**entry, "outcome": "rejected", **_error_fields(record)}
     entry["outcome"] = "done" if terminal_kind(record) == "request_done" else "error"
+    entry["sampling"] = sampling_summary(record.params)  # the seed it ran with included: a reply can be redone
     result = record.result
     choices = result.choices if result is not None else []
     timings = result.timings() if result is not None else {}

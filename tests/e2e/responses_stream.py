@@ -52,7 +52,12 @@ def check_stream(events: list[tuple[str | None, dict]]) -> dict:
 
     items: list[dict] = []
     current: dict | None = None
-    for data in datas[2:-1]:
+    body = datas[2:-1]
+    if types[-1] == "response.failed":
+        assert types[-2] == "error", "a failed stream sends an error event just before response.failed"
+        assert datas[-2]["message"]
+        body = datas[2:-2]
+    for data in body:
         kind = data["type"]
         if kind == "response.output_item.added":
             assert current is None, "items do not interleave"

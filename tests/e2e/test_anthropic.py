@@ -346,7 +346,7 @@ REFUSALS = [
                    {"role": "user", "content": "go on"}]}, "server_tool_use"),
     ({"tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "web_search_20250305"),
     ({"tools": [{"type": "bash_20250124", "name": "bash"}]}, "bash_20250124"),
-    ({"max_tokens": 0}, "max_tokens"),
+    ({"max_tokens": -1}, "max_tokens"),
     ({"model": ""}, "model"),
     ({"thinking": {"type": "enabled", "budget_tokens": 512}, "max_tokens": 2000}, "budget_tokens"),
     ({"thinking": {"type": "enabled", "budget_tokens": 2048}, "max_tokens": 2000}, "budget_tokens"),

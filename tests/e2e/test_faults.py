@@ -46,7 +46,7 @@ async def with_app(loader, scenario, config=CONFIG):
     app = create_app(config, loader=loader)
     async with app.router.lifespan_context(app):
         transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=60) as client:
+        async with httpx.AsyncClient(transport=transport, base_url="http://localhost", timeout=60) as client:
             await scenario(client)
 
 

@@ -258,7 +258,7 @@ def test_hosted_tools_are_not_offered_and_cannot_be_forced(client, model_id, htt
     ({"tools": [{"type": "no_such_tool"}]}, "tools[0].type"),
     ({"tool_choice": {"type": "function", "name": "get_weather"}}, "tool_choice.name"),
     ({"reasoning": {"effort": "extreme"}}, "reasoning.effort"),
-    ({"max_output_tokens": 0}, "max_output_tokens"),
+    ({"max_output_tokens": -1}, "max_output_tokens"),
     ({"input": [{"type": "reasoning", "summary": [], "encrypted_content": "forged"}]}, "input[0].encrypted_content"),
     ({"model": "another-model"}, "model"),
 ])

@@ -52,7 +52,7 @@ def test_the_model_is_any_non_empty_label_and_max_tokens_is_optional():
     request = parse_messages({"messages": HI}, MODEL)
     assert request.model_label == "served" and request.params.max_tokens is None
     assert refused(model="").param == "model"
-    assert refused(max_tokens=0).param == "max_tokens"
+    assert refused(max_tokens=-1).param == "max_tokens"
 
 
 def test_system_blocks_drop_the_billing_header_only_in_first_place():

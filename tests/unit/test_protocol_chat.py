@@ -48,8 +48,9 @@ def test_sampling_fields_reach_sampling_params():
     assert p.logit_bias == {5: -100.0, 6: 2.5}
 
 
-def test_max_completion_tokens_wins_and_integral_floats_count_as_integers():
-    assert parse(max_tokens=5, max_completion_tokens=9).params.max_tokens == 9
+def test_max_completion_tokens_is_max_tokens_and_integral_floats_count_as_integers():
+    assert parse(max_tokens=9, max_completion_tokens=9).params.max_tokens == 9
+    assert refused({"messages": HI, "max_tokens": 5, "max_completion_tokens": 9}).code == "conflicting_parameters"
     assert parse(max_tokens=12.0).params.max_tokens == 12
     assert refused({"messages": HI, "max_tokens": 12.5}).param == "max_tokens"
 

@@ -58,10 +58,12 @@ def test_chat_stream_sequence_with_usage():
     chunks = frames(events)
     assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
     assert [c["choices"][0]["delta"].get("content") for c in chunks[1:3]] == ["Hel", "lo"]
-    assert chunks[3]["choices"][0] == {"index": 0, "delta": {}, "logprobs": None, "finish_reason": "stop"}
+    assert chunks[3]["choices"][0] == {"index": 0, "delta": {}, "logprobs": None, "finish_reason": "stop",
+                                       "matched_stop": 8}  # the reply's last token ended it (an end token)
     assert "timings" not in chunks[3]
     assert chunks[4]["choices"] == [] and chunks[4]["usage"] == {
-        "prompt_tokens": 4, "completion_tokens": 2, "total_tokens": 6, "prompt_tokens_details": {"cached_tokens": 2}}
+        "prompt_tokens": 4, "completion_tokens": 2, "total_tokens": 6, "prompt_tokens_details": {"cached_tokens": 2},
+        "reasoning_tokens": 0}
     assert chunks[4]["timings"]["queue_ms"] == 1500.0
     assert chunks[5] == "[DONE]"
     assert all(c["object"] == "chat.completion.chunk" and c["id"] == "chatcmpl-1" for c in chunks[:5])

@@ -123,7 +123,7 @@ def test_malformed_items_name_the_field(items, param):
     ({"tools": [{"type": "namespace", "name": "ns", "tools": [{"type": "web_search"}]}]}, "tools[0].tools[0].type"),
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "name": "other"}}, "tool_choice.name"),
     ({"reasoning": {"effort": "huge"}}, "reasoning.effort"),
-    ({"max_output_tokens": 0}, "max_output_tokens"),
+    ({"max_output_tokens": -1}, "max_output_tokens"),
     ({"temperature": -1}, "temperature"),
     ({"top_p": 1.5}, "top_p"),
     ({"input": None}, "input"),
@@ -340,6 +340,8 @@ def test_an_error_after_the_stream_opened_ends_it_with_response_failed():
     frames = renderer.stream_start() + renderer.on_reply(ContentText("Half an ans"))
     frames += renderer.stream_error(InvalidRequest("the engine stopped"))
     final = check_stream([(frame.event, frame.data) for frame in frames])
+    assert [frame.data["type"] for frame in frames[-2:]] == ["error", "response.failed"]
+    assert frames[-2].data["message"] == "the engine stopped"
     assert final["status"] == "failed" and final["error"] == {"code": "server_error", "message": "the engine stopped"}
     assert final["output"][0]["status"] == "incomplete"
     assert ctx.history_of("resp_y") is not None  # a failed response is stored like any other
