@@ -1,5 +1,6 @@
 """Headless Chromium for the chat page's tests: Debian's `chromium` package driven by Playwright
-(which cannot download its own browsers here). Tests skip, saying why, when either is missing."""
+(which cannot download its own browsers here). Tests skip, saying why, when Chromium is missing
+(`.ci/run` installs it)."""
 
 from __future__ import annotations
 
@@ -21,9 +22,12 @@ def chromium_path() -> str | None:
     return None
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def browser():
-    sync_api = pytest.importorskip("playwright.sync_api", reason="pip install playwright")
+    """Module-scoped: Playwright's sync API keeps an event loop running in this thread while it is
+    open, and the suite's later asyncio.run() calls need it gone."""
+    from playwright import sync_api  # a test dependency (the test extra), never skipped
+
     path = chromium_path()
     if path is None:
         pytest.skip("no Chromium: apt-get install chromium")
