@@ -12,7 +12,6 @@ metrics show.
 from __future__ import annotations
 
 import hmac
-import threading
 from collections.abc import Callable
 from pathlib import Path
 
@@ -52,7 +51,6 @@ class KeyRing:
         if api_key:
             self._keys[api_key.encode()] = DEFAULT_TENANT
         self._static = dict(self._keys)
-        self._lock = threading.Lock()
         self.listeners: list[Callable[[list[str]], None]] = []  # told the keys' texts after each (re)load
         if key_file:
             self._keys = {**self._static, **read_key_file(key_file)}
@@ -80,8 +78,7 @@ class KeyRing:
         if not self.key_file:
             return len(self._keys)
         keys = {**self._static, **read_key_file(self.key_file)}
-        with self._lock:
-            self._keys = keys
+        self._keys = keys  # one assignment: a reader sees the old set or the new one, never a mix
         for listener in self.listeners:
             listener(self.texts())
         return len(keys)
