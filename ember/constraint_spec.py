@@ -37,3 +37,6 @@ class ConstraintSpec:
     grammar_kind: str | None = None
     grammar_text: str = ""
     grammar_param: str = ""
+    # structured-output specs (kind, text, param) to compile alone before the structural tag that
+    # holds them, so that each one's error names its own field
+    checks: list[tuple[str, str, str]] = field(default_factory=list)

@@ -43,7 +43,7 @@ from ember.engine import messages
 from ember.engine.messages import Add, Abort, Answer, EngineInfo, Fatal, Outputs, Query, Ready, Shutdown, WorkerSettings
 from ember.engine.outputs import RequestTracker
 from ember.engine.stats import EngineCounters, EngineStats
-from ember.errors import EmberError, EngineRestarted, EngineUnavailable, ModelLoadError
+from ember.errors import EmberError, EngineRestarted, EngineUnavailable, InvalidRequest, ModelLoadError
 from ember.types import GenerationOutput, SamplingParams, StepOutput
 
 logger = logging.getLogger("ember.engine")
@@ -231,14 +231,19 @@ class EngineClient:
     def abort(self, request_id: str) -> None:
         self._send(Abort([request_id]))
 
-    async def query(self, name: str):
-        """Ask the worker between steps: "stats" (EngineStats as a dict) or "check_invariants"."""
+    async def check_constraint(self, spec: ConstraintSpec) -> None:
+        """Raise InvalidRequest (naming the field) unless the worker can compile the spec's
+        grammar; it keeps the result in its cache for the request that follows."""
+        await self.query("check_constraint", spec)
+
+    async def query(self, name: str, constraint: ConstraintSpec | None = None):
+        """Ask the worker between steps (messages.Query); its answer, or the error it raised."""
         if not await self.wait_ready(_QUERY_TIMEOUT):
             raise EngineUnavailable("the engine is not running")
         query_id = next(self._query_ids)
         future = self._loop.create_future()
         self._queries[query_id] = future
-        self._send(Query(query_id, name))
+        self._send(Query(query_id, name, constraint))
         try:
             return await asyncio.wait_for(future, _QUERY_TIMEOUT)
         finally:
@@ -265,7 +270,9 @@ class EngineClient:
             elif isinstance(message, Answer):
                 future = self._queries.get(message.query_id)
                 if future is not None and not future.done():
-                    if message.error:
+                    if message.code is not None:
+                        future.set_exception(InvalidRequest(message.error, param=message.param, code=message.code))
+                    elif message.error:
                         future.set_exception(AssertionError(message.error))
                     else:
                         future.set_result(message.value)

@@ -160,6 +160,18 @@ class AsyncEngine:
     def abort(self, request_id: str) -> None:
         self._inbox.put(AbortRequest([request_id]))
 
+    async def check_constraint(self, spec: ConstraintSpec) -> None:
+        """Raise InvalidRequest (naming the field) unless the spec's grammar compiles (cached)."""
+        await asyncio.to_thread(self._constraint_builder().compile, spec)
+
+    def _constraint_builder(self):
+        if self.constraints is None:
+            from ember.grammar.realize import load_constraint_builder
+
+            self.constraints = load_constraint_builder(self.tokenizer, self.core.model_config.vocab_size,
+                                                       self.core.eos_token_ids)
+        return self.constraints
+
     @property
     def status(self) -> str:
         return "unavailable" if self.failed else "ok"
@@ -230,14 +242,7 @@ class AsyncEngine:
             self._reject(message, self.failed)
             return
         try:
-            constraint = None
-            if message.constraint is not None:
-                if self.constraints is None:
-                    from ember.grammar.realize import load_constraint_builder
-
-                    self.constraints = load_constraint_builder(self.tokenizer, self.core.model_config.vocab_size,
-                                                               self.core.eos_token_ids)
-                constraint = self.constraints.build(message.constraint)
+            constraint = self._constraint_builder().build(message.constraint) if message.constraint else None
             self.core.add_request(message.request_id, message.prompt_token_ids, message.params,
                                   message.priority, message.cache_salt, message.arrival_time,
                                   constraint, message.report_progress)

@@ -37,10 +37,12 @@ class Abort(msgspec.Struct, tag=True):
 
 
 class Query(msgspec.Struct, tag=True):
-    """A question answered between steps: "stats" or "check_invariants" (raises on leaked blocks)."""
+    """A question answered between steps: "stats", "check_invariants" (an error on leaked blocks)
+    or "check_constraint" (whether `constraint` compiles; the error names the field if not)."""
 
     query_id: int
     name: str
+    constraint: ConstraintSpec | None = None
 
 
 class Shutdown(msgspec.Struct, tag=True):
@@ -79,6 +81,8 @@ class Answer(msgspec.Struct, tag=True):
     query_id: int
     value: Any = None
     error: str | None = None
+    param: str | None = None  # a refused constraint's field, and the refusal's code
+    code: str | None = None
 
 
 class Fatal(msgspec.Struct, tag=True):

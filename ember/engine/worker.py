@@ -116,9 +116,14 @@ class Worker:
             if query.name == "check_invariants":
                 self.core.check_invariants()
                 return Answer(query.query_id, True)
+            if query.name == "check_constraint":
+                self.builder.compile(query.constraint)
+                return Answer(query.query_id, True)
             return Answer(query.query_id, error=f"unknown query {query.name!r}")
         except AssertionError as exc:
             return Answer(query.query_id, error=f"AssertionError: {exc}")
+        except EmberError as exc:
+            return Answer(query.query_id, error=exc.message, param=exc.param, code=exc.code)
 
     def _send(self, outputs: list[StepOutput]) -> None:
         self.outbox.send(messages.encode(Outputs(outputs, self.core.stats())))

@@ -18,7 +18,7 @@ from typing import Any
 
 from ember.errors import InvalidRequest
 from ember.constraint_spec import STRUCTURAL_TAG, ConstraintSpec
-from ember.grammar.compiler import MAX_JSON_WHITESPACE, Grammars, grammar_unavailable, structural_tag_text
+from ember.grammar.compiler import MAX_JSON_WHITESPACE, grammar_unavailable, structural_tag_text
 from ember.parsers.events import ToolSpec
 from ember.parsers.tool_format import CLOSER, OPENER
 from ember.protocols.chat_reply import FUNCTION, REQUIRED, ReplyPlan
@@ -28,15 +28,14 @@ _ANY_OBJECT = {"type": "object"}
 _CALL_SEPARATOR = "\n"
 
 
-def build_constraints(grammars: Grammars | None, job: GenerationRequest, plan: ReplyPlan | None) -> ConstraintSpec | None:
-    """The grammar every choice's reply is held to, as a spec the engine compiles; None when no
-    grammar applies (the reply plan's own steering, if any, applies). Compiles here too (cached),
-    so that an uncompilable schema or grammar is a 400 naming its field before anything reaches
-    the engine: call it off the event loop."""
+def build_constraints(job: GenerationRequest, plan: ReplyPlan | None, grammars: bool) -> ConstraintSpec | None:
+    """The grammar every choice's reply is held to, as a spec the engine compiles (`grammars`:
+    whether it can, with xgrammar); None when no grammar applies (the reply plan's own steering,
+    if any, applies). The engine checks that the spec compiles before the request is admitted."""
     tools, forced = _constrained_tools(job, plan)
     if job.grammar is None and tools is None:
         return None
-    if grammars is None:
+    if not grammars:
         if job.grammar is not None:
             raise grammar_unavailable(job.grammar.param)
         if any(t.strict for t in tools):
@@ -44,7 +43,6 @@ def build_constraints(grammars: Grammars | None, job: GenerationRequest, plan: R
         return None  # a forced call without xgrammar: the reply plan forces opener and name, as before
     steering = plan.steering(reasoning_only=True) if plan is not None else None
     if job.grammar is not None:
-        grammars.compile(job.grammar)  # alone first, so its own errors name its own field
         if tools is None:
             return ConstraintSpec(steering, job.grammar.kind, job.grammar.text, job.grammar.param)
         calls = _calls_format(plan.fmt.tool_format, tools, forced=True, parallel=plan.fmt.parallel_tool_calls)
@@ -52,9 +50,8 @@ def build_constraints(grammars: Grammars | None, job: GenerationRequest, plan: R
     else:
         calls = _calls_format(plan.fmt.tool_format, tools, forced=forced, parallel=plan.fmt.parallel_tool_calls)
         tag, param = calls, "tools"
-    text = structural_tag_text(_structural_tag(tag))
-    grammars.compile_structural_tag_text(text, param)
-    return ConstraintSpec(steering, STRUCTURAL_TAG, text, param)
+    return ConstraintSpec(steering, STRUCTURAL_TAG, structural_tag_text(_structural_tag(tag)), param,
+                          checks=[(g.kind, g.text, g.param) for g in (job.grammar,) if g is not None])
 
 
 def _constrained_tools(job: GenerationRequest, plan: ReplyPlan | None) -> tuple[list[ToolSpec] | None, bool]:

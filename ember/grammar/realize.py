@@ -33,15 +33,22 @@ class ConstraintBuilder:
         steering = self._steering(spec.steering) if spec.steering is not None else None
         if spec.grammar_kind is None:
             return steering
+        compiled = self.compile(spec)
+        grammars = self.grammars
+        return GrammarConstraint(grammars.matcher(compiled), grammars.vocab_size, self.token_bytes,
+                                 grammars.stop_token_ids, reply=steering)
+
+    def compile(self, spec: ConstraintSpec) -> Any:
+        """The spec's compiled grammar (cached by its text); a grammar that does not compile is an
+        InvalidRequest naming its field."""
         grammars = self.grammars
         if grammars is None:
             raise grammar_unavailable(spec.grammar_param)
+        for kind, text, param in spec.checks:
+            grammars.compile(GrammarSpec(kind, text, param))
         if spec.grammar_kind == STRUCTURAL_TAG:
-            compiled = grammars.compile_structural_tag_text(spec.grammar_text, spec.grammar_param)
-        else:
-            compiled = grammars.compile(GrammarSpec(spec.grammar_kind, spec.grammar_text, spec.grammar_param))
-        return GrammarConstraint(grammars.matcher(compiled), grammars.vocab_size, self.token_bytes,
-                                 grammars.stop_token_ids, reply=steering)
+            return grammars.compile_structural_tag_text(spec.grammar_text, spec.grammar_param)
+        return grammars.compile(GrammarSpec(spec.grammar_kind, spec.grammar_text, spec.grammar_param))
 
     def _steering(self, spec: SteeringSpec) -> ReplyConstraint:
         think = ThinkMarkers(spec.think_start, spec.think_end) if spec.think_start is not None else None

@@ -269,6 +269,9 @@ def run_serve(args: argparse.Namespace) -> int:
         server.should_exit = True
 
     state.load_failed_hooks.append(stop_on_load_failure)
+    # uvicorn handles SIGTERM (a drain) and sends it again once it has stopped; by then the work is
+    # done, so the second one ends the process normally instead of killing it.
+    signal.signal(signal.SIGTERM, lambda *_: None)
     try:
         server.run(sockets=[sock])
     except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C it handled; stopping is what was asked
@@ -301,6 +304,9 @@ def _open_request_log(path: str | None):
         raise ValueError(str(exc)) from None
 
 
+_SEND_BUFFER_BYTES = 256 << 10  # Linux doubles it for its own bookkeeping
+
+
 def _bind(host: str, port: int) -> socket.socket:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
@@ -311,6 +317,9 @@ def _bind(host: str, port: int) -> socket.socket:
     for option, value in (("TCP_KEEPIDLE", 60), ("TCP_KEEPINTVL", 10), ("TCP_KEEPCNT", 6)):
         if hasattr(socket, option):
             sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, option), value)
+    # A bounded send buffer (the kernel would grow it to 4 MiB): a client that stops reading then
+    # blocks the stream's writes after about half a MiB, and the stalled-client timeout can start.
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, _SEND_BUFFER_BYTES)
     try:
         sock.bind((host.strip("[]"), port))
     except OSError:

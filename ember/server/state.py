@@ -20,7 +20,7 @@ from ember.protocols.errors import ModelLoading, ServerUnavailable
 from ember.parsers import resolve_reasoning, resolve_tool_format
 from ember.protocols.chat_reply import ChatFeatures, ReplyPlan, plan_reply
 from ember.protocols.neutral import GenerationRequest, ModelInfo, Prompt, encode_prompt
-from ember.grammar.compiler import load_grammars
+from ember.grammar.compiler import xgrammar_installed
 from ember.grammar.plan import build_constraints
 from ember.server.admission import Admission
 from ember.server.config import ServerConfig
@@ -47,7 +47,6 @@ class LoadedModel:
     sampling_defaults: dict[str, Any] = field(default_factory=dict)
     dtype: str = ""
     chat: ChatFeatures = field(default_factory=ChatFeatures)
-    grammars: Any = None  # ember.grammar.compiler.Grammars, None without xgrammar
     batch_invariance: dict[str, Any] = field(default_factory=dict)  # the engine's InvarianceReport.as_dict()
 
 
@@ -68,14 +67,13 @@ def load_model(config: ServerConfig) -> LoadedModel:
     _ = tokenizer.token_bytes, tokenizer.template_traits  # built now rather than on the first request
     engine = _start_engine(config, source)
     info = engine.info
-    grammars = load_grammars(tokenizer, info.vocab_size, info.eos_token_ids)  # checks requests' grammars
     generation_config = getattr(source, "generation_config", None) or {}
     defaults = {k: generation_config[k] for k in _SAMPLING_DEFAULTS
                 if isinstance(generation_config.get(k), (int, float)) and not isinstance(generation_config[k], bool)}
     return LoadedModel(
         engine=engine, tokenizer=tokenizer, name=source.name, path=source.path,
         max_model_len=info.max_model_len, vocab_size=info.vocab_size, kv_capacity_tokens=info.kv_capacity_tokens,
-        sampling_defaults=defaults, dtype=info.dtype, chat=chat, grammars=grammars,
+        sampling_defaults=defaults, dtype=info.dtype, chat=chat,
         batch_invariance=info.batch_invariance)
 
 
@@ -243,14 +241,14 @@ class ServerState:
         return plan_reply(job.chat, self.model.chat, tail, tokenizer.token_bytes)
 
     async def constraint(self, job: GenerationRequest, plan: ReplyPlan | None) -> ConstraintSpec | None:
-        """How every choice's tokens are held: a grammar (checked here off the event loop, compiled
-        again by the engine) or the reply plan's steering; None for free text."""
+        """How every choice's tokens are held: a grammar (compiled by the engine, which checks it
+        here first) or the reply plan's steering; None for free text."""
         if job.grammar is None and (job.chat is None or not job.chat.tools):
             return plan.constraint() if plan is not None else None
-        loop = asyncio.get_running_loop()
-        spec = await loop.run_in_executor(self._prompt_pool, build_constraints, self.loaded.grammars, job, plan)
-        if spec is None and plan is not None:
-            return plan.constraint()
+        spec = build_constraints(job, plan, xgrammar_installed())
+        if spec is None:
+            return plan.constraint() if plan is not None else None
+        await self.engine.check_constraint(spec)  # a grammar that does not compile is a 400 here
         return spec
 
     def decode(self, token_ids: list[int]) -> str:

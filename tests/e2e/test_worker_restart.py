@@ -22,6 +22,7 @@ FLAGS = ["--max-model-len", "1024", "--max-num-seqs", "24", "--stalled-client-ti
          "--drain-timeout", "60"]
 TOPICS = ["rivers", "bread", "glass", "owls", "copper", "rain", "salt", "maps"]
 MAX_TOKENS = 40
+MODEL = "SmolLM2-135M-Instruct"  # the default model's id (Messages accepts any)
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +42,7 @@ def prompt(topic: str) -> str:
 
 async def chat(server, topic: str, stream: bool) -> str:
     client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0, timeout=600)
-    body = dict(model="m", messages=[{"role": "user", "content": prompt(topic)}], max_tokens=MAX_TOKENS,
+    body = dict(model=MODEL, messages=[{"role": "user", "content": prompt(topic)}], max_tokens=MAX_TOKENS,
                 temperature=0)
     if not stream:
         reply = await client.chat.completions.create(**body)
@@ -55,7 +56,7 @@ async def chat(server, topic: str, stream: bool) -> str:
 
 async def responses(server, topic: str, stream: bool) -> str:
     client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0, timeout=600)
-    body = dict(model="m", input=prompt(topic), max_output_tokens=MAX_TOKENS, temperature=0)
+    body = dict(model=MODEL, input=prompt(topic), max_output_tokens=MAX_TOKENS, temperature=0)
     if not stream:
         return (await client.responses.create(**body)).output_text
     parts, failed = [], None
@@ -72,7 +73,7 @@ async def responses(server, topic: str, stream: bool) -> str:
 
 async def messages(server, topic: str, stream: bool) -> str:
     client = anthropic.AsyncAnthropic(base_url=server.url, api_key="x", max_retries=0, timeout=600)
-    body = dict(model="m", max_tokens=MAX_TOKENS, temperature=0,
+    body = dict(model="m", max_tokens=MAX_TOKENS, extra_body={"temperature": 0},  # the SDK has no sampling fields
                 messages=[{"role": "user", "content": prompt(topic)}])
     if not stream:
         reply = await client.messages.create(**body)
@@ -144,7 +145,7 @@ def test_a_request_sent_while_the_worker_restarts_waits_for_it(worker_server):
         assert time.monotonic() < deadline
         time.sleep(0.05)
     client = openai.OpenAI(base_url=worker_server.url + "/v1", api_key="x", max_retries=0, timeout=600)
-    reply = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "Hi"}], max_tokens=8,
+    reply = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=8,
                                            temperature=0)
     assert reply.choices[0].message.content
     body = wait_idle(httpx.Client(base_url=worker_server.url, timeout=30))
@@ -153,8 +154,10 @@ def test_a_request_sent_while_the_worker_restarts_waits_for_it(worker_server):
 
 def test_a_stream_whose_client_reads_nothing_is_cut_off_and_its_blocks_return(worker_server):
     mark = len(worker_server.lines)
-    body = json.dumps({"messages": [{"role": "user", "content": "Count to a thousand."}], "max_tokens": 900,
-                       "ignore_eos": True, "temperature": 0, "stream": True, "logprobs": True,
+    # 8 choices with 20 alternatives a token: about 16 KiB of events a step, enough to fill the
+    # server's bounded send buffer within a few dozen steps while the client reads nothing
+    body = json.dumps({"messages": [{"role": "user", "content": "Count to a thousand."}], "max_tokens": 400,
+                       "ignore_eos": True, "temperature": 0.5, "seed": 1, "n": 8, "stream": True, "logprobs": True,
                        "top_logprobs": 20}).encode()
     reader = socket.socket()
     reader.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 2048)
@@ -179,7 +182,7 @@ def test_sigterm_under_load_drains_the_running_requests_then_stops_with_its_work
     async def scenario():
         client = openai.AsyncOpenAI(base_url=worker_server.url + "/v1", api_key="x", max_retries=0, timeout=600)
         stream = await client.chat.completions.create(
-            model="m", messages=[{"role": "user", "content": prompt("bells")}], max_tokens=MAX_TOKENS,
+            model=MODEL, messages=[{"role": "user", "content": prompt("bells")}], max_tokens=MAX_TOKENS,
             temperature=0, stream=True, extra_body={"ignore_eos": True})
         finish, pieces = None, 0
         async for chunk in stream:
