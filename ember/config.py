@@ -122,6 +122,11 @@ class EngineConfig:
     # shapes (engine.core.attention_cost_tokens); 0: every token costs 1.
     attention_cost_tokens: int | None = None
     enable_prefix_caching: bool = True
+    # The most of the KV pool that cache breakpoints may pin (engine.kv_cache), as a fraction.
+    max_pinned_kv_share: float = 0.25
+    # A background request (priority above 0) that has waited this many engine steps in all is
+    # served as a foreground one from then on (engine.scheduler).
+    background_wait_steps: int = 256
     # CPU: a request's bits never depend on its batch (row plans for the linears chosen by a
     # startup self-check, attention shapes independent of the neighbours; see engine.invariance).
     # Off: whole-batch matmuls and one padded decode batch; results may vary in the last bits.
