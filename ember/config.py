@@ -144,6 +144,10 @@ class EngineConfig:
     num_threads: int | None = None  # torch CPU threads; None: leave torch's choice
 
     def __post_init__(self) -> None:
+        if not 0.0 <= self.max_pinned_kv_share <= 1.0:
+            raise ValueError(f"max_pinned_kv_share must be between 0 and 1, got {self.max_pinned_kv_share!r}")
+        if not isinstance(self.background_wait_steps, int) or self.background_wait_steps < 0:
+            raise ValueError(f"background_wait_steps must be a whole number of steps, got {self.background_wait_steps!r}")
         if self.num_threads is not None and (not isinstance(self.num_threads, int) or self.num_threads < 1):
             raise ValueError(f"num_threads must be a positive integer, got {self.num_threads!r}")
         if self.attention_cost_tokens is not None and (not isinstance(self.attention_cost_tokens, int)
