@@ -225,7 +225,8 @@ class EngineCore:
     def _progress_output(self, request: Request) -> StepOutput:
         return StepOutput(request.request_id, [], None, None, request.num_prompt_tokens,
                           max(request.num_cached_tokens, 0), scheduled_time=self._scheduled_at[request.request_id],
-                          num_computed_prompt_tokens=min(request.num_computed_tokens, request.num_prompt_tokens))
+                          num_computed_prompt_tokens=min(request.num_computed_tokens, request.num_prompt_tokens),
+                          num_pinned_tokens=request.num_pinned_tokens)
 
     def fail_all(self, message: str) -> list[StepOutput]:
         """End every live request with an error (after an engine fault)."""
@@ -248,6 +249,7 @@ class EngineCore:
             kv_blocks_total=kv.num_blocks - 1,
             kv_blocks_used=kv.num_used_blocks,
             kv_blocks_cached=kv.num_cached_blocks,
+            kv_blocks_pinned=kv.num_pinned_blocks,
             prefix_cache_queries=kv.prefix_cache_queries,
             prefix_cache_hits=kv.prefix_cache_hits,
         )

@@ -260,7 +260,7 @@ class RunResult:
         choice = self.choices[index]
         choice.token_ids = output.token_ids
         choice.num_cached_tokens = output.num_cached_tokens
-        choice.num_pinned_tokens = output.num_pinned_tokens
+        choice.num_pinned_tokens = max(choice.num_pinned_tokens, output.num_pinned_tokens)
         choice.timings = output.timings
         if output.logprobs is not None:
             choice.logprobs = output.logprobs
