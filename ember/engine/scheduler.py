@@ -200,8 +200,8 @@ class Scheduler:
         # Decodes first (a long prompt never holds back the next token of a request that is already
         # streaming), then foreground prompts still prefilling, then waiting foreground requests,
         # and only then background prefills and waiting background requests.
-        self.running.sort(key=lambda r: _prefilling(r) and (1 + (rank(r) > 0)))
-        first = [r for r in self.running if not (_prefilling(r) and rank(r) > 0)]
+        self.running.sort(key=_step_order)
+        first = [r for r in self.running if _step_order(r) < 2]
         background_prefills = self.running[len(first):]
         budget = self._schedule_running(float(self.config.max_num_batched_tokens), first, scheduled, preempted)
         if not preempted:  # memory is short when something was preempted; admitting now would thrash
@@ -276,10 +276,9 @@ class Scheduler:
         weaker = [r for r in self.running if rank(r) > rank(request)]
         if not weaker:
             return None
-        if len(self.running) < self.config.max_num_seqs:  # seated: blocks are short
-            needed = -(-num_tokens // self.kv_cache.block_size) - num_hit_blocks
-            if self.kv_cache.num_free_blocks + self.kv_cache.num_blocks_freed_by(weaker) < needed:
-                return None
+        needed = -(-num_tokens // self.kv_cache.block_size) - num_hit_blocks
+        if self.kv_cache.num_free_blocks + self.kv_cache.num_blocks_freed_by(weaker) < needed:
+            return None  # even all of them would not free enough: none is preempted for nothing
         return max(weaker, key=_importance_rank)
 
     def _start_waiting(self, request: Request) -> None:
@@ -375,8 +374,11 @@ class Scheduler:
         return refund
 
 
-def _prefilling(request: Request) -> bool:
-    return request.num_tokens - request.num_computed_tokens > 1
+def _step_order(request: Request) -> int:
+    """0: it decodes; 1: a foreground prompt prefilling; 2: a background one."""
+    if request.num_tokens - request.num_computed_tokens <= 1:
+        return 0
+    return 1 if rank(request) == 0 else 2
 
 
 def _importance_rank(request: Request) -> tuple[int, float]:
