@@ -34,13 +34,13 @@ def http(small):
 
 
 @pytest.fixture(scope="module")
-def model(http) -> str:
-    return http.get("/v1/models").json()["data"][0]["id"]
+def openai_client(small) -> openai.OpenAI:
+    return openai.OpenAI(base_url=small.url + "/v1", api_key="unused", max_retries=0, timeout=300)
 
 
 @pytest.fixture(scope="module")
-def openai_client(small) -> openai.OpenAI:
-    return openai.OpenAI(base_url=small.url + "/v1", api_key="unused", max_retries=0, timeout=300)
+def model(openai_client) -> str:
+    return openai_client.models.list().data[0].id
 
 
 @pytest.fixture(scope="module")
