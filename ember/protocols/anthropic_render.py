@@ -143,11 +143,13 @@ class MessagesRenderer:
         return getattr(self.request, "model_label", "") or self.meta.model
 
     def usage(self, output_tokens: int) -> dict[str, Any]:
-        """input_tokens is the uncached part of the prompt; cache_read_input_tokens the part found in
-        the prefix cache; cache_creation_input_tokens is 0 (the three add up to the prompt)."""
+        """cache_read_input_tokens: the prompt's part found in the prefix cache; cache_creation_input_tokens:
+        the part after it that the request's cache_control breakpoints wrote and pinned; input_tokens:
+        the rest. The three add up to the prompt."""
         cached = self.result.num_cached_tokens
-        usage: dict[str, Any] = {"input_tokens": self.result.num_prompt_tokens - cached,
-                                 "cache_creation_input_tokens": 0, "cache_read_input_tokens": cached,
+        created = max(self.result.num_pinned_tokens - cached, 0)
+        usage: dict[str, Any] = {"input_tokens": self.result.num_prompt_tokens - cached - created,
+                                 "cache_creation_input_tokens": created, "cache_read_input_tokens": cached,
                                  "output_tokens": output_tokens}
         thinking = self.result.num_reasoning_tokens
         if thinking is not None and output_tokens:

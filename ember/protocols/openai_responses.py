@@ -21,9 +21,10 @@ from ember.protocols.neutral import (
     ChatPrompt, ChoiceResult, Dialect, GenerationRequest, ModelInfo, ResponseMeta, RunResult, build_sampling_params,
 )
 from ember.protocols.chat_reply import REASONING_EFFORTS
+from ember.protocols.cache_hints import collect_breakpoints, openai_writes, read_openai_cache_options
 from ember.protocols.openai_common import check_model, read_shared_sampling
 from ember.protocols.reasoning_seal import ReasoningSeal
-from ember.protocols.sampling_fields import read_max_tokens, read_single_choice
+from ember.protocols.sampling_fields import read_max_tokens, read_priority, read_single_choice
 from ember.protocols.responses_items import new_item_id, read_input, to_messages
 from ember.protocols.responses_tools import ToolRef, read_tool_choice, read_tools, unwrap_call
 from ember.protocols.structured import GrammarSpec, check_grammar_with_tools, read_flat_format
@@ -105,8 +106,11 @@ def parse_responses(body: Any, model: ModelInfo, context: ResponsesContext) -> R
 
     paths = [None] * len(history) + ["input" if isinstance(f.raw("input"), str) else f"input[{i}]"
                                      for i in range(len(input_items))]
-    messages = to_messages(history + tuple(input_items), paths, instructions)
-    prompt = ChatPrompt(messages, template_kwargs, template_tools(options.tools) if options.calls_tools else None)
+    cache_options = read_openai_cache_options(f)
+    messages = to_messages(history + tuple(input_items), paths, instructions, cache_options.ttl_s)
+    breakpoints = openai_writes(collect_breakpoints(messages), cache_options)
+    prompt = ChatPrompt(messages, template_kwargs, template_tools(options.tools) if options.calls_tools else None,
+                        cache_breakpoints=breakpoints)
     params = read_sampling(f, model)
     read_single_choice(f, "a response")
     stream = f.boolean("stream", False)
@@ -119,7 +123,6 @@ def parse_responses(body: Any, model: ModelInfo, context: ResponsesContext) -> R
         "temperature": params.temperature, "text": text_echo, "tool_choice": echo_choice, "tools": tools.echo,
         "top_logprobs": 0, "top_p": params.top_p, "truncation": "disabled", "user": f.string("user"),
     }
-    f.string("prompt_cache_retention")
     spec = ResponseSpec(input_items, history, store, include_encrypted, tools.refs, echo)
     return ResponsesRequest(prompt, params, stream=stream, prompt_param="input", chat=options, grammar=grammar,
                             spec=spec)
@@ -225,6 +228,7 @@ def read_sampling(f: Fields, model: ModelInfo):
         f, ("max_output_tokens", "max_tokens", "max_completion_tokens"))
     names = read_shared_sampling(f, values)
     values["ignore_eos"] = f.boolean("ignore_eos", False)
+    values["priority"] = read_priority(f)
     return build_sampling_params(values, {"max_tokens": max_tokens_param, **names})
 
 
