@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from ember.parsers.events import ToolSpec
-from ember.parsers.tool_format import CLOSER, OPENER, strict_json
+from ember.parsers.tool_format import CLOSER, OPENER, expect, framing_only, is_json_object, strict_json
 
 
 class JsonQuotes:
@@ -55,6 +55,78 @@ class JsonAwareScanner:
         return None
 
 
+class HermesCallReader:
+    """Streams a call written `{"name": "NAME", "arguments": {...}}` (or `"parameters"`): the
+    arguments are the model's own text of that object, as written. Any other layout (the arguments
+    first, a string of JSON) is read whole when the block closes."""
+
+    def __init__(self, tools: Mapping[str, ToolSpec]) -> None:
+        self.tools = tools
+        self._start = 0  # where the arguments object starts in the body
+        self._end: int | None = None  # just past its closing brace, once seen
+        self._pos = 0  # scanned up to here
+        self._depth = 0
+        self._quotes = JsonQuotes()
+
+    def head(self, body: str) -> str | None | bool:
+        pos = expect(body, 0, "{")
+        pos = pos and expect(body, pos, '"name"')
+        pos = pos and expect(body, pos, ":")
+        pos = pos and expect(body, pos, '"')
+        if not pos:
+            return pos
+        name_end = _string_end(body, pos)
+        if name_end is None:
+            return None
+        try:
+            name = json.loads(body[pos - 1:name_end + 1])
+        except ValueError:
+            return False
+        if name not in self.tools:
+            return False
+        pos = expect(body, name_end + 1, ",")
+        if pos:
+            key = expect(body, pos, '"arguments"')
+            pos = key if key is not False else expect(body, pos, '"parameters"')
+        pos = pos and expect(body, pos, ":")
+        pos = pos and expect(body, pos, "{")
+        if not pos:
+            return pos
+        self._start = self._pos = pos - 1
+        return name
+
+    def arguments(self, body: str) -> str:
+        while self._end is None and self._pos < len(body):
+            char = body[self._pos]
+            self._pos += 1
+            if self._quotes.structural(char):
+                self._depth += {"{": 1, "[": 1, "}": -1, "]": -1}.get(char, 0)
+                if self._depth == 0:
+                    self._end = self._pos
+        return body[self._start:self._end if self._end is not None else len(body)]
+
+    def finish(self, body: str, closed: bool) -> tuple[str, str, bool]:
+        arguments = self.arguments(body)
+        if self._end is None:
+            return arguments, "", False
+        rest = body[self._end:]
+        return arguments, "" if framing_only(rest, "}") else rest, is_json_object(arguments)
+
+
+def _string_end(text: str, pos: int) -> int | None:
+    """The offset of the quote that closes the JSON string whose text starts at `pos`."""
+    escaped = False
+    for offset in range(pos, len(text)):
+        char = text[offset]
+        if escaped:
+            escaped = False
+        elif char == "\\":
+            escaped = True
+        elif char == '"':
+            return offset
+    return None
+
+
 class Hermes:
     name = "hermes"
     call_prefix = OPENER + '\n{"name": "'
@@ -63,6 +135,9 @@ class Hermes:
 
     def scanner(self) -> JsonAwareScanner:
         return JsonAwareScanner()
+
+    def reader(self, tools: Mapping[str, ToolSpec]) -> HermesCallReader:
+        return HermesCallReader(tools)
 
     def parse(self, body: str, tools: Mapping[str, ToolSpec]) -> tuple[str, str] | None:
         try:
