@@ -50,6 +50,12 @@ ReplyEvent = Union[ReasoningText, ContentText, ToolCallStart, ToolCallDelta, Too
 TEXT_EVENTS = (ReasoningText, ContentText)
 
 
+def streamed_call(call: ToolCall) -> list[ReplyEvent]:
+    """An ended call as the events that gave it out (for renderers building a whole reply)."""
+    pieces: list[ReplyEvent] = [ToolCallDelta(call.index, call.arguments)] if call.arguments else []
+    return [ToolCallStart(call.index, call.id, call.name), *pieces, call]
+
+
 @dataclass(frozen=True, slots=True)
 class ToolSpec:
     """A declared function tool: its name and JSON schema of parameters."""

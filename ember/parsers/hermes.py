@@ -7,7 +7,9 @@ from collections.abc import Mapping
 from typing import Any
 
 from ember.parsers.events import ToolSpec
-from ember.parsers.tool_format import CLOSER, OPENER, expect, framing_only, is_json_object, strict_json
+from ember.parsers.tool_format import (
+    CLOSER, OPENER, expect, framing_only, is_json_object, strict_json, string_end,
+)
 
 
 class JsonQuotes:
@@ -75,7 +77,7 @@ class HermesCallReader:
         pos = pos and expect(body, pos, '"')
         if not pos:
             return pos
-        name_end = _string_end(body, pos)
+        name_end = string_end(body, pos)
         if name_end is None:
             return None
         try:
@@ -111,20 +113,6 @@ class HermesCallReader:
             return arguments, "", False
         rest = body[self._end:]
         return arguments, "" if framing_only(rest, "}") else rest, is_json_object(arguments)
-
-
-def _string_end(text: str, pos: int) -> int | None:
-    """The offset of the quote that closes the JSON string whose text starts at `pos`."""
-    escaped = False
-    for offset in range(pos, len(text)):
-        char = text[offset]
-        if escaped:
-            escaped = False
-        elif char == "\\":
-            escaped = True
-        elif char == '"':
-            return offset
-    return None
 
 
 class Hermes:

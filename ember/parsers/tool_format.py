@@ -87,6 +87,21 @@ def is_json_object(text: str) -> bool:
         return False
 
 
+def string_end(text: str, pos: int) -> int | None:
+    """The offset of the quote that closes the JSON string whose text starts at `pos`; None when
+    the text ends first."""
+    escaped = False
+    for offset in range(pos, len(text)):
+        char = text[offset]
+        if escaped:
+            escaped = False
+        elif char == "\\":
+            escaped = True
+        elif char == '"':
+            return offset
+    return None
+
+
 def expect(text: str, pos: int, literal: str) -> int | None | bool:
     """After optional whitespace at `pos`, `literal`: the offset past it; None when the text ends
     before it could be told; False when something else stands there."""
