@@ -205,10 +205,9 @@ def test_hermes_call_streams_its_name_then_its_arguments_as_written():
     steps = feed_each(parser, ["Sure. <tool_call>\n{\"name\": \"get_wea", "ther\"", ", \"arguments\": {\"ci",
                                "ty\": \"Pa", "ris\", \"days\": 3}", "}\n</tool_", "call> ok"])
     assert steps[0] == [ContentText("Sure. ")]
-    assert steps[1] == []  # the name is whole, but whether the arguments can stream is not known yet
-    [start, first] = steps[2]
+    [start] = steps[1]  # the name is whole
     assert (start.index, start.name) == (0, "get_weather") and start.id.startswith("call_")
-    assert first == ToolCallDelta(0, '{"ci')
+    assert steps[2] == [ToolCallDelta(0, '{"ci')]
     assert steps[3] == [ToolCallDelta(0, 'ty": "Pa')]
     assert steps[4] == [ToolCallDelta(0, 'ris", "days": 3}')]
     assert steps[5] == []  # the closing brace of the call and a tag that may be the closing tag
@@ -254,7 +253,8 @@ def test_every_prefix_of_a_call_streams_like_the_whole(tool_format):
     """Cut after any character, the reply's call (or text) is the same streamed and whole, and the
     name is out from the moment the format shows it whole."""
     text = "Let me look. " + (H_CALL if tool_format is HERMES else X_CALL)
-    named = text.index('{"city"') + 1 if tool_format is HERMES else text.index("<function=get_weather>") + 22
+    named = text.index('get_weather"') + 12 if tool_format is HERMES else text.index("<function=get_weather>") + 22
+    arguments_at = text.find('{"city"')
     whole = text.index("3}") + 2 if tool_format is HERMES else text.index("</function>") + 11
     for cut in range(len(text) + 1):
         reply = assert_stream_matches_whole(fmt_for(tool_format), text[:cut], seeds=range(2))
@@ -265,7 +265,7 @@ def test_every_prefix_of_a_call_streams_like_the_whole(tool_format):
         assert call.name == "get_weather" and reply.content == "Let me look. "
         assert call.complete == (cut >= whole)
         if tool_format is HERMES:
-            assert call.arguments == text[named - 1:min(cut, whole)]
+            assert call.arguments == text[arguments_at:max(min(cut, whole), arguments_at)]
 
 
 @pytest.mark.parametrize("tool_format", [HERMES, QWEN3_XML])
@@ -308,8 +308,6 @@ def test_random_fragments_stream_like_the_whole(name, mode, parallel):
 FALLBACKS = {
     "hermes": (HERMES, [
         '<tool_call>\n{"name": "send_email", "arguments": {"to": "a@b.c"}}\n</tool_call>',  # undeclared
-        '<tool_call>\n{"name": "get_weather", "arguments": [1, 2]}\n</tool_call>',
-        '<tool_call>\n{"name": "get_weather", "arguments": "not json"}\n</tool_call>',
         '<tool_call>\n{"name": 7, "arguments": {}}\n</tool_call>',
         '<tool_call>\n["get_weather", {}]\n</tool_call>',
         '<tool_call></tool_call>',
@@ -345,8 +343,15 @@ STARTED = {
          "Sure: ", '{"city": "Par', False),
         ('Sure: <tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_',
          "Sure: ", '{"city": "Paris"}', True),
-        ('<tool_call>\n{"name": "get_weather", "arguments": {',  # cut right after the name
+        ('<tool_call>\n{"name": "get_weather", "arguments": {',  # cut as the arguments open
          "", "{", False),
+        ('<tool_call>\n{"name": "get_weather", "argu', "", "", False),  # cut right after the name
+        ('<tool_call>\n{"name": "get_weather", "arguments": [1, 2]}\n</tool_call>',
+         ', "arguments": [1, 2]}\n', "", False),
+        ('<tool_call>\n{"name": "get_weather", "arguments": "not json"}\n</tool_call>',
+         ', "arguments": "not json"}\n', "", False),
+        ('<tool_call>\n{"name": "get_weather", "arguments": "{\\"city\\": \\"Paris\\"}"}\n</tool_call>',
+         "", '{"city": "Paris"}', True),  # a string of JSON: read whole at the end
     ]),
     "qwen3_xml": (QWEN3_XML, [
         ("<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n</tool_call>",
