@@ -28,7 +28,7 @@ from ember.parsers.events import (
     ContentText, ReasoningText, ReplyEvent, ToolCall, ToolCallDelta, ToolCallStart, streamed_call,
 )
 from ember.protocols.anthropic_errors import anthropic_error_body
-from ember.protocols.neutral import ChoiceResult, GenerationRequest, ResponseMeta, RunResult
+from ember.protocols.neutral import ChoiceResult, GenerationRequest, ResponseMeta, RunResult, reply_token_fields
 from ember.protocols.partial_json import members_so_far
 from ember.protocols.sse import ServerEvent
 from ember.types import FinishReason, GenerationOutput
@@ -183,7 +183,8 @@ class MessagesRenderer:
             blocks.feed(part)
         blocks.close()
         stop_reason, stop_sequence = self.stop(choice)
-        return self.envelope(blocks.blocks, stop_reason, stop_sequence, self.usage(len(choice.token_ids)))
+        return {**self.envelope(blocks.blocks, stop_reason, stop_sequence, self.usage(len(choice.token_ids))),
+                **reply_token_fields(self.request, self.result)}
 
     # ---- stream ---------------------------------------------------------------------------------
 
@@ -207,7 +208,7 @@ class MessagesRenderer:
         choice = self.result.choices[0]
         stop_reason, stop_sequence = self.stop(choice)
         events.append(event("message_delta", delta={"stop_reason": stop_reason, "stop_sequence": stop_sequence},
-                            usage=self.usage(len(choice.token_ids))))
+                            usage=self.usage(len(choice.token_ids)), **reply_token_fields(self.request, self.result)))
         events.append(event("message_stop"))
         return events
 

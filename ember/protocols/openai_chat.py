@@ -229,7 +229,7 @@ class ChatRenderer(OpenAIRenderer):
         return finish_reason(choice.finish_reason)
 
     def finish_extra(self, choice: ChoiceResult) -> dict[str, Any]:
-        return {"matched_stop": choice.matched_stop}
+        return {"matched_stop": choice.matched_stop, **super().finish_extra(choice)}
 
     def choice_body(self, choice) -> dict[str, Any]:
         logprobs = self.request.params.logprobs is not None

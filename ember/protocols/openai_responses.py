@@ -21,6 +21,7 @@ from ember.protocols.errors import OPENAI_ERRORS, unsupported
 from ember.protocols.fields import Fields
 from ember.protocols.neutral import (
     ChatPrompt, ChoiceResult, Dialect, GenerationRequest, ModelInfo, ResponseMeta, RunResult, build_sampling_params,
+    reply_token_fields,
 )
 from ember.protocols.chat_reply import REASONING_EFFORTS
 from ember.protocols.openai_common import check_model, read_shared_sampling
@@ -112,6 +113,7 @@ def parse_responses(body: Any, model: ModelInfo, context: ResponsesContext) -> R
     params = read_sampling(f, model)
     read_single_choice(f, "a response")
     stream = f.boolean("stream", False)
+    return_token_ids = f.boolean("return_token_ids", False)
     echo = {
         "instructions": instructions, "max_output_tokens": params.max_tokens,
         "max_tool_calls": f.integer("max_tool_calls", low=0), "metadata": read_metadata(f),
@@ -124,7 +126,7 @@ def parse_responses(body: Any, model: ModelInfo, context: ResponsesContext) -> R
     f.string("prompt_cache_retention")
     spec = ResponseSpec(input_items, history, store, include_encrypted, tools.refs, echo)
     return ResponsesRequest(prompt, params, stream=stream, prompt_param="input", chat=options, grammar=grammar,
-                            spec=spec)
+                            return_token_ids=return_token_ids, spec=spec)
 
 
 def refuse_unsupported(f: Fields) -> None:
@@ -392,6 +394,8 @@ class ResponsesRenderer:
             **self.spec.echo,
             "usage": self.usage() if final else None,
         }
+        if final:
+            body.update(reply_token_fields(self.request, self.result))
         return body
 
     @staticmethod
