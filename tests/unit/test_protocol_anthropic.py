@@ -18,7 +18,7 @@ from ember.protocols.anthropic_messages import parse_count_tokens, parse_message
 from ember.protocols.anthropic_render import BlockAssembler, MessagesRenderer, signature_matches
 from ember.protocols.chat_reply import ChatFeatures
 from ember.protocols.errors import ModelLoading, QueueTimeout, RequestTooLarge, ServerOverloaded, Unauthorized
-from ember.protocols.neutral import ModelInfo, ResponseMeta, RunResult, resolve_sampling
+from ember.protocols.neutral import ModelInfo, ResponseMeta, RunResult, resolve_sampling, token_sha
 from ember.protocols.partial_json import members_so_far
 from ember.types import FinishReason
 
@@ -323,7 +323,8 @@ def test_the_whole_message():
     assert body == {"id": "msg_1", "type": "message", "role": "assistant", "model": "served",
                     "content": [{"type": "text", "text": "x"}], "stop_reason": "end_turn", "stop_sequence": None,
                     "usage": {"input_tokens": 10, "cache_creation_input_tokens": 0, "cache_read_input_tokens": 0,
-                              "output_tokens": 4}}
+                              "output_tokens": 4},
+                    "token_sha": token_sha([0, 1, 2, 3])}
 
 
 def test_errors_take_anthropic_statuses_and_types():
