@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 from ember.parsers.events import (
     TEXT_EVENTS, ContentText, ParsedReply, ReasoningText, ReplyEvent, ThinkMarkers, ToolCall, ToolCallDelta,
-    ToolCallStart, ToolSpec, new_call_id,
+    ToolCallStart, ToolSpec, new_call_id, streamed_call,
 )
 from ember.parsers.reasoning import ThinkTracker
 from ember.parsers.tool_format import CLOSER, OPENER, BlockScanner, CallReader, ToolFormat
@@ -240,9 +240,7 @@ class ReplyParser:
             self.reply.num_dropped_calls += 1
             return
         name, arguments = parsed
-        call_id = new_call_id()
-        for event in (ToolCallStart(index, call_id, name), ToolCallDelta(index, arguments),
-                      ToolCall(index, call_id, name, arguments)):
+        for event in streamed_call(ToolCall(index, new_call_id(), name, arguments)):
             self._emit(event, events)
 
     def _finish_reasoning(self, events: list[ReplyEvent]) -> None:

@@ -83,23 +83,6 @@ def test_a_chat_call_streams_its_name_first_then_its_arguments_in_pieces(client,
     wait_idle(http)
 
 
-def test_a_chat_call_cut_short_is_the_same_streamed_and_whole(client, model_id, http):
-    for max_tokens in (CUT_NAME, CUT_ARGUMENTS):
-        _, streamed = chat_stream(client, model_id, max_tokens)
-        whole = chat_whole(client, model_id, max_tokens)
-        assert without_ids(streamed) == without_ids(whole), max_tokens
-        assert whole["finish"] == "length", "a call cut short is never offered to run"
-    # Cut inside its name, the call never started: its markup is the reply's text.
-    cut_name = chat_whole(client, model_id, CUT_NAME)
-    assert cut_name["calls"] == {} and cut_name["content"].startswith("<tool_call>")
-    # Cut inside its arguments, it is the named call with its arguments as far as they were written.
-    cut_arguments = chat_whole(client, model_id, CUT_ARGUMENTS)
-    [call] = cut_arguments["calls"].values()
-    assert call["name"] == "get_weather" and cut_arguments["content"] == ""
-    assert '{"city": "Paris"}'.startswith(call["arguments"]) and call["arguments"]
-    wait_idle(http)
-
-
 # ---- Responses ----------------------------------------------------------------------------------------
 
 def respond(client, model_id, max_tokens, **fields):
@@ -138,18 +121,6 @@ def test_a_responses_call_streams_its_item_first_then_argument_deltas(client, mo
     wait_idle(http)
 
 
-def test_a_responses_call_cut_short_is_the_same_streamed_and_whole(client, model_id, http):
-    for max_tokens in (CUT_NAME, CUT_ARGUMENTS):
-        _, final = responses_stream(client, model_id, max_tokens)
-        whole = respond(client, model_id, max_tokens)
-        assert output_of(final) == output_of(whole), max_tokens
-        assert final.status == whole.status == "incomplete"
-    cut = output_of(respond(client, model_id, CUT_ARGUMENTS))
-    assert cut[-1]["type"] == "function_call" and cut[-1]["status"] == "incomplete"
-    assert cut[-1]["name"] == "get_weather" and '{"city": "Paris"}'.startswith(cut[-1]["arguments"])
-    wait_idle(http)
-
-
 # ---- Anthropic Messages -------------------------------------------------------------------------------
 
 def message_fields(max_tokens) -> dict:
@@ -181,13 +152,52 @@ def test_an_anthropic_tool_use_streams_its_block_first_then_input_pieces(claude,
     wait_idle(http)
 
 
-def test_an_anthropic_tool_use_cut_short_is_the_same_streamed_and_whole(claude, http):
-    for max_tokens in (CUT_NAME, CUT_ARGUMENTS):
-        with claude.messages.stream(**message_fields(max_tokens)) as stream:
-            final = stream.get_final_message()
-        whole = claude.messages.create(**message_fields(max_tokens))
-        assert blocks_of(final) == blocks_of(whole), max_tokens
-        assert final.stop_reason == whole.stop_reason == "max_tokens"
-    cut = blocks_of(claude.messages.create(**message_fields(CUT_ARGUMENTS)))
-    assert cut[-1]["type"] == "tool_use" and cut[-1]["name"] == "get_weather"
+# ---- a call cut short: one shape in every dialect -------------------------------------------------------
+
+def chat_both(client, claude, model_id, max_tokens) -> tuple[dict, dict]:
+    def parts(reply):
+        calls = [("call", c["name"], c["arguments"]) for c in reply["calls"].values()]
+        return {"parts": ([("text", reply["content"])] if reply["content"] else []) + calls, "end": reply["finish"]}
+    return parts(chat_stream(client, model_id, max_tokens)[1]), parts(chat_whole(client, model_id, max_tokens))
+
+
+def responses_both(client, claude, model_id, max_tokens) -> tuple[dict, dict]:
+    def parts(response):
+        return {"parts": [("call", i["name"], i["arguments"]) if i["type"] == "function_call" else ("text", i["text"])
+                          for i in output_of(response)], "end": response.status}
+    return parts(responses_stream(client, model_id, max_tokens)[1]), parts(respond(client, model_id, max_tokens))
+
+
+def messages_both(client, claude, model_id, max_tokens) -> tuple[dict, dict]:
+    def parts(message):
+        return {"parts": [("call", b["name"], b["input"]) if b["type"] == "tool_use" else ("text", b["text"])
+                          for b in blocks_of(message)], "end": message.stop_reason}
+    with claude.messages.stream(**message_fields(max_tokens)) as stream:
+        final = stream.get_final_message()
+    return parts(final), parts(claude.messages.create(**message_fields(max_tokens)))
+
+
+# (runs one request streamed and whole, the end a cut reply reports)
+DIALECTS = {"chat": (chat_both, "length"), "responses": (responses_both, "incomplete"),
+            "messages": (messages_both, "max_tokens")}
+
+
+@pytest.mark.parametrize("dialect", sorted(DIALECTS))
+def test_a_call_cut_short_is_the_same_streamed_and_whole(dialect, client, claude, model_id, http):
+    both, cut_end = DIALECTS[dialect]
+    # Cut inside its name, the call never started: its markup is the reply's text.
+    streamed, whole = both(client, claude, model_id, CUT_NAME)
+    assert streamed == whole
+    [(kind, text)] = whole["parts"]
+    assert kind == "text" and text.startswith("<tool_call>") and whole["end"] == cut_end
+    # Cut inside its arguments, it is the named call with its arguments as far as they were written,
+    # and the reply's end never says the calls can run.
+    streamed, whole = both(client, claude, model_id, CUT_ARGUMENTS)
+    assert streamed == whole
+    [(kind, name, arguments)] = whole["parts"]
+    assert (kind, name, whole["end"]) == ("call", "get_weather", cut_end)
+    if dialect == "messages":
+        assert arguments == {}  # an object: only the members written whole, none yet
+    else:
+        assert arguments and '{"city": "Paris"}'.startswith(arguments)
     wait_idle(http)
