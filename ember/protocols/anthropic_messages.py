@@ -104,10 +104,12 @@ def _parse(body: Any, model: ModelInfo, *, counting: bool) -> MessagesRequest:
         params = read_sampling(f, model, max_tokens, max_tokens_param)
         read_single_choice(f, "a message")
     stream = False if counting else f.boolean("stream", False)
+    return_token_ids = False if counting else f.boolean("return_token_ids", False)
     f.object("metadata")
     f.string("service_tier")
     return MessagesRequest(prompt, params, stream=stream, prompt_param="messages", chat=options,
-                           grammar=None if counting else grammar, model_label=label or model.name)
+                           grammar=None if counting else grammar, return_token_ids=return_token_ids,
+                           model_label=label or model.name)
 
 
 # ---- the conversation -----------------------------------------------------------------------------

@@ -8,6 +8,7 @@ choices on the engine and feeds each output into a `RunResult`, which the dialec
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import secrets
 import time
 from dataclasses import dataclass, field
@@ -211,6 +212,12 @@ def choice_seeds(params: SamplingParams, n: int) -> list[SamplingParams]:
 
 # ---- results ----------------------------------------------------------------------------------
 
+def token_sha(token_ids: list[int]) -> str:
+    """A reply's tokens in one hash, so two replies can be compared for exactness without their ids:
+    the SHA-256, in hex, of the ids written in decimal and joined by commas ("533,451,2443")."""
+    return hashlib.sha256(",".join(map(str, token_ids)).encode()).hexdigest()
+
+
 @dataclass(slots=True)
 class ChoiceResult:
     index: int
@@ -237,9 +244,24 @@ class ChoiceResult:
         return self.token_ids[-1] if self.token_ids else None
 
     @property
+    def token_sha(self) -> str:
+        """Of every token the choice generated, through the one that completed a stop string."""
+        return token_sha(self.token_ids)
+
+    @property
     def reply(self) -> ParsedReply:
         """The reply split into reasoning, content and tool calls (content only, unparsed)."""
         return self.parser.reply if self.parser is not None else ParsedReply(content=self.text)
+
+
+def reply_token_fields(request: GenerationRequest, result: "RunResult") -> dict[str, Any]:
+    """What a one-choice reply (Responses, Messages) says of its tokens once it is done: `token_sha`,
+    and with return_token_ids the prompt's ids and the reply's."""
+    choice = result.choices[0]
+    fields: dict[str, Any] = {"token_sha": choice.token_sha}
+    if request.return_token_ids:
+        fields.update(prompt_token_ids=result.prompt_token_ids, token_ids=choice.token_ids)
+    return fields
 
 
 class RunResult:

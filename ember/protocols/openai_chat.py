@@ -20,7 +20,7 @@ from ember.protocols.openai_common import (
 )
 from ember.protocols.structured import check_grammar_with_tools, read_openai_structured
 from ember.protocols.progress import read_stream_extras
-from ember.parsers.events import ContentText, ReasoningText
+from ember.parsers.events import ContentText, ReasoningText, ToolCallDelta, ToolCallStart
 from ember.protocols.sse import ServerEvent
 from ember.types import FinishReason, GenerationOutput
 
@@ -214,16 +214,17 @@ class ChatRenderer(OpenAIRenderer):
     def delta_bodies(self, choice: ChoiceResult, output: GenerationOutput, with_logprobs: bool,
                      with_ids: bool) -> list[dict[str, Any]]:
         """One chunk per reply event: reasoning and content deltas, and for a tool call, one chunk with
-        its id and name, then one with its arguments."""
+        its id and name once the name is known, then one per piece of its arguments."""
         deltas: list[dict[str, Any]] = []
         for event in choice.events:
             if isinstance(event, ContentText):
                 deltas.append({"content": event.text})
             elif isinstance(event, ReasoningText):
                 deltas.append({"reasoning_content": event.text})
-            else:
+            elif isinstance(event, ToolCallStart):
                 deltas.append({"tool_calls": [{"index": event.index, "id": event.id, "type": "function",
                                                "function": {"name": event.name, "arguments": ""}}]})
+            elif isinstance(event, ToolCallDelta):
                 deltas.append({"tool_calls": [{"index": event.index, "function": {"arguments": event.arguments}}]})
         if not deltas and (with_logprobs or with_ids):
             deltas.append({"content": ""})
@@ -233,13 +234,14 @@ class ChatRenderer(OpenAIRenderer):
         return bodies
 
     def finish_reason(self, choice: ChoiceResult) -> str | None:
-        # A complete call counts even when text after it ran into max_tokens: the client can run it.
-        if choice.finish_reason in (FinishReason.STOP, FinishReason.LENGTH) and choice.reply.tool_calls:
+        # Whole calls count even when text after them ran into max_tokens: the client can run them. A
+        # call cut short (or malformed) leaves the engine's reason, so no client runs half a call.
+        if choice.finish_reason in (FinishReason.STOP, FinishReason.LENGTH) and choice.reply.calls_complete:
             return "tool_calls"
         return finish_reason(choice.finish_reason)
 
     def finish_extra(self, choice: ChoiceResult) -> dict[str, Any]:
-        return {"matched_stop": choice.matched_stop}
+        return {"matched_stop": choice.matched_stop, **super().finish_extra(choice)}
 
     def choice_body(self, choice) -> dict[str, Any]:
         logprobs = self.request.params.logprobs is not None

@@ -191,8 +191,8 @@ class OpenAIRenderer:
         return finish_reason(choice.finish_reason)
 
     def finish_extra(self, choice) -> dict[str, Any]:
-        """The dialect's fields beside a finished choice's finish_reason (whole and streamed)."""
-        return {}
+        """The fields beside a finished choice's finish_reason (whole and streamed)."""
+        return {"token_sha": choice.token_sha}
 
     def whole_response(self, obj: str) -> dict[str, Any]:
         """The non-streamed body: every choice, usage and timings."""

@@ -153,6 +153,8 @@ RESPONSES_REQUEST = {
         "include": {"type": "array", "items": {"const": "reasoning.encrypted_content"}},
         **CACHE_FIELDS, "priority": SAMPLING_FIELDS["priority"],
         "user": {"type": "string"}, "safety_identifier": {"type": "string"}, "service_tier": {"type": "string"},
+        "return_token_ids": {**_BOOLEAN, "description": "Add the prompt's and the reply's token ids to the final "
+                             "response object."},
     },
 }
 

@@ -212,13 +212,15 @@ def test_the_billing_header_block_does_not_break_prefix_reuse(claude):
 
 def test_a_forced_tool_call_round_trip(claude):
     ask = [{"role": "user", "content": "What is the weather in Paris?"}]
-    first = create(claude, messages=ask, tools=[WEATHER], tool_choice={"type": "any"}, max_tokens=48)
+    # One call: a second one cut by max_tokens would make the reply stop with max_tokens.
+    forced = {"type": "any", "disable_parallel_tool_use": True}
+    first = create(claude, messages=ask, tools=[WEATHER], tool_choice=forced, max_tokens=48)
     assert first.stop_reason == "tool_use"
     call = next(b for b in first.content if b.type == "tool_use")
     assert call.id.startswith("toolu_") and call.name == "get_weather" and isinstance(call.input, dict)
 
     streamed = sdk_stream(claude, model="m", max_tokens=48, temperature=0, messages=ask, tools=[WEATHER],
-                          tool_choice={"type": "any"})
+                          tool_choice=forced)
     assert streamed["stop_reason"] == "tool_use"
     calls = [b for b in streamed["content"] if b["type"] == "tool_use"]
     assert [c["input"] for c in calls][:1] == [call.input] and calls[0]["name"] == "get_weather"
