@@ -1,9 +1,9 @@
 """ember: a self-hosted LLM server with its own PyTorch engine."""
 
-from ember.types import FinishReason, GenerationOutput, SamplingParams
+from ember.types import CachePin, FinishReason, GenerationOutput, SamplingParams
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "AsyncEngine", "SamplingParams", "GenerationOutput", "FinishReason"]
+__all__ = ["LLM", "AsyncEngine", "SamplingParams", "CachePin", "GenerationOutput", "FinishReason"]
 
 
 def __getattr__(name: str):

@@ -122,6 +122,11 @@ class EngineConfig:
     # shapes (engine.core.attention_cost_tokens); 0: every token costs 1.
     attention_cost_tokens: int | None = None
     enable_prefix_caching: bool = True
+    # The most of the KV pool that cache breakpoints may pin (engine.kv_cache), as a fraction.
+    max_pinned_kv_share: float = 0.25
+    # A background request (priority above 0) that has waited this many engine steps in all is
+    # served as a foreground one from then on (engine.scheduler).
+    background_wait_steps: int = 256
     # CPU: a request's bits never depend on its batch (row plans for the linears chosen by a
     # startup self-check, attention shapes independent of the neighbours; see engine.invariance).
     # Off: whole-batch matmuls and one padded decode batch; results may vary in the last bits.
@@ -139,6 +144,10 @@ class EngineConfig:
     num_threads: int | None = None  # torch CPU threads; None: leave torch's choice
 
     def __post_init__(self) -> None:
+        if not 0.0 <= self.max_pinned_kv_share <= 1.0:
+            raise ValueError(f"max_pinned_kv_share must be between 0 and 1, got {self.max_pinned_kv_share!r}")
+        if not isinstance(self.background_wait_steps, int) or self.background_wait_steps < 0:
+            raise ValueError(f"background_wait_steps must be a whole number of steps, got {self.background_wait_steps!r}")
         if self.num_threads is not None and (not isinstance(self.num_threads, int) or self.num_threads < 1):
             raise ValueError(f"num_threads must be a positive integer, got {self.num_threads!r}")
         if self.attention_cost_tokens is not None and (not isinstance(self.attention_cost_tokens, int)

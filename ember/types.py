@@ -18,9 +18,23 @@ class FinishReason(str, enum.Enum):
     ERROR = "error"  # the engine failed while running the request
 
 
+MAX_CACHE_PINS = 8
+MAX_PIN_TTL_S = 24 * 3600.0
+
+
+@dataclass(frozen=True, slots=True)
+class CachePin:
+    """Keep the prompt's first `num_tokens` tokens in the prefix cache for `ttl_s` seconds (whole
+    KV blocks only), safe from other requests' pressure (engine.kv_cache)."""
+
+    num_tokens: int
+    ttl_s: float
+
+
 @dataclass(slots=True)
 class SamplingParams:
-    """How to pick tokens and when to stop. Validated on construction."""
+    """How to pick tokens and when to stop, and how the engine schedules and caches the request.
+    Validated on construction; plain data, so that it can cross to an engine process."""
 
     max_tokens: int | None = 16  # None: up to the end of the context window; 0: the prompt is only prefilled
     temperature: float = 1.0  # 0 means greedy
@@ -40,6 +54,8 @@ class SamplingParams:
     logprob_token_ids: list[int] | None = None  # with logprobs: these ids' log probabilities at every position too
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    priority: int = 0  # 0: foreground; above 0: background work that yields to lower values (engine.scheduler)
+    cache_pins: list[CachePin] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -71,6 +87,8 @@ class SamplingParams:
                 raise InvalidRequest("logprob_token_ids must be a list of token ids", param="logprob_token_ids")
             if self.logprobs is None:
                 raise InvalidRequest("logprob_token_ids needs logprobs (0 or more)", param="logprob_token_ids")
+        _check_int("priority", self.priority, low=0)
+        _check_cache_pins(self.cache_pins)
         if self.logit_bias is not None:
             if not isinstance(self.logit_bias, dict):
                 raise InvalidRequest("logit_bias must map token ids to numbers", param="logit_bias")
@@ -139,6 +157,7 @@ class StepOutput:
     error: str | None = None
     # set only on prefill progress outputs (no new tokens), for requests that asked for them
     num_computed_prompt_tokens: int | None = None
+    num_pinned_tokens: int = 0  # leading prompt tokens kept pinned by the request's cache_pins
 
 
 @dataclass(slots=True)
@@ -173,6 +192,7 @@ class GenerationOutput:
     stop_reason: str | int | None = None  # the stop string or stop token id that ended it
     error: str | None = None
     num_computed_prompt_tokens: int | None = None  # prefill progress outputs only (see StepOutput)
+    num_pinned_tokens: int = 0  # see StepOutput
 
     @property
     def finished(self) -> bool:
@@ -192,6 +212,14 @@ def _check_int(name: str, value, low: int | None = None, high: int | None = None
         raise InvalidRequest(f"{name} must be at least {low}, got {value}", param=name)
     if high is not None and value > high:
         raise InvalidRequest(f"{name} must be at most {high}, got {value}", param=name)
+
+
+def _check_cache_pins(pins) -> None:
+    if not isinstance(pins, list) or len(pins) > MAX_CACHE_PINS or not all(isinstance(p, CachePin) for p in pins):
+        raise InvalidRequest(f"cache_pins must be a list of at most {MAX_CACHE_PINS} CachePin", param="cache_pins")
+    for pin in pins:
+        _check_int("cache_pins.num_tokens", pin.num_tokens, low=1)
+        _check_float("cache_pins.ttl_s", pin.ttl_s, 1.0, MAX_PIN_TTL_S)
 
 
 def _check_float(name: str, value, low: float, high: float) -> None:

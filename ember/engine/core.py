@@ -51,10 +51,12 @@ class EngineCore:
         self.max_num_batched_tokens = config.max_num_batched_tokens or (_CPU_STEP_TOKENS if device.type == "cpu"
                                                                         else _GPU_STEP_TOKENS)
         num_blocks = self._num_kv_blocks()
-        self.kv_manager = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.kv_manager = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching,
+                                         config.max_pinned_kv_share)
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, self.max_num_batched_tokens, self.max_model_len,
-                            attention_cost_tokens(model_config, config.attention_cost_tokens)),
+                            attention_cost_tokens(model_config, config.attention_cost_tokens),
+                            config.background_wait_steps),
             self.kv_manager)
         self.uses_cpu_kernels = (config.cpu_kernels and device.type == "cpu" and config.block_size == KERNEL_BLOCK_SIZE
                                  and dtype in (torch.bfloat16, torch.float32) and model_config.head_dim % 16 == 0
@@ -150,9 +152,12 @@ class EngineCore:
             raise InvalidRequest(f"the prompt holds a token id outside the vocabulary (0..{vocab - 1})",
                                  param="prompt")
         max_tokens = self.resolve_max_tokens(len(prompt_token_ids), params.max_tokens)
+        if priority and params.priority and priority != params.priority:
+            raise InvalidRequest(f"priority {priority} contradicts SamplingParams.priority {params.priority}",
+                                 param="priority")
         request = Request(request_id, list(prompt_token_ids), params, max_tokens=max_tokens,
                           eos_token_ids=self.eos_token_ids, arrival_time=arrival_time or time.time(),
-                          priority=priority, cache_salt=cache_salt, constraint=constraint)
+                          priority=priority or params.priority, cache_salt=cache_salt, constraint=constraint)
         self.scheduler.add_request(request)
         if report_progress:  # opt-in: an empty output after each prefill chunk, with num_computed_prompt_tokens
             self._progress_ids.add(request_id)
@@ -206,6 +211,7 @@ class EngineCore:
                 num_cached_tokens=max(request.num_cached_tokens, 0),
                 scheduled_time=self._scheduled_at[request.request_id],
                 stop_token_id=request.stop_reason if finished else None,
+                num_pinned_tokens=request.num_pinned_tokens,
             ))
             if finished:
                 del self._scheduled_at[request.request_id]
@@ -219,7 +225,8 @@ class EngineCore:
     def _progress_output(self, request: Request) -> StepOutput:
         return StepOutput(request.request_id, [], None, None, request.num_prompt_tokens,
                           max(request.num_cached_tokens, 0), scheduled_time=self._scheduled_at[request.request_id],
-                          num_computed_prompt_tokens=min(request.num_computed_tokens, request.num_prompt_tokens))
+                          num_computed_prompt_tokens=min(request.num_computed_tokens, request.num_prompt_tokens),
+                          num_pinned_tokens=request.num_pinned_tokens)
 
     def fail_all(self, message: str) -> list[StepOutput]:
         """End every live request with an error (after an engine fault)."""
@@ -242,6 +249,7 @@ class EngineCore:
             kv_blocks_total=kv.num_blocks - 1,
             kv_blocks_used=kv.num_used_blocks,
             kv_blocks_cached=kv.num_cached_blocks,
+            kv_blocks_pinned=kv.num_pinned_blocks,
             prefix_cache_queries=kv.prefix_cache_queries,
             prefix_cache_hits=kv.prefix_cache_hits,
         )

@@ -4,17 +4,27 @@ Block 0 is a null block for padding block tables; it is never handed out. A full
 tokens are all computed gets a hash chained from its parent's hash, so a later request with the
 same prefix (and the same cache salt) can reuse it. Free blocks sit in an LRU queue; a free block
 that still has a hash stays findable until allocation takes it from the front of the queue.
+
+Pins (a request's `SamplingParams.cache_pins`, from cache breakpoints) keep the full blocks of a
+prompt's first N tokens out of that queue for a TTL: an idle pinned block waits aside, never
+evicted by other requests' allocations, and goes back to the queue when its pin expires. Reading a
+pinned block renews its pin for its own TTL. At most `max_pinned_share` of the pool is pinned; a
+pin beyond that is refused (the block stays an ordinary cached block). Pins give way only to a
+request that holds the pool alone and still cannot fit, so they never block the engine.
 """
 
 from __future__ import annotations
 
 import hashlib
+import heapq
+import time
 from array import array
-from collections import OrderedDict
-from collections.abc import Sequence
+from collections import Counter, OrderedDict
+from collections.abc import Callable, Iterable, Sequence
 
 from ember.engine.request import Request
 
+DEFAULT_MAX_PINNED_SHARE = 0.25
 _ROOT = b"\x00"
 _CHILD = b"\x01"
 
@@ -52,7 +62,9 @@ class KVCacheManager:
     The manager tracks the requests that hold blocks; `check_invariants()` needs no arguments.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 max_pinned_share: float = DEFAULT_MAX_PINNED_SHARE,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         if num_blocks < 2:
             raise ValueError(f"num_blocks must be at least 2 (block 0 is reserved), got {num_blocks}")
         if block_size < 1:
@@ -68,6 +80,14 @@ class KVCacheManager:
         self._holders: dict[str, Request] = {}  # requests holding blocks, for check_invariants
         self.prefix_cache_queries = 0  # tokens looked up at admission
         self.prefix_cache_hits = 0  # tokens found
+        if not 0.0 <= max_pinned_share <= 1.0:
+            raise ValueError(f"max_pinned_share must be between 0 and 1, got {max_pinned_share}")
+        self.max_pinned_blocks = int(max_pinned_share * self.num_allocatable_blocks)
+        self._clock = clock
+        self._pins: dict[bytes, tuple[float, float]] = {}  # block hash -> (expires at, its TTL in seconds)
+        self._pin_expiries: list[tuple[float, bytes]] = []  # heap; entries no longer in _pins are stale
+        self._pinned_idle: set[int] = set()  # pinned blocks no request holds: out of the free queue
+        self.num_pins_refused = 0  # blocks a pin could not keep: the pinned share was full
 
     @property
     def num_allocatable_blocks(self) -> int:
@@ -79,11 +99,16 @@ class KVCacheManager:
 
     @property
     def num_cached_blocks(self) -> int:
-        return self._num_cached_free
+        """Blocks no request holds that keep a prefix (evictable, or pinned)."""
+        return self._num_cached_free + len(self._pinned_idle)
+
+    @property
+    def num_pinned_blocks(self) -> int:
+        return len(self._pins)
 
     @property
     def num_used_blocks(self) -> int:
-        return self.num_allocatable_blocks - len(self._free)
+        return self.num_allocatable_blocks - len(self._free) - len(self._pinned_idle)
 
     @property
     def usage(self) -> float:
@@ -101,6 +126,7 @@ class KVCacheManager:
         """
         if not self.enable_prefix_caching:
             return [], 0
+        self._expire_pins()
         size = self.block_size
         tokens = request.token_ids
         hits: list[int] = []
@@ -123,8 +149,11 @@ class KVCacheManager:
         num_tokens = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens
         num_required = -(-num_tokens // self.block_size)
         num_new_blocks = max(0, num_required - len(request.block_ids) - len(new_computed_blocks))
-        num_free_hits = sum(1 for block_id in new_computed_blocks if self.blocks[block_id].ref_count == 0)
-        if num_new_blocks + num_free_hits > len(self._free):
+        self._expire_pins()
+        num_free_hits = sum(1 for block_id in new_computed_blocks if block_id in self._free)
+        shortage = num_new_blocks + num_free_hits - len(self._free)
+        if shortage > 0 and not (self._holders.keys() <= {request.request_id}
+                                 and self._unpin_idle(shortage, keep=new_computed_blocks)):
             return False
 
         if self.enable_prefix_caching and not request.block_ids and request.num_computed_tokens == 0:
@@ -132,12 +161,15 @@ class KVCacheManager:
             self.prefix_cache_hits += num_new_computed_tokens
         for block_id in new_computed_blocks:
             block = self.blocks[block_id]
-            if block.ref_count == 0:
+            if block_id in self._free:
                 del self._free[block_id]
                 self._num_cached_free -= 1
+            self._pinned_idle.discard(block_id)
             block.ref_count += 1
             request.block_ids.append(block_id)
             request.block_hashes.append(block.hash)
+        if new_computed_blocks:
+            self._apply_pins(request, 0)
         for _ in range(num_new_blocks):
             block_id = self._take_free_block(request.block_ids[-1] + 1 if request.block_ids else 0)
             block = self.blocks[block_id]
@@ -170,13 +202,16 @@ class KVCacheManager:
         size = self.block_size
         hashes = request.block_hashes
         parent = hashes[-1] if hashes else None
-        for index in range(len(hashes), request.num_computed_tokens // size):
+        first_new = len(hashes)
+        for index in range(first_new, request.num_computed_tokens // size):
             parent = hash_block(parent, request.token_ids[index * size:(index + 1) * size], request.cache_salt)
             hashes.append(parent)
             block = self.blocks[request.block_ids[index]]
             if parent not in self.cached_block_ids:
                 self.cached_block_ids[parent] = block.block_id
                 block.hash = parent
+        if len(hashes) > first_new:
+            self._apply_pins(request, first_new)
 
     def free(self, request: Request) -> None:
         """Release the request's blocks; the tail of its chain goes to the free queue first."""
@@ -184,6 +219,9 @@ class KVCacheManager:
             block = self.blocks[block_id]
             block.ref_count -= 1
             if block.ref_count == 0:
+                if block.hash is not None and block.hash in self._pins:
+                    self._pinned_idle.add(block_id)
+                    continue
                 self._free[block_id] = None
                 if block.hash is None:
                     self._free.move_to_end(block_id, last=False)  # holds nothing worth keeping
@@ -197,6 +235,7 @@ class KVCacheManager:
         """Forget every hash; refused (False) while any block is in use."""
         if self.num_used_blocks:
             return False
+        self._unpin_idle(len(self._pinned_idle))
         for block_id in self.cached_block_ids.values():
             self.blocks[block_id].hash = None
         self.cached_block_ids.clear()
@@ -220,8 +259,11 @@ class KVCacheManager:
             assert block.ref_count == expected_refs[block.block_id], \
                 f"block {block.block_id} has ref_count {block.ref_count} but {expected_refs[block.block_id]} holders"
             is_free = block.block_id in self._free
+            is_pinned_idle = block.block_id in self._pinned_idle
             assert not (is_free and block.ref_count), f"free block {block.block_id} has ref_count {block.ref_count}"
-            assert is_free or block.ref_count or block.block_id == 0, \
+            assert not (is_pinned_idle and (is_free or block.ref_count or block.hash not in self._pins)), \
+                f"idle pinned block {block.block_id} is also free, in use, or not pinned"
+            assert is_free or is_pinned_idle or block.ref_count or block.block_id == 0, \
                 f"block {block.block_id} is neither free nor in use (leaked)"
             if block.hash is not None:
                 assert self.cached_block_ids.get(block.hash) == block.block_id, \
@@ -234,5 +276,92 @@ class KVCacheManager:
             f"cached free count is {self._num_cached_free} but {num_cached_free} free blocks carry a hash"
         num_plain_free = len(self._free) - num_cached_free
         num_used = sum(1 for block in self.blocks if block.ref_count)
-        assert num_plain_free + num_cached_free + num_used == self.num_allocatable_blocks, \
-            f"free {num_plain_free} + cached {num_cached_free} + used {num_used} != pool {self.num_allocatable_blocks}"
+        num_idle = len(self._pinned_idle)
+        assert num_plain_free + num_cached_free + num_used + num_idle == self.num_allocatable_blocks, \
+            f"free {num_plain_free} + cached {num_cached_free} + used {num_used} + pinned {num_idle} " \
+            f"!= pool {self.num_allocatable_blocks}"
+        assert len(self._pins) <= self.max_pinned_blocks, \
+            f"{len(self._pins)} blocks pinned, above the share of {self.max_pinned_blocks}"
+        for block_hash in self._pins:
+            assert block_hash in self.cached_block_ids, "a pin names a hash no block holds"
+
+    # ---- pins ------------------------------------------------------------------------------------
+
+    def num_blocks_freed_by(self, requests: Iterable[Request]) -> int:
+        """Blocks that would join the free queue if these requests were freed (held by them alone,
+        and not pinned)."""
+        holders = Counter(block_id for request in requests for block_id in request.block_ids)
+        return sum(1 for block_id, count in holders.items()
+                   if self.blocks[block_id].ref_count == count and self.blocks[block_id].hash not in self._pins)
+
+    def _leading_pinned_tokens(self, request: Request) -> int:
+        """How many of the prompt's first tokens sit in blocks pinned under the request's own pins."""
+        reach = max(pin.num_tokens for pin in request.sampling_params.cache_pins)
+        count = 0
+        for block_hash in request.block_hashes:
+            if (count + 1) * self.block_size > reach or block_hash not in self._pins:
+                break
+            count += 1
+        return count * self.block_size
+
+    def _apply_pins(self, request: Request, first_index: int) -> None:
+        """Pin (or renew) the request's blocks from `first_index` on: those its pins cover, for the
+        longest TTL that covers each, and those already pinned, for their own TTL."""
+        pins = request.sampling_params.cache_pins
+        now = self._clock()
+        for index in range(first_index, len(request.block_hashes)):
+            block_hash = request.block_hashes[index]
+            end = (index + 1) * self.block_size
+            ttl = max((pin.ttl_s for pin in pins if pin.num_tokens >= end), default=None)
+            if ttl is None:
+                if block_hash not in self._pins:
+                    continue
+                ttl = self._pins[block_hash][1]
+            self._pin(block_hash, ttl, now)
+        if pins:
+            request.num_pinned_tokens = self._leading_pinned_tokens(request)
+
+    def _pin(self, block_hash: bytes, ttl: float, now: float) -> None:
+        block_id = self.cached_block_ids.get(block_hash)
+        if block_id is None:  # its cached copy was evicted; this request's copy is plain
+            return
+        current = self._pins.get(block_hash)
+        if current is None and len(self._pins) >= self.max_pinned_blocks:
+            self.num_pins_refused += 1
+            return
+        expires = max(now + ttl, current[0] if current else 0.0)
+        longest = max(ttl, current[1] if current else 0.0)
+        if current != (expires, longest):
+            self._pins[block_hash] = (expires, longest)
+            heapq.heappush(self._pin_expiries, (expires, block_hash))
+        if block_id in self._free:  # an idle copy found through another request's hash
+            del self._free[block_id]
+            self._num_cached_free -= 1
+            self._pinned_idle.add(block_id)
+
+    def _expire_pins(self) -> None:
+        now = self._clock()
+        while self._pin_expiries and self._pin_expiries[0][0] <= now:
+            expires, block_hash = heapq.heappop(self._pin_expiries)
+            current = self._pins.get(block_hash)
+            if current is not None and current[0] == expires:
+                self._unpin(block_hash)
+
+    def _unpin(self, block_hash: bytes) -> None:
+        del self._pins[block_hash]
+        block_id = self.cached_block_ids[block_hash]
+        if block_id in self._pinned_idle:  # back to the queue as the most recently freed cached block
+            self._pinned_idle.remove(block_id)
+            self._free[block_id] = None
+            self._num_cached_free += 1
+
+    def _unpin_idle(self, count: int, keep: Sequence[int] = ()) -> bool:
+        """Release the idle pinned blocks that expire soonest (other than `keep`), `count` of them;
+        False, releasing none, if there are fewer."""
+        candidates = self._pinned_idle.difference(keep)
+        if count > len(candidates):
+            return False
+        soonest = sorted(candidates, key=lambda block_id: self._pins[self.blocks[block_id].hash][0])
+        for block_id in soonest[:count]:
+            self._unpin(self.blocks[block_id].hash)
+        return True

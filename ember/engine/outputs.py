@@ -68,4 +68,5 @@ class RequestTracker:
             stop_reason=self.stop_reason,
             error=step.error,
             num_computed_prompt_tokens=step.num_computed_prompt_tokens,
+            num_pinned_tokens=step.num_pinned_tokens,
         )

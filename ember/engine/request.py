@@ -43,7 +43,8 @@ class Request:
         "request_id", "token_ids", "num_prompt_tokens", "sampling_params", "max_tokens",
         "eos_token_ids", "arrival_time", "priority", "cache_salt", "num_computed_tokens",
         "num_cached_tokens", "block_ids", "block_hashes", "status", "finish_reason",
-        "stop_reason", "num_preemptions", "constraint",
+        "stop_reason", "num_preemptions", "constraint", "num_waiting_steps", "waiting_since_step", "promoted",
+        "num_pinned_tokens",
     )
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams, *,
@@ -67,6 +68,12 @@ class Request:
         self.stop_reason: int | None = None  # the stop token id that ended it
         self.num_preemptions = 0
         self.constraint = constraint
+        # the scheduler's starvation bound: steps spent waiting, summed over preemptions; while
+        # waiting, since which step; promoted once a background request has waited its bound
+        self.num_waiting_steps = 0
+        self.waiting_since_step = 0
+        self.promoted = False
+        self.num_pinned_tokens = 0  # leading prompt tokens its cache pins keep (set by the KV manager)
 
     @property
     def num_tokens(self) -> int:

@@ -12,6 +12,16 @@ its layer. A step of max_num_batched_tokens short-context tokens and a step hold
 a 20,000-token prompt then take about the same time, so the streams running beside a long
 prompt keep the pace of a short step while it prefills. With no stream to protect, every token
 costs 1 and prompts prefill in full-budget chunks.
+
+Priorities: 0 is foreground, larger values are background work (SamplingParams.priority). A step
+serves decodes, then foreground prefills, then waiting foreground requests, and only then
+background prefills and waiting background requests. A waiting request that finds no seat or no
+blocks preempts running requests of a larger rank, the least important first, when that makes
+the room; the victims wait again and later resume from what they had (their tokens are kept and
+their prompt blocks usually come back from the prefix cache). Starvation bound: a background
+request that has spent `background_wait_steps` steps waiting, summed over every time it waited,
+is promoted: from the next step on it ranks as a foreground request that arrived when it did, so
+no later foreground request passes it in the queue or preempts it for room.
 """
 
 from __future__ import annotations
@@ -27,12 +37,22 @@ from ember.engine.kv_cache import KVCacheManager
 from ember.engine.request import Request, RequestStatus
 
 
+DEFAULT_BACKGROUND_WAIT_STEPS = 256
+
+
 @dataclass(slots=True)
 class SchedulerConfig:
     max_num_seqs: int
     max_num_batched_tokens: int  # the step budget, in token costs
     max_model_len: int
     attention_cost_tokens: int | None = None  # K above; None: every token costs 1
+    # a background request that has waited this many steps in all is served as foreground (above)
+    background_wait_steps: int = DEFAULT_BACKGROUND_WAIT_STEPS
+
+
+def rank(request: Request) -> int:
+    """The priority a request is served at: its own, or 0 (foreground) once promoted."""
+    return 0 if request.promoted else request.priority
 
 
 def chunk_cost(start: int, count: int, attention_cost_tokens: int | None) -> float:
@@ -81,39 +101,58 @@ class SchedulerOutput:
 
 
 class WaitingQueue:
-    """Preempted requests first (the latest preempted in front), then new ones by (priority, arrival).
+    """Requests by rank; within a rank, preempted requests first (the latest preempted in front),
+    then new ones by arrival.
 
-    Finished (aborted) requests are dropped lazily when they reach the front.
+    Each waiting request has one live heap entry; entries left behind by a promotion (reorder) and
+    requests finished while waiting (aborted) are dropped lazily when they reach the front.
     """
 
     def __init__(self) -> None:
-        self._preempted: deque[Request] = deque()
-        self._new: list[tuple[int, float, int, Request]] = []  # heap
+        self._heap: list[tuple[int, int, float, int, Request]] = []  # (rank, group, key, seq, request)
+        self._live: dict[str, tuple[int, int, float]] = {}  # request id -> its live entry's (seq, group, key)
         self._order = itertools.count()
 
     def push(self, request: Request) -> None:
-        heapq.heappush(self._new, (request.priority, request.arrival_time, next(self._order), request))
+        self._push(request, 1, request.arrival_time)
 
     def push_front(self, request: Request) -> None:
-        self._preempted.appendleft(request)
+        self._push(request, 0, -next(self._order))
+
+    def reorder(self, request: Request) -> None:
+        """Its rank changed: the same place within its group, under the new rank."""
+        _, group, key = self._live[request.request_id]
+        self._push(request, group, key)
+
+    def holds(self, request: Request) -> bool:
+        return request.request_id in self._live and not request.status.is_finished
+
+    def _push(self, request: Request, group: int, key: float) -> None:
+        seq = next(self._order)
+        self._live[request.request_id] = (seq, group, key)
+        heapq.heappush(self._heap, (rank(request), group, key, seq, request))
 
     def peek(self) -> Request | None:
-        while self._preempted and self._preempted[0].status.is_finished:
-            self._preempted.popleft()
-        if self._preempted:
-            return self._preempted[0]
-        while self._new and self._new[0][3].status.is_finished:
-            heapq.heappop(self._new)
-        return self._new[0][3] if self._new else None
+        while self._heap:
+            _, _, _, seq, request = self._heap[0]
+            live = self._live.get(request.request_id)
+            if live is not None and live[0] == seq:
+                if not request.status.is_finished:
+                    return request
+                del self._live[request.request_id]
+            heapq.heappop(self._heap)
+        return None
 
     def pop(self) -> Request:
         """Remove the request peek() returned."""
-        if self._preempted:
-            return self._preempted.popleft()
-        return heapq.heappop(self._new)[3]
+        request = heapq.heappop(self._heap)[4]
+        del self._live[request.request_id]
+        return request
 
 
 class Scheduler:
+    """Not thread-safe: the engine's one thread calls it."""
+
     def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager) -> None:
         self.config = config
         self.kv_cache = kv_cache
@@ -121,6 +160,9 @@ class Scheduler:
         self.running: list[Request] = []
         self._attention_cost_tokens: int | None = None  # this step's K: the config's while a request decodes
         self.waiting = WaitingQueue()
+        self.num_steps = 0  # schedule() calls so far
+        self._promotions: list[tuple[int, int, int, Request]] = []  # (due step, waiting since, seq, request)
+        self._order = itertools.count()
 
     @property
     def num_running(self) -> int:
@@ -145,16 +187,28 @@ class Scheduler:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request
+        self._start_waiting(request)
         self.waiting.push(request)
 
     def schedule(self) -> SchedulerOutput:
+        self.num_steps += 1
+        self._promote_due()
         scheduled: list[ScheduledRequest] = []
         preempted: list[Request] = []
         decoding = any(r.num_tokens - r.num_computed_tokens == 1 for r in self.running)
         self._attention_cost_tokens = self.config.attention_cost_tokens if decoding else None
-        budget = self._schedule_running(float(self.config.max_num_batched_tokens), scheduled, preempted)
+        # Decodes first (a long prompt never holds back the next token of a request that is already
+        # streaming), then foreground prompts still prefilling, then waiting foreground requests,
+        # and only then background prefills and waiting background requests.
+        self.running.sort(key=_step_order)
+        first = [r for r in self.running if _step_order(r) < 2]
+        background_prefills = self.running[len(first):]
+        budget = self._schedule_running(float(self.config.max_num_batched_tokens), first, scheduled, preempted)
         if not preempted:  # memory is short when something was preempted; admitting now would thrash
-            self._admit_waiting(budget, scheduled)
+            budget = self._admit_waiting(budget, scheduled, preempted, foreground_only=True)
+        budget = self._schedule_running(budget, background_prefills, scheduled, preempted)
+        if not preempted:
+            self._admit_waiting(budget, scheduled, preempted, foreground_only=False)
         return SchedulerOutput(scheduled, sum(entry.num_new_tokens for entry in scheduled), preempted)
 
     def _cost(self, start: int, count: int) -> float:
@@ -163,52 +217,50 @@ class Scheduler:
     def _tokens_within(self, start: int, wanted: int, budget: float) -> int:
         return tokens_within(start, wanted, budget, self._attention_cost_tokens)
 
-    def _schedule_running(self, budget: float, scheduled: list[ScheduledRequest], preempted: list[Request]) -> float:
-        # Decodes first, then prompts still being prefilled: a long prompt never holds back the
-        # next token of a request that is already streaming.
-        self.running.sort(key=lambda r: r.num_tokens - r.num_computed_tokens > 1)
-        index = 0
-        while index < len(self.running):
-            request = self.running[index]
+    def _schedule_running(self, budget: float, requests: list[Request], scheduled: list[ScheduledRequest],
+                          preempted: list[Request]) -> float:
+        for request in requests:
+            if request.status is not RequestStatus.RUNNING:
+                continue  # preempted earlier in this step
             start = request.num_computed_tokens
             owed = request.num_tokens - start
             if budget <= 0 and owed > 1:
                 break  # what is left prefills; every decode runs, even past the budget
             num_new_tokens = 1 if owed == 1 else self._tokens_within(start, owed, budget)
             if num_new_tokens == 0:  # only if the runner failed to sample for it; never schedule nothing
-                index += 1
                 continue
             while not self.kv_cache.allocate_slots(request, num_new_tokens):
                 victim = max(self.running, key=_importance_rank)
-                victim_index = self.running.index(victim)
-                self._preempt(victim, victim_index)
+                budget += self._preempt(victim, scheduled)  # a victim already paid this step is refunded
                 preempted.append(victim)
                 if victim is request:
                     break
-                if victim_index < index:  # already seen this step: take back what it was paid
-                    index -= 1
-                    for entry in scheduled:
-                        if entry.request is victim:
-                            scheduled.remove(entry)
-                            budget += self._cost(entry.start, entry.num_new_tokens)
-                            break
             else:
                 scheduled.append(ScheduledRequest(request, num_new_tokens, start))
                 budget -= self._cost(start, num_new_tokens)
-                index += 1
         return budget
 
-    def _admit_waiting(self, budget: float, scheduled: list[ScheduledRequest]) -> float:
-        while budget > 0 and len(self.running) < self.config.max_num_seqs:
+    def _admit_waiting(self, budget: float, scheduled: list[ScheduledRequest], preempted: list[Request], *,
+                       foreground_only: bool) -> float:
+        while budget > 0:
             request = self.waiting.peek()
-            if request is None:
+            if request is None or (foreground_only and rank(request) > 0):
                 break
             # waiting requests (new or preempted) have num_computed_tokens == 0
-            hit_block_ids, num_hit_tokens = self.kv_cache.get_computed_blocks(request)
-            num_new_tokens = self._tokens_within(num_hit_tokens, request.num_tokens - num_hit_tokens, budget)
-            if not self.kv_cache.allocate_slots(request, num_new_tokens, hit_block_ids, num_hit_tokens):
-                break  # never preempt running requests to admit new ones
+            while True:
+                hit_block_ids, num_hit_tokens = self.kv_cache.get_computed_blocks(request)
+                num_new_tokens = self._tokens_within(num_hit_tokens, request.num_tokens - num_hit_tokens, budget)
+                if len(self.running) < self.config.max_num_seqs and self.kv_cache.allocate_slots(
+                        request, num_new_tokens, hit_block_ids, num_hit_tokens):
+                    break
+                # Only less important requests yield, and only when that can make the room.
+                victim = self._yielding_victim(request, num_hit_tokens + num_new_tokens, len(hit_block_ids))
+                if victim is None:
+                    return budget
+                budget += self._preempt(victim, scheduled)
+                preempted.append(victim)
             self.waiting.pop()
+            request.num_waiting_steps += self.num_steps - request.waiting_since_step - 1
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = min(num_hit_tokens, request.num_prompt_tokens)
             request.num_computed_tokens = num_hit_tokens
@@ -217,6 +269,31 @@ class Scheduler:
             scheduled.append(ScheduledRequest(request, num_new_tokens, num_hit_tokens))
             budget -= self._cost(num_hit_tokens, num_new_tokens)
         return budget
+
+    def _yielding_victim(self, request: Request, num_tokens: int, num_hit_blocks: int) -> Request | None:
+        """The running request that gives way to `request`: the least important of those of a
+        larger rank (background, not promoted), if giving way can seat it and cover its blocks."""
+        weaker = [r for r in self.running if rank(r) > rank(request)]
+        if not weaker:
+            return None
+        needed = -(-num_tokens // self.kv_cache.block_size) - num_hit_blocks
+        if self.kv_cache.num_free_blocks + self.kv_cache.num_blocks_freed_by(weaker) < needed:
+            return None  # even all of them would not free enough: none is preempted for nothing
+        return max(weaker, key=_importance_rank)
+
+    def _start_waiting(self, request: Request) -> None:
+        request.waiting_since_step = self.num_steps
+        if rank(request) > 0:
+            # promoted at the start of the step by which it will have waited the bound in all
+            due = self.num_steps + 1 + self.config.background_wait_steps - request.num_waiting_steps
+            heapq.heappush(self._promotions, (due, self.num_steps, next(self._order), request))
+
+    def _promote_due(self) -> None:
+        while self._promotions and self._promotions[0][0] <= self.num_steps:
+            _, since, _, request = heapq.heappop(self._promotions)
+            if request.waiting_since_step == since and not request.promoted and self.waiting.holds(request):
+                request.promoted = True
+                self.waiting.reorder(request)
 
     def update_from_output(self, output: SchedulerOutput, sampled: dict[str, list[int]]) -> list[Request]:
         """Advance each scheduled request and append its sampled tokens; returns those that finished (freed)."""
@@ -279,15 +356,31 @@ class Scheduler:
         self.kv_cache.free(request)
         del self.requests[request.request_id]
 
-    def _preempt(self, request: Request, running_index: int) -> None:
-        del self.running[running_index]
+    def _preempt(self, request: Request, scheduled: list[ScheduledRequest]) -> float:
+        """Send a running request back to wait, its KV dropped; returns the budget it was paid this step."""
+        self.running.remove(request)
+        refund = 0.0
+        for entry in scheduled:
+            if entry.request is request:
+                scheduled.remove(entry)
+                refund = self._cost(entry.start, entry.num_new_tokens)
+                break
         self.kv_cache.free(request)
         request.num_computed_tokens = 0
         request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1
+        self._start_waiting(request)
         self.waiting.push_front(request)
+        return refund
+
+
+def _step_order(request: Request) -> int:
+    """0: it decodes; 1: a foreground prompt prefilling; 2: a background one."""
+    if request.num_tokens - request.num_computed_tokens <= 1:
+        return 0
+    return 1 if rank(request) == 0 else 2
 
 
 def _importance_rank(request: Request) -> tuple[int, float]:
-    """Higher ranks are less important: a larger priority value, then a later arrival."""
-    return request.priority, request.arrival_time
+    """Higher is less important: a larger rank, then a later arrival."""
+    return rank(request), request.arrival_time

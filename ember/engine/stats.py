@@ -36,7 +36,8 @@ class EngineStats:
     num_prefilling: int  # running requests whose prompt is not yet computed
     kv_blocks_total: int  # allocatable blocks (the null block excluded)
     kv_blocks_used: int
-    kv_blocks_cached: int  # free blocks still holding reusable prefix KV
+    kv_blocks_cached: int  # blocks no request holds that still keep reusable prefix KV (pinned ones included)
+    kv_blocks_pinned: int  # blocks cache breakpoints keep, held or not
     prefix_cache_queries: int  # prompt tokens looked up
     prefix_cache_hits: int  # prompt tokens found
     num_steps: int

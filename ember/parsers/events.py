@@ -19,14 +19,41 @@ class ContentText:
 
 
 @dataclass(frozen=True, slots=True)
-class ToolCall:
+class ToolCallStart:
+    """A call's name is known: the call is given out from here on, its arguments follow."""
+
     index: int  # among the reply's calls, from 0
     id: str  # stable for the whole stream
     name: str
-    arguments: str  # a JSON object, as text
 
 
-ReplyEvent = Union[ReasoningText, ContentText, ToolCall]
+@dataclass(frozen=True, slots=True)
+class ToolCallDelta:
+    """The next piece of a started call's arguments text."""
+
+    index: int
+    arguments: str
+
+
+@dataclass(frozen=True, slots=True)
+class ToolCall:
+    """A call that has ended: every piece of it was given out before, by a start and its deltas."""
+
+    index: int  # among the reply's calls, from 0
+    id: str  # stable for the whole stream
+    name: str
+    arguments: str  # the joined deltas: a JSON object as text, or as far as the model wrote it
+    complete: bool = True  # False: the arguments are not a whole JSON object (cut short or malformed)
+
+
+ReplyEvent = Union[ReasoningText, ContentText, ToolCallStart, ToolCallDelta, ToolCall]
+TEXT_EVENTS = (ReasoningText, ContentText)
+
+
+def streamed_call(call: ToolCall) -> list[ReplyEvent]:
+    """An ended call as the events that gave it out (for renderers building a whole reply)."""
+    pieces: list[ReplyEvent] = [ToolCallDelta(call.index, call.arguments)] if call.arguments else []
+    return [ToolCallStart(call.index, call.id, call.name), *pieces, call]
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,7 +88,14 @@ class ParsedReply:
     num_dropped_calls: int = 0  # complete calls left out because parallel_tool_calls is false
     parts: list[ReplyEvent] = field(default_factory=list)  # every event in order, adjacent texts of a kind joined
 
+    @property
+    def calls_complete(self) -> bool:
+        """The reply holds calls and every one of them is whole: a client can run them."""
+        return bool(self.tool_calls) and all(call.complete for call in self.tool_calls)
+
     def add(self, event: ReplyEvent) -> None:
+        if isinstance(event, (ToolCallStart, ToolCallDelta)):
+            return  # a call counts once it ends
         if isinstance(event, ReasoningText):
             self.reasoning += event.text
         elif isinstance(event, ContentText):

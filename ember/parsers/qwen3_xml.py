@@ -21,12 +21,14 @@ from collections.abc import Mapping
 from typing import Any
 
 from ember.parsers.events import ToolSpec
-from ember.parsers.tool_format import CLOSER, OPENER, strict_json
+from ember.parsers.tool_format import CLOSER, OPENER, framing_only, strict_json
 
 _FUNCTION_OPEN = re.compile(r"\s*<function=([^>\n]+)>")
 _FUNCTION_CLOSE = re.compile(r"</function>\s*$")
 _PARAM_OPEN = "<parameter="
 _PARAM_CLOSE = "</parameter>"
+_FUNCTION_TAG = "<function="
+_FUNCTION_END = "</function>"
 _MISSING = object()
 
 
@@ -60,6 +62,101 @@ class ParameterAwareScanner:
             self._pos = found + 1
 
 
+class XmlCallReader:
+    """Streams a call one parameter at a time: `{` once the function is named, then each parameter
+    as a JSON member once its value closes, then `}` at `</function>`. The joined text is the JSON
+    of the typed values, as a whole parse gives it. Markup that cannot be a parameter stops the
+    reading: the call ends there (incomplete) and the rest of its block is content."""
+
+    def __init__(self, tools: Mapping[str, ToolSpec]) -> None:
+        self.tools = tools
+        self.tool: ToolSpec | None = None
+        self._text = ""  # the arguments so far
+        self._seen: set[str] = set()
+        self._pos = 0  # the body is read up to here
+        self._state = "open"  # open | done (`</function>` read) | broken
+
+    def head(self, body: str) -> str | None | bool:
+        found = _FUNCTION_OPEN.match(body)
+        if found is None:
+            rest = body.lstrip()
+            opening = rest.startswith(_FUNCTION_TAG) and ">" not in rest and "\n" not in rest
+            return None if opening or _FUNCTION_TAG.startswith(rest) else False
+        name = found.group(1).strip()
+        if name not in self.tools:
+            return False
+        self.tool = self.tools[name]
+        self._pos = found.end()
+        self._text = "{"
+        return name
+
+    def arguments(self, body: str) -> str:
+        while self._state == "open" and self._read_one(body):
+            pass
+        return self._text
+
+    def _read_one(self, body: str) -> bool:
+        """Read the next parameter or the function's end; False when more text is needed (or reading stopped)."""
+        start = self._pos
+        while start < len(body) and body[start].isspace():
+            start += 1
+        rest = body[start:]
+        if rest.startswith(_FUNCTION_END):
+            self._text += "}"
+            self._pos, self._state = start + len(_FUNCTION_END), "done"
+            return False
+        if not rest.startswith(_PARAM_OPEN):
+            if rest and not _PARAM_OPEN.startswith(rest) and not _FUNCTION_END.startswith(rest):
+                self._state = "broken"
+            return False
+        name_end = body.find(">", start)
+        if name_end < 0:
+            return False
+        value_end = _matching_close(body, name_end + 1)
+        if value_end is None:
+            return False
+        name = body[start + len(_PARAM_OPEN):name_end].strip()
+        if not name or name in self._seen:
+            self._state = "broken"
+            return False
+        self._seen.add(name)
+        value = typed_value(_strip_framing(body[name_end + 1:value_end]), self.tool.parameter_schema(name))
+        if value is not _MISSING:
+            self._text += ("" if self._text == "{" else ", ") + _member(name, value)
+        self._pos = value_end + len(_PARAM_CLOSE)
+        return True
+
+    def finish(self, body: str, closed: bool) -> tuple[str, str, bool]:
+        self.arguments(body)
+        rest = body[self._pos:]
+        if self._state == "done":
+            return self._text, "" if framing_only(rest) else rest, True
+        if self._state == "open" and closed and not rest.strip():
+            self._text += "}"  # the block closed with `</function>` left out: nothing is missing
+            return self._text, "", True
+        if self._state == "open" and not closed:
+            return self._text + self._cut_parameter(rest), "", False
+        return self._text, rest, False
+
+    def _cut_parameter(self, rest: str) -> str:
+        """A parameter the end of the reply cut short, as far as it was written."""
+        head = rest.lstrip()
+        if not head.startswith(_PARAM_OPEN) or ">" not in head:
+            return ""
+        name, value = head[len(_PARAM_OPEN):].split(">", 1)
+        name = name.strip()
+        if not name or name in self._seen:
+            return ""
+        value = value.removeprefix("\n")
+        types = schema_types(self.tool.parameter_schema(name))
+        written = json.dumps(value, ensure_ascii=False)[:-1] if types is None or "string" in types else value
+        return ("" if self._text == "{" else ", ") + json.dumps(name, ensure_ascii=False) + ": " + written
+
+
+def _member(name: str, value: Any) -> str:
+    return json.dumps({name: value}, ensure_ascii=False)[1:-1]
+
+
 class Qwen3Xml:
     name = "qwen3_xml"
     call_prefix = OPENER + "\n<function="
@@ -68,6 +165,9 @@ class Qwen3Xml:
 
     def scanner(self) -> ParameterAwareScanner:
         return ParameterAwareScanner()
+
+    def reader(self, tools: Mapping[str, ToolSpec]) -> XmlCallReader:
+        return XmlCallReader(tools)
 
     def parse(self, body: str, tools: Mapping[str, ToolSpec]) -> tuple[str, str] | None:
         head = _FUNCTION_OPEN.match(body)

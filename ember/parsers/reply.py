@@ -2,21 +2,26 @@
 
 The same parser serves whole replies (one feed, then finish) and streams (many feeds), so the
 joined events of a stream always equal the whole. Content is given out at once, except text that
-could still be the start of a marker (`<think>`, `<tool_call>`); a call block is held until it
-closes, then becomes a call, or, when it is malformed or names an undeclared tool, goes out as
-content exactly as written.
+could still be the start of a marker (`<think>`, `<tool_call>`). A call block is held until its
+format shows a declared tool's name; from then on it is the reply's call and streams: a start, the
+pieces of its arguments as they are written, and an end that says whether the arguments came out
+whole. A block that never shows a declared name (malformed, an undeclared tool, a layout that
+cannot be read as it streams) is read whole when it closes, and goes out as content exactly as
+written unless it is a call after all.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from ember.parsers.events import (
-    ContentText, ParsedReply, ReasoningText, ReplyEvent, ThinkMarkers, ToolCall, ToolSpec, new_call_id,
+    TEXT_EVENTS, ContentText, ParsedReply, ReasoningText, ReplyEvent, ThinkMarkers, ToolCall, ToolCallDelta,
+    ToolCallStart, ToolSpec, new_call_id, streamed_call,
 )
 from ember.parsers.reasoning import ThinkTracker
-from ember.parsers.tool_format import CLOSER, OPENER, BlockScanner, ToolFormat
+from ember.parsers.tool_format import CLOSER, OPENER, BlockScanner, CallReader, ToolFormat
 from ember.tokenization.vocab import TokenBytes
 
 
@@ -55,6 +60,11 @@ class ReplyParser:
         self._pending = ""  # text received, not given out yet
         self._block: BlockScanner | None = None  # inside a call block
         self._block_text = ""  # the open block's body so far
+        self._reader: CallReader | None = None  # reads the open block as it streams
+        self._call: ToolCallStart | None = None  # the open block's call, once its name is known
+        self._call_dropped = False  # that call is left out (parallel_tool_calls is false)
+        self._streamed = False  # the open block is read as it streams (False: whole, once it closes)
+        self._sent_arguments = ""  # what the open call's deltas gave out so far
         self._held_space = ""  # whitespace right after a call, given out only if more content follows
         self._wrote_since_call = False
         self._tracker = (ThinkTracker(fmt.think, token_bytes, in_block=self._reasoning,
@@ -151,13 +161,18 @@ class ReplyParser:
         if opener >= 0:
             self._content(self._pending[:opener], events)
             self._pending = self._pending[opener + len(OPENER):]
-            self._block = self.fmt.tool_format.scanner()
-            self._block_text = ""
+            self._open_block()
             return True
         safe = len(self._pending) - partial_suffix(self._pending, OPENER)
         self._content(self._pending[:safe], events)
         self._pending = self._pending[safe:]
         return False
+
+    def _open_block(self) -> None:
+        self._block = self.fmt.tool_format.scanner()
+        self._reader = self.fmt.tool_format.reader(self.fmt.tools)
+        self._block_text = ""
+        self._call, self._call_dropped, self._streamed, self._sent_arguments = None, False, True, ""
 
     def _step_block(self, events: list[ReplyEvent]) -> bool:
         already = len(self._block_text)
@@ -165,14 +180,55 @@ class ReplyParser:
         self._pending = ""
         end = self._block.feed(self._block_text[already:])
         if end is None:
+            # Text that may be the closing tag arriving is not read yet.
+            self._read_call(self._block_text[:len(self._block_text) - partial_suffix(self._block_text, CLOSER)],
+                            events)
             return False
         self._pending = self._block_text[end + len(CLOSER):]
         self._close_block(self._block_text[:end], events, lenient=False)
         return True
 
+    def _read_call(self, body: str, events: list[ReplyEvent]) -> None:
+        """Give out what the open block shows of its call so far: its start, new argument text."""
+        if not self._streamed:
+            return
+        if self._call is None:
+            name = self._reader.head(body)
+            if name is None:
+                return
+            if name is False:
+                self._streamed = False
+                return
+            self._held_space = ""
+            self._wrote_since_call = False
+            index = self._num_calls(events)
+            self._call = ToolCallStart(index, new_call_id(), name)
+            self._call_dropped = bool(index) and not self.fmt.parallel_tool_calls
+            if not self._call_dropped:
+                self._emit(self._call, events)
+        self._send_arguments(self._reader.arguments(body), events)
+
+    def _send_arguments(self, arguments: str, events: list[ReplyEvent]) -> None:
+        new = arguments[len(self._sent_arguments):]
+        if new and not self._call_dropped:
+            self._emit(ToolCallDelta(self._call.index, new), events)
+        self._sent_arguments = arguments
+
     def _close_block(self, body: str, events: list[ReplyEvent], *, lenient: bool) -> None:
-        """A whole block (or, at the end of the reply, an unclosed one) becomes a call or content."""
+        """A whole block (or, at the end of the reply, an unclosed one) ends its call, or becomes a
+        call or content."""
         self._block = None
+        self._read_call(body, events)
+        call = self._call
+        if call is not None:
+            arguments, rest, complete = self._reader.finish(body, closed=not lenient)
+            self._send_arguments(arguments, events)
+            if self._call_dropped:
+                self.reply.num_dropped_calls += 1
+                return
+            self._emit(ToolCall(call.index, call.id, call.name, arguments, complete), events)
+            self._content(rest, events)
+            return
         parsed = self.fmt.tool_format.parse(body, self.fmt.tools)
         if parsed is None:
             self._content(OPENER + body + ("" if lenient else CLOSER), events)
@@ -184,7 +240,8 @@ class ReplyParser:
             self.reply.num_dropped_calls += 1
             return
         name, arguments = parsed
-        self._emit(ToolCall(index, new_call_id(), name, arguments), events)
+        for event in streamed_call(ToolCall(index, new_call_id(), name, arguments)):
+            self._emit(event, events)
 
     def _finish_reasoning(self, events: list[ReplyEvent]) -> None:
         """The reply ended inside its think block: a call written there is the reply's call."""
@@ -198,8 +255,8 @@ class ReplyParser:
                 self._emit(ReasoningText(pending[:opener]), events)
                 offset = len(self.reply.tool_calls)
                 for event in inner_events:
-                    if isinstance(event, ToolCall):
-                        event = ToolCall(event.index + offset, event.id, event.name, event.arguments)
+                    if not isinstance(event, TEXT_EVENTS):
+                        event = dataclasses.replace(event, index=event.index + offset)
                     self._emit(event, events)
                 self.reply.num_dropped_calls += inner.reply.num_dropped_calls
                 return
@@ -224,7 +281,7 @@ class ReplyParser:
 
     @staticmethod
     def _emit(event: ReplyEvent, events: list[ReplyEvent]) -> None:
-        if isinstance(event, (ReasoningText, ContentText)):
+        if isinstance(event, TEXT_EVENTS):
             if not event.text:
                 return
             if events and type(events[-1]) is type(event):

@@ -41,6 +41,26 @@ class BlockScanner(Protocol):
         ...
 
 
+class CallReader(Protocol):
+    """Reads one call block while it is written, so the call can stream: its name as soon as it is
+    known, then its arguments. `body` is always the block's whole text so far (after `<tool_call>`)."""
+
+    def head(self, body: str) -> str | None | bool:
+        """The declared tool's name once the body shows it; None: more text is needed; False: this
+        block cannot be read as it streams (it is read whole once it closes)."""
+        ...
+
+    def arguments(self, body: str) -> str:
+        """The arguments text readable so far; it only ever grows (each result starts with the last)."""
+        ...
+
+    def finish(self, body: str, closed: bool) -> tuple[str, str, bool]:
+        """The block ended (`closed`: by its closing tag, else by the end of the reply):
+        (the whole arguments text, which starts with every earlier result; the rest of the block that
+        is no part of the call, given out as content; whether the arguments are a whole JSON object)."""
+        ...
+
+
 class ToolFormat(Protocol):
     name: str
     call_prefix: str  # what a call's text is up to its function name
@@ -49,6 +69,8 @@ class ToolFormat(Protocol):
 
     def scanner(self) -> BlockScanner: ...
 
+    def reader(self, tools: Mapping[str, ToolSpec]) -> CallReader: ...
+
     def parse(self, body: str, tools: Mapping[str, ToolSpec]) -> tuple[str, str] | None:
         """(name, JSON arguments) for a well-formed call to a declared tool, else None."""
         ...
@@ -56,6 +78,48 @@ class ToolFormat(Protocol):
     def render_call(self, name: str, arguments: Mapping[str, Any]) -> str:
         """A past call as the model would have written it (for templates without tool support)."""
         ...
+
+
+def is_json_object(text: str) -> bool:
+    try:
+        return isinstance(strict_json(text), dict)
+    except ValueError:
+        return False
+
+
+def string_end(text: str, pos: int) -> int | None:
+    """The offset of the quote that closes the JSON string whose text starts at `pos`; None when
+    the text ends first."""
+    escaped = False
+    for offset in range(pos, len(text)):
+        char = text[offset]
+        if escaped:
+            escaped = False
+        elif char == "\\":
+            escaped = True
+        elif char == '"':
+            return offset
+    return None
+
+
+def expect(text: str, pos: int, literal: str) -> int | None | bool:
+    """After optional whitespace at `pos`, `literal`: the offset past it; None when the text ends
+    before it could be told; False when something else stands there."""
+    while pos < len(text) and text[pos].isspace():
+        pos += 1
+    rest = text[pos:pos + len(literal)]
+    if rest == literal:
+        return pos + len(literal)
+    return None if literal.startswith(rest) else False
+
+
+def framing_only(text: str, closer: str = "") -> bool:
+    """Nothing but whitespace, the format's `closer` once, and the start of `</tool_call>` (a block
+    cut short by the end of the reply)."""
+    rest = text.strip()
+    if closer and rest.startswith(closer):
+        rest = rest[len(closer):].strip()
+    return not rest or CLOSER.startswith(rest)
 
 
 class PlainScanner:

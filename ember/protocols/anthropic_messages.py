@@ -16,6 +16,7 @@ from ember.errors import InvalidRequest
 from ember.parsers.events import ToolSpec
 from ember.protocols.anthropic_errors import ANTHROPIC_ERRORS
 from ember.protocols.anthropic_render import MessagesRenderer
+from ember.protocols.cache_hints import AnthropicBreakpoints, Breakpoint, collect_breakpoints, mark, shift_marks
 from ember.protocols.chat_reply import (
     AUTO, FUNCTION, NONE, REQUIRED, ChatOptions, declare_tool, template_tools, tool_items, tool_name, tool_schema,
 )
@@ -69,8 +70,10 @@ def _parse(body: Any, model: ModelInfo, *, counting: bool) -> MessagesRequest:
         if f.has(name) and f.raw(name) != []:
             raise unsupported(name, f"{name} is not supported: {reason}")
     max_tokens, max_tokens_param = (None, "max_tokens") if counting else read_max_tokens(f, MAX_TOKENS_NAMES)
-    messages = join_leading_system(read_system(f), read_messages(f))
-    tools = read_tools(f)
+    marks = AnthropicBreakpoints()
+    tools, tools_ttl = read_tools(f, marks)
+    messages = join_leading_system(read_system(f, marks), read_messages(f, marks))
+    read_request_cache_control(f, marks, messages)
     if tools and model.chat.tool_format is None:
         raise unsupported("tools", "tool calling is turned off on this server (--tool-call-parser none)")
     choice, chosen, parallel = read_tool_choice(f, tools)
@@ -90,23 +93,28 @@ def _parse(body: Any, model: ModelInfo, *, counting: bool) -> MessagesRequest:
     options = ChatOptions(tools=tuple(chosen if chosen is not None else tools), tool_choice=choice,
                           parallel_tool_calls=parallel, thinking=thinking and not prefill, thinking_budget=budget,
                           reasoning_effort=effort)
+    breakpoints = collect_breakpoints(messages)
+    if tools_ttl is not None:  # the tools end where the template's system part does
+        breakpoints.insert(0, Breakpoint(1 if messages and messages[0]["role"] == "system" else 0, None, tools_ttl))
     prompt = ChatPrompt(messages, template_kwargs, template_tools(options.tools) if options.calls_tools else None,
-                        add_generation_prompt=not prefill)
+                        add_generation_prompt=not prefill, cache_breakpoints=breakpoints)
     if counting:
         params = build_sampling_params({"max_tokens": None})
     else:
         params = read_sampling(f, model, max_tokens, max_tokens_param)
         read_single_choice(f, "a message")
     stream = False if counting else f.boolean("stream", False)
+    return_token_ids = False if counting else f.boolean("return_token_ids", False)
     f.object("metadata")
     f.string("service_tier")
     return MessagesRequest(prompt, params, stream=stream, prompt_param="messages", chat=options,
-                           grammar=None if counting else grammar, model_label=label or model.name)
+                           grammar=None if counting else grammar, return_token_ids=return_token_ids,
+                           model_label=label or model.name)
 
 
 # ---- the conversation -----------------------------------------------------------------------------
 
-def read_system(f: Fields) -> list[dict[str, Any]]:
+def read_system(f: Fields, marks: AnthropicBreakpoints) -> list[dict[str, Any]]:
     raw = f.raw("system")
     if raw is None:
         return []
@@ -116,34 +124,46 @@ def read_system(f: Fields) -> list[dict[str, Any]]:
         raise InvalidRequest(f"system must be a string or an array of text blocks, not {json_type(raw)}",
                              param="system")
     texts = []
+    cuts: list[tuple[int, float]] = []
     for j, item in enumerate(raw):
         block = Fields(item, f"system[{j}]")
         kind = block.string("type")
         if kind != "text":
             raise InvalidRequest(f"{block.path} has type {kind!r}; system takes text blocks only", param=block.path)
         text = as_string(block.raw("text"), block.at("text"))
+        ttl = marks.read(block)
         if j == 0 and text.startswith(BILLING_HEADER):
-            continue  # Claude Code's per-request attribution: kept out so the prompt prefix stays cacheable
+            continue  # Claude Code's per-request attribution (and its mark): kept out so the prefix stays cacheable
         texts.append(text)
+        if ttl is not None:
+            cuts.append((sum(map(len, texts)), ttl))
     text = "".join(texts)
-    return [{"role": "system", "content": text}] if text else []
+    if not text:
+        return []
+    system = {"role": "system", "content": text}
+    for cut, ttl in cuts:
+        mark(system, cut, ttl)
+    return [system]
 
 
 def join_leading_system(system: list[dict[str, Any]], messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """A conversation that opens with a system turn continues the top-level system text."""
     if system and messages and messages[0]["role"] == "system":
-        return [{"role": "system", "content": system[0]["content"] + messages[0]["content"]}, *messages[1:]]
+        joined = {"role": "system", "content": system[0]["content"] + messages[0]["content"]}
+        for cut, ttl in shift_marks(system[0], 0) + shift_marks(messages[0], len(system[0]["content"])):
+            mark(joined, cut, ttl)
+        return [joined, *messages[1:]]
     return system + messages
 
 
 @dataclass(slots=True)
 class _Turn:
     role: str
-    blocks: list[tuple[str, Fields]]  # (kind, the block) in order
+    blocks: list[tuple[str, Fields, float | None]]  # (kind, the block, its cache_control TTL) in order
     path: str  # of the first message of the turn
 
 
-def read_messages(f: Fields) -> list[dict[str, Any]]:
+def read_messages(f: Fields, marks: AnthropicBreakpoints) -> list[dict[str, Any]]:
     items = f.array("messages", non_empty=True)
     if items is None:
         raise InvalidRequest("messages is required: a non-empty array of messages", param="messages")
@@ -155,7 +175,7 @@ def read_messages(f: Fields) -> list[dict[str, Any]]:
             raise InvalidRequest(f"{m.at('role')} is required", param=m.at("role"))
         if role not in ROLES:
             raise InvalidRequest(f"{m.at('role')} must be user, assistant or system; got '{role}'", param=m.at("role"))
-        blocks = read_blocks(m, role, final=i == len(items) - 1)
+        blocks = read_blocks(m, role, marks, final=i == len(items) - 1)
         if turns and turns[-1].role == role:
             turns[-1].blocks.extend(blocks)  # consecutive turns of one role are one turn
         else:
@@ -166,7 +186,8 @@ def read_messages(f: Fields) -> list[dict[str, Any]]:
     return messages
 
 
-def read_blocks(m: Fields, role: str, *, final: bool) -> list[tuple[str, Fields]]:
+def read_blocks(m: Fields, role: str, marks: AnthropicBreakpoints, *,
+                final: bool) -> list[tuple[str, Fields, float | None]]:
     content = m.raw("content")
     path = m.at("content")
     if content is None:
@@ -174,7 +195,7 @@ def read_blocks(m: Fields, role: str, *, final: bool) -> list[tuple[str, Fields]
     if isinstance(content, str):
         if not content and not (role == "assistant" and final):
             raise InvalidRequest(f"{path} must not be empty", param=path)
-        return [("text", Fields({"type": "text", "text": content}, path))]
+        return [("text", Fields({"type": "text", "text": content}, path), None)]
     if not isinstance(content, list):
         raise InvalidRequest(f"{path} must be a string or an array of content blocks, not {json_type(content)}",
                              param=path)
@@ -187,7 +208,12 @@ def read_blocks(m: Fields, role: str, *, final: bool) -> list[tuple[str, Fields]
         if kind is None:
             raise InvalidRequest(f"{block.at('type')} is required", param=block.at("type"))
         check_block(block, kind, role)
-        blocks.append((kind, block))
+        ttl = marks.read(block)
+        if kind == "tool_result":  # a mark inside the result counts for the result
+            for k, inner in enumerate(block.raw("content") if isinstance(block.raw("content"), list) else []):
+                inner_ttl = marks.read(Fields(inner, block.at("content") + f"[{k}]"))
+                ttl = inner_ttl if ttl is None else max(ttl, inner_ttl or 0.0)
+        blocks.append((kind, block, ttl))
     return blocks
 
 
@@ -247,26 +273,61 @@ def tool_result_text(block: Fields) -> str:
 
 
 def turn_messages(turn: _Turn) -> list[dict[str, Any]]:
-    texts = [block.raw("text") for kind, block in turn.blocks if kind == "text"]
+    """A turn's neutral messages, each marked where a block of it carries cache_control: text at the
+    end of that block's text, other blocks (results, calls, thinking) at the end of their message."""
+    texts: list[str] = []
+    text_cuts: list[tuple[int | None, float]] = []
+    whole_ttls: list[float] = []
+    for kind, block, ttl in turn.blocks:
+        if kind == "text":
+            texts.append(block.raw("text"))
+        if ttl is not None and kind != "tool_result":
+            if kind == "text":
+                text_cuts.append((sum(map(len, texts)), ttl))
+            else:
+                whole_ttls.append(ttl)
     if turn.role == "system":
-        return [{"role": "system", "content": "".join(texts)}]
+        return [_marked({"role": "system", "content": "".join(texts)}, text_cuts)]
     if turn.role == "user":
         # Tool results answer the assistant's calls, so they come first; the turn's text follows.
-        results = [{"role": "tool", "tool_call_id": block.raw("tool_use_id"), "content": tool_result_text(block)}
-                   for kind, block in turn.blocks if kind == "tool_result"]
-        return results + ([{"role": "user", "content": "".join(texts)}] if texts or not results else [])
+        results = [_marked({"role": "tool", "tool_call_id": block.raw("tool_use_id"),
+                            "content": tool_result_text(block)}, [] if ttl is None else [(None, ttl)])
+                   for kind, block, ttl in turn.blocks if kind == "tool_result"]
+        if texts or not results:
+            return results + [_marked({"role": "user", "content": "".join(texts)}, text_cuts)]
+        return results
     message: dict[str, Any] = {"role": "assistant", "content": "".join(texts)}
-    reasoning = "".join(block.raw("thinking") for kind, block in turn.blocks if kind == "thinking")
+    reasoning = "".join(block.raw("thinking") for kind, block, _ in turn.blocks if kind == "thinking")
     if reasoning:
         message["reasoning_content"] = reasoning  # the visible text; the signature is not checked
     calls = [{"id": block.raw("id"), "type": "function",
               "function": {"name": block.raw("name"), "arguments": dict(block.raw("input", {}))}}
-             for kind, block in turn.blocks if kind == "tool_use"]
+             for kind, block, _ in turn.blocks if kind == "tool_use"]
     if calls:
         message["tool_calls"] = calls
-    message["ember_blocks"] = [kind for kind, _ in turn.blocks]
+    message["ember_blocks"] = [kind for kind, _, _ in turn.blocks]
     message["ember_path"] = turn.path
-    return [message]
+    return [_marked(message, text_cuts + [(None, ttl) for ttl in whole_ttls])]
+
+
+def _marked(message: dict[str, Any], cuts: list[tuple[int | None, float]]) -> dict[str, Any]:
+    for cut, ttl in cuts:
+        mark(message, cut, ttl)
+    return message
+
+
+def read_request_cache_control(f: Fields, marks: AnthropicBreakpoints, messages: list[dict[str, Any]]) -> None:
+    """Top-level cache_control marks the last block of the conversation, unless that block has a
+    cache_control of its own, which then stands (whatever its TTL: refusing a request that sends
+    both, as Claude Code may, would help no one)."""
+    if not f.has("cache_control") or not messages:
+        return
+    content = f.raw("messages")[-1].get("content")
+    last_block = content[-1] if isinstance(content, list) and content else None
+    if isinstance(last_block, dict) and last_block.get("cache_control") is not None:
+        marks.read(f, counts=False)  # checked, and the block's own mark stands
+        return
+    mark(messages[-1], None, marks.read(f))
 
 
 def read_prefill(messages: list[dict[str, Any]], *, thinking_enabled: bool) -> bool:
@@ -325,9 +386,11 @@ def clear_old_thinking(f: Fields, messages: list[dict[str, Any]]) -> None:
 
 # ---- tools ------------------------------------------------------------------------------------------
 
-def read_tools(f: Fields) -> list[ToolSpec]:
+def read_tools(f: Fields, marks: AnthropicBreakpoints) -> tuple[list[ToolSpec], float | None]:
+    """The tools, and the longest TTL a tool's cache_control asks for (None: no tool has one)."""
     items = tool_items(f)
     specs: list[ToolSpec] = []
+    ttls: list[float] = []
     for i, raw in enumerate(items):
         tool = Fields(raw, f"tools[{i}]")
         kind = tool.string("type")
@@ -338,9 +401,12 @@ def read_tools(f: Fields) -> list[ToolSpec]:
         schema = tool_schema(tool, "input_schema", {"type": "object", "properties": {}})
         tool.boolean("eager_input_streaming")
         tool.boolean("defer_loading")
+        ttl = marks.read(tool)
+        if ttl is not None:
+            ttls.append(ttl)
         declare_tool(specs, ToolSpec(name, schema, tool.string("description"), strict=tool.boolean("strict", False)),
                      tool)
-    return specs
+    return specs, max(ttls, default=None)
 
 
 def read_tool_choice(f: Fields, tools: list[ToolSpec]) -> tuple[str, list[ToolSpec] | None, bool]:

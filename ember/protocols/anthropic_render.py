@@ -5,7 +5,7 @@
     per block: content_block_start, deltas, content_block_stop (indices from 0)
         thinking: thinking_delta ..., then one signature_delta just before the stop
         text: text_delta ...
-        tool_use: one input_json_delta holding the whole input (a call is parsed whole)
+        tool_use: input_json_delta pieces as the call is written (the joined pieces are its input)
     message_delta (stop_reason, stop_sequence, cumulative usage)
     message_stop
     or, once the stream has begun, an `error` event.
@@ -20,14 +20,16 @@ from __future__ import annotations
 import base64
 import hashlib
 import hmac
-import json
 import secrets
 from typing import Any
 
 from ember.errors import EmberError
-from ember.parsers.events import ContentText, ReasoningText, ReplyEvent, ToolCall
+from ember.parsers.events import (
+    ContentText, ReasoningText, ReplyEvent, ToolCall, ToolCallDelta, ToolCallStart, streamed_call,
+)
 from ember.protocols.anthropic_errors import anthropic_error_body
-from ember.protocols.neutral import ChoiceResult, GenerationRequest, ResponseMeta, RunResult
+from ember.protocols.neutral import ChoiceResult, GenerationRequest, ResponseMeta, RunResult, reply_token_fields
+from ember.protocols.partial_json import members_so_far
 from ember.protocols.sse import ServerEvent
 from ember.types import FinishReason, GenerationOutput
 
@@ -59,25 +61,24 @@ class BlockAssembler:
         self._open: str | None = None  # "thinking" or "text": the kind of the last block, still open
         self._held = ""  # whitespace not yet in a block
         self._held_kind: str | None = None
+        self._json = ""  # the open tool_use block's input, as streamed
 
     def feed(self, item: ReplyEvent) -> list[ServerEvent]:
-        if isinstance(item, ToolCall):
+        if isinstance(item, ToolCallStart):
             events = self.close()
             self._held = ""
-            try:
-                arguments = json.loads(item.arguments)
-            except ValueError:
-                arguments = None
-            if not isinstance(arguments, dict):  # the parser gives objects; a guard, not a path
-                arguments = {}
-            partial = item.arguments if arguments else "{}"
             index = len(self.blocks)
-            self.blocks.append({"type": "tool_use", "id": tool_use_id(item), "name": item.name, "input": arguments})
-            return events + [
-                event("content_block_start", index=index,
-                      content_block={"type": "tool_use", "id": tool_use_id(item), "name": item.name, "input": {}}),
-                event("content_block_delta", index=index, delta={"type": "input_json_delta", "partial_json": partial}),
-                event("content_block_stop", index=index)]
+            self.blocks.append({"type": "tool_use", "id": tool_use_id(item), "name": item.name, "input": {}})
+            self._json = ""
+            return events + [event("content_block_start", index=index, content_block=dict(self.blocks[-1]))]
+        if isinstance(item, ToolCallDelta):
+            self._json += item.arguments
+            return [event("content_block_delta", index=len(self.blocks) - 1,
+                          delta={"type": "input_json_delta", "partial_json": item.arguments})]
+        if isinstance(item, ToolCall):
+            # `input` must be an object: a call cut short keeps the members written whole so far.
+            self.blocks[-1]["input"] = members_so_far(self._json)
+            return [event("content_block_stop", index=len(self.blocks) - 1)]
         kind = "thinking" if isinstance(item, ReasoningText) else "text"
         if self._open == kind:
             self._held = ""
@@ -123,7 +124,10 @@ def reply_parts(choice: ChoiceResult) -> list[ReplyEvent]:
     """The whole reply's events in order (content only when nothing was parsed)."""
     if choice.parser is None:
         return [ContentText(choice.text)] if choice.text else []
-    return list(choice.reply.parts)
+    parts: list[ReplyEvent] = []
+    for part in choice.reply.parts:
+        parts += streamed_call(part) if isinstance(part, ToolCall) else [part]
+    return parts
 
 
 class MessagesRenderer:
@@ -143,11 +147,13 @@ class MessagesRenderer:
         return getattr(self.request, "model_label", "") or self.meta.model
 
     def usage(self, output_tokens: int) -> dict[str, Any]:
-        """input_tokens is the uncached part of the prompt; cache_read_input_tokens the part found in
-        the prefix cache; cache_creation_input_tokens is 0 (the three add up to the prompt)."""
+        """cache_read_input_tokens: the prompt's part found in the prefix cache; cache_creation_input_tokens:
+        the part after it that the request's cache_control breakpoints wrote and pinned; input_tokens:
+        the rest. The three add up to the prompt."""
         cached = self.result.num_cached_tokens
-        usage: dict[str, Any] = {"input_tokens": self.result.num_prompt_tokens - cached,
-                                 "cache_creation_input_tokens": 0, "cache_read_input_tokens": cached,
+        created = max(self.result.num_pinned_tokens - cached, 0)
+        usage: dict[str, Any] = {"input_tokens": self.result.num_prompt_tokens - cached - created,
+                                 "cache_creation_input_tokens": created, "cache_read_input_tokens": cached,
                                  "output_tokens": output_tokens}
         thinking = self.result.num_reasoning_tokens
         if thinking is not None and output_tokens:
@@ -156,7 +162,7 @@ class MessagesRenderer:
 
     def stop(self, choice: ChoiceResult) -> tuple[str, str | None]:
         """(stop_reason, stop_sequence)."""
-        if choice.reply.tool_calls and choice.finish_reason in (FinishReason.STOP, FinishReason.LENGTH):
+        if choice.reply.calls_complete and choice.finish_reason in (FinishReason.STOP, FinishReason.LENGTH):
             return "tool_use", None
         if choice.finish_reason == FinishReason.LENGTH:
             return ("model_context_window_exceeded" if self.result.fit and self.result.fit.reaches_window
@@ -179,7 +185,8 @@ class MessagesRenderer:
             blocks.feed(part)
         blocks.close()
         stop_reason, stop_sequence = self.stop(choice)
-        return self.envelope(blocks.blocks, stop_reason, stop_sequence, self.usage(len(choice.token_ids)))
+        return {**self.envelope(blocks.blocks, stop_reason, stop_sequence, self.usage(len(choice.token_ids))),
+                **reply_token_fields(self.request, self.result)}
 
     # ---- stream ---------------------------------------------------------------------------------
 
@@ -203,7 +210,7 @@ class MessagesRenderer:
         choice = self.result.choices[0]
         stop_reason, stop_sequence = self.stop(choice)
         events.append(event("message_delta", delta={"stop_reason": stop_reason, "stop_sequence": stop_sequence},
-                            usage=self.usage(len(choice.token_ids))))
+                            usage=self.usage(len(choice.token_ids)), **reply_token_fields(self.request, self.result)))
         events.append(event("message_stop"))
         return events
 

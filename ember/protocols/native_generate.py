@@ -276,6 +276,8 @@ class GenerateRenderer:
             "request_finished_ts": finished,
             "response_sent_to_client_ts": now,
         }
+        if choice.finish_reason is not None:
+            info["token_sha"] = choice.token_sha
         if self.options.return_logprob:
             info.update(self.logprobs(choice.logprobs))
         return info

@@ -8,6 +8,7 @@ choices on the engine and feeds each output into a `RunResult`, which the dialec
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import secrets
 import time
 from dataclasses import dataclass, field
@@ -17,12 +18,13 @@ from ember.context_window import ContextWindow, OutputFit, fit_output
 from ember.errors import EmberError, InvalidRequest
 from ember.parsers.events import ContentText, ParsedReply, ReplyEvent
 from ember.parsers.reply import ReplyParser
+from ember.protocols.cache_hints import Breakpoint, cache_pins
 from ember.protocols.chat_reply import ChatFeatures, ChatOptions, ReplyPlan
 from ember.protocols.errors import ErrorShape
 from ember.protocols.sse import ServerEvent
 from ember.protocols.structured import GrammarSpec
 from ember.tokenization.chat_prompt import prepare_conversation
-from ember.types import FinishReason, GenerationOutput, RequestTimings, SamplingParams, TokenLogprob
+from ember.types import CachePin, FinishReason, GenerationOutput, RequestTimings, SamplingParams, TokenLogprob
 
 
 @dataclass(slots=True)
@@ -33,6 +35,10 @@ class ChatPrompt:
     template_kwargs: dict[str, Any] = field(default_factory=dict)
     tools: list[dict[str, Any]] | None = None
     add_generation_prompt: bool = True
+    cache_breakpoints: list[Breakpoint] = field(default_factory=list)
+    # The breakpoints as token positions: written by encode_prompt (positions exist only once the
+    # prompt is rendered), read by resolve_sampling into SamplingParams.cache_pins.
+    cache_pins: list[CachePin] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -124,20 +130,38 @@ class ResponseMeta:
 def encode_prompt(prompt: Prompt, tokenizer, tool_format=None) -> list[int]:
     """Prompt token ids, counted once: the same ids run on the engine and count for usage.
 
-    A chat prompt is first fitted to what the template can take (see tokenization.chat_prompt)."""
+    A chat prompt is first fitted to what the template can take (see tokenization.chat_prompt).
+    Its cache breakpoints become token positions in `prompt.cache_pins`."""
     if isinstance(prompt, TokenPrompt):
         return list(prompt.token_ids)
     if isinstance(prompt, TextPrompt):
         return tokenizer.encode(prompt.text, add_special_tokens=prompt.add_special_tokens)
     try:
-        messages, tools = prepare_conversation(prompt.messages, prompt.tools, tokenizer.template_traits, tool_format)
-        return tokenizer.apply_chat_template(messages, add_generation_prompt=prompt.add_generation_prompt,
-                                             tools=tools, **prompt.template_kwargs)
+        ids = _render_chat(prompt, prompt.messages, tokenizer, tool_format, prompt.add_generation_prompt,
+                           prompt.template_kwargs)
     except InvalidRequest:
         raise
     except Exception as exc:  # a template that fails on this conversation (TypeError, KeyError ...)
         raise InvalidRequest(f"the chat template could not render these messages: {type(exc).__name__}: {exc}",
                              param="messages") from None
+    if prompt.cache_breakpoints:
+        closed = {k: v for k, v in prompt.template_kwargs.items() if k != "continue_final_message"}
+
+        def render_prefix(messages: list[dict[str, Any]]) -> list[int] | None:
+            try:
+                return _render_chat(prompt, messages, tokenizer, tool_format, False, closed)
+            except Exception:  # the template cannot render this prefix alone: the breakpoint is dropped
+                return None
+
+        prompt.cache_pins = cache_pins(prompt.cache_breakpoints, prompt.messages, ids, render_prefix)
+    return ids
+
+
+def _render_chat(prompt: ChatPrompt, messages: list[dict[str, Any]], tokenizer, tool_format,
+                 add_generation_prompt: bool, template_kwargs: dict[str, Any]) -> list[int]:
+    messages, tools = prepare_conversation(messages, prompt.tools, tokenizer.template_traits, tool_format)
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tools=tools,
+                                         **template_kwargs)
 
 
 def resolve_sampling(request: GenerationRequest, num_prompt_tokens: int, model: ModelInfo,
@@ -154,6 +178,8 @@ def resolve_sampling(request: GenerationRequest, num_prompt_tokens: int, model: 
                              f"window leaves after the prompt", param="min_tokens")
     if fit.max_tokens != params.max_tokens:
         params = dataclasses.replace(params, max_tokens=fit.max_tokens)
+    if isinstance(request.prompt, ChatPrompt) and request.prompt.cache_pins:  # chat prompts never batch
+        params = dataclasses.replace(params, cache_pins=list(request.prompt.cache_pins))
     return params, fit
 
 
@@ -186,6 +212,12 @@ def choice_seeds(params: SamplingParams, n: int) -> list[SamplingParams]:
 
 # ---- results ----------------------------------------------------------------------------------
 
+def token_sha(token_ids: list[int]) -> str:
+    """A reply's tokens in one hash, so two replies can be compared for exactness without their ids:
+    the SHA-256, in hex, of the ids written in decimal and joined by commas ("533,451,2443")."""
+    return hashlib.sha256(",".join(map(str, token_ids)).encode()).hexdigest()
+
+
 @dataclass(slots=True)
 class ChoiceResult:
     index: int
@@ -195,6 +227,7 @@ class ChoiceResult:
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None
     num_cached_tokens: int = 0
+    num_pinned_tokens: int = 0  # leading prompt tokens the request's cache pins keep
     timings: RequestTimings | None = None
     error: str | None = None
     parser: ReplyParser | None = None  # chat replies with reasoning or tools
@@ -211,9 +244,24 @@ class ChoiceResult:
         return self.token_ids[-1] if self.token_ids else None
 
     @property
+    def token_sha(self) -> str:
+        """Of every token the choice generated, through the one that completed a stop string."""
+        return token_sha(self.token_ids)
+
+    @property
     def reply(self) -> ParsedReply:
         """The reply split into reasoning, content and tool calls (content only, unparsed)."""
         return self.parser.reply if self.parser is not None else ParsedReply(content=self.text)
+
+
+def reply_token_fields(request: GenerationRequest, result: "RunResult") -> dict[str, Any]:
+    """What a one-choice reply (Responses, Messages) says of its tokens once it is done: `token_sha`,
+    and with return_token_ids the prompt's ids and the reply's."""
+    choice = result.choices[0]
+    fields: dict[str, Any] = {"token_sha": choice.token_sha}
+    if request.return_token_ids:
+        fields.update(prompt_token_ids=result.prompt_token_ids, token_ids=choice.token_ids)
+    return fields
 
 
 class RunResult:
@@ -234,6 +282,7 @@ class RunResult:
         choice = self.choices[index]
         choice.token_ids = output.token_ids
         choice.num_cached_tokens = output.num_cached_tokens
+        choice.num_pinned_tokens = max(choice.num_pinned_tokens, output.num_pinned_tokens)
         choice.timings = output.timings
         if output.logprobs is not None:
             choice.logprobs = output.logprobs
@@ -290,6 +339,11 @@ class RunResult:
         if self.batch_prompt_ids is not None:
             return sum(c.num_cached_tokens for c in self.choices)
         return self.choices[0].num_cached_tokens
+
+    @property
+    def num_pinned_tokens(self) -> int:
+        """Leading prompt tokens the first choice's cache pins keep (its breakpoints, as honoured)."""
+        return self.choices[0].num_pinned_tokens
 
     def first_token_time(self) -> float | None:
         times = [c.timings.first_token for c in self.choices if c.timings and c.timings.first_token]

@@ -7,6 +7,9 @@ from typing import Any
 
 from ember.errors import InvalidRequest
 from ember.protocols.errors import OPENAI_ERRORS, unsupported
+from ember.protocols.cache_hints import (
+    OpenAICacheOptions, collect_breakpoints, mark, openai_writes, read_openai_breakpoint, read_openai_cache_options,
+)
 from ember.protocols.fields import Fields, as_string, json_type
 from ember.protocols.chat_reply import read_template_kwargs, template_tools
 from ember.protocols.neutral import ChatPrompt, ChoiceResult, Dialect, GenerationRequest, ModelInfo
@@ -17,7 +20,7 @@ from ember.protocols.openai_common import (
 )
 from ember.protocols.structured import check_grammar_with_tools, read_openai_structured
 from ember.protocols.progress import read_stream_extras
-from ember.parsers.events import ContentText, ReasoningText
+from ember.parsers.events import ContentText, ReasoningText, ToolCallDelta, ToolCallStart
 from ember.protocols.sse import ServerEvent
 from ember.types import FinishReason, GenerationOutput
 
@@ -31,7 +34,9 @@ MEDIA_PARTS = ("image_url", "input_image", "input_audio", "audio_url", "video_ur
 def parse_chat(body: Any, model: ModelInfo) -> GenerationRequest:
     f = Fields(body)
     check_model(f, model)
-    messages = read_messages(f)
+    cache_options = read_openai_cache_options(f)
+    messages = read_messages(f, cache_options)
+    breakpoints = openai_writes(collect_breakpoints(messages), cache_options)
     grammar = read_openai_structured(f)
     refuse_unsupported_outputs(f)
     template_kwargs, add_generation_prompt = read_template_options(f)
@@ -45,27 +50,30 @@ def parse_chat(body: Any, model: ModelInfo) -> GenerationRequest:
     return_progress, timings_per_token = read_stream_extras(f)
     read_accepted(f)
     tools = template_tools(options.tools) if options.calls_tools else None
-    prompt = ChatPrompt(messages, template_kwargs, tools, add_generation_prompt)
+    prompt = ChatPrompt(messages, template_kwargs, tools, add_generation_prompt, cache_breakpoints=breakpoints)
     return GenerationRequest(prompt, params, n=n, stream=stream, include_usage=include_usage,
                              return_token_ids=return_token_ids, return_progress=return_progress,
                              timings_per_token=timings_per_token, prompt_param="messages", chat=options,
                              grammar=grammar)
 
 
-def read_messages(f: Fields) -> list[dict[str, Any]]:
+def read_messages(f: Fields, cache_options: OpenAICacheOptions) -> list[dict[str, Any]]:
     items = f.array("messages", non_empty=True)
     if items is None:
         raise InvalidRequest("messages is required: a non-empty array of messages", param="messages")
-    return [read_message(Fields(item, f"messages[{i}]")) for i, item in enumerate(items)]
+    return [read_message(Fields(item, f"messages[{i}]"), cache_options) for i, item in enumerate(items)]
 
 
-def read_message(m: Fields) -> dict[str, Any]:
+def read_message(m: Fields, cache_options: OpenAICacheOptions) -> dict[str, Any]:
     role = m.string("role")
     if role is None:
         raise InvalidRequest(f"{m.at('role')} is required", param=m.at("role"))
     if role not in ROLES:
         raise InvalidRequest(f"{m.at('role')} must be one of {', '.join(ROLES)}; got '{role}'", param=m.at("role"))
-    message: dict[str, Any] = {"role": ROLES[role], "content": read_content(m, role)}
+    content, cuts = read_content(m, role)
+    message: dict[str, Any] = {"role": ROLES[role], "content": content}
+    for cut in cuts:
+        mark(message, cut, cache_options.ttl_s)
     name = m.string("name")
     if name is not None:
         message["name"] = name
@@ -84,20 +92,22 @@ def read_message(m: Fields) -> dict[str, Any]:
     return message
 
 
-def read_content(m: Fields, role: str) -> str:
-    """A string, or text parts joined in order with nothing added between them."""
+def read_content(m: Fields, role: str) -> tuple[str, list[int]]:
+    """A string, or text parts joined in order with nothing added between them; and where the parts
+    that carry a prompt_cache_breakpoint end in it."""
     content = m.raw("content")
     path = m.at("content")
     if content is None:
         if role == "assistant":
-            return ""
+            return "", []
         raise InvalidRequest(f"{path} is required for a {role} message", param=path)
     if isinstance(content, str):
-        return content
+        return content, []
     if not isinstance(content, list):
         raise InvalidRequest(f"{path} must be a string or an array of content parts, not {json_type(content)}",
                              param=path)
     texts = []
+    cuts = []
     for j, raw in enumerate(content):
         part = Fields(raw, f"{path}[{j}]")
         kind = part.string("type")
@@ -110,7 +120,9 @@ def read_content(m: Fields, role: str) -> str:
             texts.append(as_string(part.raw("refusal"), part.at("refusal")))
         else:
             raise InvalidRequest(f"{part.path} has type {kind!r}; only text parts are accepted", param=part.path)
-    return "".join(texts)
+        if read_openai_breakpoint(part):
+            cuts.append(sum(map(len, texts)))
+    return "".join(texts), cuts
 
 
 def read_tool_calls(m: Fields) -> list[dict[str, Any]]:
@@ -202,16 +214,17 @@ class ChatRenderer(OpenAIRenderer):
     def delta_bodies(self, choice: ChoiceResult, output: GenerationOutput, with_logprobs: bool,
                      with_ids: bool) -> list[dict[str, Any]]:
         """One chunk per reply event: reasoning and content deltas, and for a tool call, one chunk with
-        its id and name, then one with its arguments."""
+        its id and name once the name is known, then one per piece of its arguments."""
         deltas: list[dict[str, Any]] = []
         for event in choice.events:
             if isinstance(event, ContentText):
                 deltas.append({"content": event.text})
             elif isinstance(event, ReasoningText):
                 deltas.append({"reasoning_content": event.text})
-            else:
+            elif isinstance(event, ToolCallStart):
                 deltas.append({"tool_calls": [{"index": event.index, "id": event.id, "type": "function",
                                                "function": {"name": event.name, "arguments": ""}}]})
+            elif isinstance(event, ToolCallDelta):
                 deltas.append({"tool_calls": [{"index": event.index, "function": {"arguments": event.arguments}}]})
         if not deltas and (with_logprobs or with_ids):
             deltas.append({"content": ""})
@@ -221,13 +234,14 @@ class ChatRenderer(OpenAIRenderer):
         return bodies
 
     def finish_reason(self, choice: ChoiceResult) -> str | None:
-        # A complete call counts even when text after it ran into max_tokens: the client can run it.
-        if choice.finish_reason in (FinishReason.STOP, FinishReason.LENGTH) and choice.reply.tool_calls:
+        # Whole calls count even when text after them ran into max_tokens: the client can run them. A
+        # call cut short (or malformed) leaves the engine's reason, so no client runs half a call.
+        if choice.finish_reason in (FinishReason.STOP, FinishReason.LENGTH) and choice.reply.calls_complete:
             return "tool_calls"
         return finish_reason(choice.finish_reason)
 
     def finish_extra(self, choice: ChoiceResult) -> dict[str, Any]:
-        return {"matched_stop": choice.matched_stop}
+        return {"matched_stop": choice.matched_stop, **super().finish_extra(choice)}
 
     def choice_body(self, choice) -> dict[str, Any]:
         logprobs = self.request.params.logprobs is not None

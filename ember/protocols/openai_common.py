@@ -11,7 +11,7 @@ from ember.protocols.errors import ModelNotFound, openai_error_body
 from ember.protocols.fields import Fields, as_integer, as_number
 from ember.protocols.neutral import GenerationRequest, ModelInfo, ResponseMeta, RunResult, build_sampling_params
 from ember.protocols.progress import PromptProgress, running_timings
-from ember.protocols.sampling_fields import read_max_tokens, read_sampling_fields
+from ember.protocols.sampling_fields import read_max_tokens, read_priority, read_sampling_fields
 from ember.protocols.sse import DONE, ServerEvent
 from ember.types import FinishReason, GenerationOutput, SamplingParams, TokenLogprob
 
@@ -40,6 +40,7 @@ def read_sampling(f: Fields, model: ModelInfo, *, logprobs: int | None,
     values["min_tokens"] = f.integer("min_tokens", 0, low=0)
     values["skip_special_tokens"] = f.boolean("skip_special_tokens", True)
     values["logprobs"] = logprobs
+    values["priority"] = read_priority(f)
     return build_sampling_params(values, {"max_tokens": max_tokens_param, **names, **(rename or {})})
 
 
@@ -190,8 +191,8 @@ class OpenAIRenderer:
         return finish_reason(choice.finish_reason)
 
     def finish_extra(self, choice) -> dict[str, Any]:
-        """The dialect's fields beside a finished choice's finish_reason (whole and streamed)."""
-        return {}
+        """The fields beside a finished choice's finish_reason (whole and streamed)."""
+        return {"token_sha": choice.token_sha}
 
     def whole_response(self, obj: str) -> dict[str, Any]:
         """The non-streamed body: every choice, usage and timings."""

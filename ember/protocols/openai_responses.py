@@ -13,17 +13,21 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from ember.errors import EmberError, InvalidRequest
-from ember.parsers.events import ContentText, ReasoningText, ReplyEvent, ToolCall
+from ember.parsers.events import (
+    TEXT_EVENTS, ContentText, ReasoningText, ReplyEvent, ToolCall, ToolCallDelta, ToolCallStart, streamed_call,
+)
 from ember.protocols.chat_reply import ChatOptions, read_template_kwargs, read_thinking_budget, template_tools
 from ember.protocols.errors import OPENAI_ERRORS, unsupported
 from ember.protocols.fields import Fields
 from ember.protocols.neutral import (
     ChatPrompt, ChoiceResult, Dialect, GenerationRequest, ModelInfo, ResponseMeta, RunResult, build_sampling_params,
+    reply_token_fields,
 )
 from ember.protocols.chat_reply import REASONING_EFFORTS
+from ember.protocols.cache_hints import collect_breakpoints, openai_writes, read_openai_cache_options
 from ember.protocols.openai_common import check_model, read_shared_sampling
 from ember.protocols.reasoning_seal import ReasoningSeal
-from ember.protocols.sampling_fields import read_max_tokens, read_single_choice
+from ember.protocols.sampling_fields import read_max_tokens, read_priority, read_single_choice
 from ember.protocols.responses_items import new_item_id, read_input, to_messages
 from ember.protocols.responses_tools import ToolRef, read_tool_choice, read_tools, unwrap_call
 from ember.protocols.structured import GrammarSpec, check_grammar_with_tools, read_flat_format
@@ -105,11 +109,15 @@ def parse_responses(body: Any, model: ModelInfo, context: ResponsesContext) -> R
 
     paths = [None] * len(history) + ["input" if isinstance(f.raw("input"), str) else f"input[{i}]"
                                      for i in range(len(input_items))]
-    messages = to_messages(history + tuple(input_items), paths, instructions)
-    prompt = ChatPrompt(messages, template_kwargs, template_tools(options.tools) if options.calls_tools else None)
+    cache_options = read_openai_cache_options(f)
+    messages = to_messages(history + tuple(input_items), paths, instructions, cache_options.ttl_s)
+    breakpoints = openai_writes(collect_breakpoints(messages), cache_options)
+    prompt = ChatPrompt(messages, template_kwargs, template_tools(options.tools) if options.calls_tools else None,
+                        cache_breakpoints=breakpoints)
     params = read_sampling(f, model)
     read_single_choice(f, "a response")
     stream = f.boolean("stream", False)
+    return_token_ids = f.boolean("return_token_ids", False)
     echo = {
         "instructions": instructions, "max_output_tokens": params.max_tokens,
         "max_tool_calls": f.integer("max_tool_calls", low=0), "metadata": read_metadata(f),
@@ -119,10 +127,9 @@ def parse_responses(body: Any, model: ModelInfo, context: ResponsesContext) -> R
         "temperature": params.temperature, "text": text_echo, "tool_choice": echo_choice, "tools": tools.echo,
         "top_logprobs": 0, "top_p": params.top_p, "truncation": "disabled", "user": f.string("user"),
     }
-    f.string("prompt_cache_retention")
     spec = ResponseSpec(input_items, history, store, include_encrypted, tools.refs, echo)
     return ResponsesRequest(prompt, params, stream=stream, prompt_param="input", chat=options, grammar=grammar,
-                            spec=spec)
+                            return_token_ids=return_token_ids, spec=spec)
 
 
 def refuse_unsupported(f: Fields) -> None:
@@ -225,6 +232,7 @@ def read_sampling(f: Fields, model: ModelInfo):
         f, ("max_output_tokens", "max_tokens", "max_completion_tokens"))
     names = read_shared_sampling(f, values)
     values["ignore_eos"] = f.boolean("ignore_eos", False)
+    values["priority"] = read_priority(f)
     return build_sampling_params(values, {"max_tokens": max_tokens_param, **names})
 
 
@@ -298,29 +306,17 @@ class ResponsesRenderer:
         return ServerEvent(data, event=kind)
 
     def on_reply(self, reply_event: ReplyEvent) -> list[ServerEvent]:
+        if isinstance(reply_event, ToolCallStart):
+            return self.close_open("completed") + self.start_call(reply_event)
+        if isinstance(reply_event, ToolCallDelta):
+            item = self.items[-1]
+            if item.kind == "custom_tool_call":
+                return []  # its input is the string inside the arguments: given once the call ends
+            item.text += reply_event.arguments
+            return [self.event("response.function_call_arguments.delta", item_id=item.id, output_index=item.index,
+                               delta=reply_event.arguments)]
         if isinstance(reply_event, ToolCall):
-            events = self.close_open("completed")
-            ref = self.spec.refs.get(reply_event.name) or ToolRef("function", reply_event.name)
-            kind = "custom_tool_call" if ref.kind == "custom" else "function_call"
-            item = OutputItem(kind, new_item_id(kind), len(self.items), call_id=reply_event.id, ref=ref,
-                              status="completed")
-            self.items.append(item)
-            item.text = unwrap_call(ref, reply_event.arguments) if ref.kind == "custom" else reply_event.arguments
-            events.append(self.event("response.output_item.added", output_index=item.index,
-                                     item=item.body("in_progress")))
-            if kind == "function_call":
-                events.append(self.event("response.function_call_arguments.delta", item_id=item.id,
-                                         output_index=item.index, delta=item.text))
-                events.append(self.event("response.function_call_arguments.done", item_id=item.id,
-                                         output_index=item.index, name=ref.name, arguments=item.text))
-            else:
-                events.append(self.event("response.custom_tool_call_input.delta", item_id=item.id,
-                                         output_index=item.index, delta=item.text))
-                events.append(self.event("response.custom_tool_call_input.done", item_id=item.id,
-                                         output_index=item.index, input=item.text))
-            events.append(self.event("response.output_item.done", output_index=item.index,
-                                     item=item.body("completed")))
-            return events
+            return self.end_call(reply_event)
         kind = "reasoning" if isinstance(reply_event, ReasoningText) else "message"
         events = []
         if self.open is None or self.open.kind != kind:
@@ -337,6 +333,31 @@ class ResponsesRenderer:
         extra = {} if kind == "reasoning" else {"logprobs": []}
         events.append(self.event(delta, item_id=item.id, output_index=item.index, content_index=0,
                                  delta=reply_event.text, **extra))
+        return events
+
+    def start_call(self, call: ToolCallStart) -> list[ServerEvent]:
+        ref = self.spec.refs.get(call.name) or ToolRef("function", call.name)
+        kind = "custom_tool_call" if ref.kind == "custom" else "function_call"
+        item = OutputItem(kind, new_item_id(kind), len(self.items), call_id=call.id, ref=ref)
+        self.items.append(item)
+        return [self.event("response.output_item.added", output_index=item.index, item=item.body("in_progress"))]
+
+    def end_call(self, call: ToolCall) -> list[ServerEvent]:
+        """A call cut short or malformed ends `incomplete`, its arguments as far as they were written."""
+        item = self.items[-1]
+        item.status = "completed" if call.complete else "incomplete"
+        events = []
+        if item.kind == "function_call":
+            events.append(self.event("response.function_call_arguments.done", item_id=item.id,
+                                     output_index=item.index, name=item.ref.name, arguments=item.text))
+        else:
+            item.text = unwrap_call(item.ref, call.arguments)
+            events.append(self.event("response.custom_tool_call_input.delta", item_id=item.id,
+                                     output_index=item.index, delta=item.text))
+            events.append(self.event("response.custom_tool_call_input.done", item_id=item.id,
+                                     output_index=item.index, input=item.text))
+        events.append(self.event("response.output_item.done", output_index=item.index,
+                                 item=item.body(item.status)))
         return events
 
     def close_open(self, status: str) -> list[ServerEvent]:
@@ -362,8 +383,8 @@ class ResponsesRenderer:
 
     def status(self) -> str:
         choice = self.result.choices[0]
-        if choice.finish_reason == FinishReason.LENGTH and not choice.reply.tool_calls:
-            return "incomplete"  # a complete call counts even when text after it ran out of tokens
+        if choice.finish_reason == FinishReason.LENGTH and not choice.reply.calls_complete:
+            return "incomplete"  # whole calls count even when text after them ran out of tokens
         return "completed"
 
     def response_object(self, status: str, error: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -377,6 +398,8 @@ class ResponsesRenderer:
             **self.spec.echo,
             "usage": self.usage() if final else None,
         }
+        if final:
+            body.update(reply_token_fields(self.request, self.result))
         return body
 
     @staticmethod
@@ -425,6 +448,9 @@ class ResponsesRenderer:
         return events + [self.event(kind, response=body)]
 
     def stream_error(self, error: EmberError) -> list[ServerEvent]:
+        for item in self.items:
+            if item.status == "in_progress":
+                item.status = "incomplete"  # a call the failure cut short
         return self.close_open("incomplete") + self.failed(error)
 
     def failed(self, error: EmberError) -> list[ServerEvent]:
@@ -439,9 +465,11 @@ class ResponsesRenderer:
 
     def response(self) -> dict[str, Any]:
         reply = self.result.choices[0].reply
-        events: list[ReplyEvent] = [ReasoningText(reply.reasoning), ContentText(reply.content), *reply.tool_calls]
+        events: list[ReplyEvent] = [ReasoningText(reply.reasoning), ContentText(reply.content)]
+        for call in reply.tool_calls:
+            events += streamed_call(call)
         for reply_event in events:
-            if not isinstance(reply_event, ToolCall) and not reply_event.text:
+            if isinstance(reply_event, TEXT_EVENTS) and not reply_event.text:
                 continue
             self.on_reply(reply_event)
         status = self.status()

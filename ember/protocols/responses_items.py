@@ -18,6 +18,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from ember.errors import InvalidRequest
+from ember.protocols.cache_hints import mark, read_openai_breakpoint
 from ember.protocols.fields import Fields, as_string, json_type
 from ember.protocols.reasoning_seal import ReasoningSeal, SealError
 
@@ -114,7 +115,10 @@ def _read_part(part: Fields, role: str) -> dict[str, Any]:
         raise InvalidRequest(f"{part.path}: {kind} parts cannot be read; this model takes text only",
                              param=part.path, code="unsupported_content")
     if kind in ("input_text", "output_text"):
-        return _text_part(kind, as_string(part.raw("text"), part.at("text")))
+        read = _text_part(kind, as_string(part.raw("text"), part.at("text")))
+        if read_openai_breakpoint(part):
+            read["prompt_cache_breakpoint"] = {"mode": "explicit"}
+        return read
     if kind == "refusal" and role == "assistant":
         return {"type": "refusal", "refusal": as_string(part.raw("refusal"), part.at("refusal"))}
     allowed = "input_text, output_text or refusal" if role == "assistant" else "input_text"
@@ -218,10 +222,11 @@ def call_arguments(item: dict[str, Any]) -> Any:
     return decoded if isinstance(decoded, dict) else item["arguments"]
 
 
-def to_messages(items: Sequence[dict[str, Any]], paths: Sequence[str | None],
-                instructions: str | None = None) -> list[dict[str, Any]]:
+def to_messages(items: Sequence[dict[str, Any]], paths: Sequence[str | None], instructions: str | None = None,
+                cache_ttl_s: float = 0.0) -> list[dict[str, Any]]:
     """Chat messages for the template. `paths[i]` names items[i] in the request (None: stored history),
-    for the 400s of unknown or repeated call ids."""
+    for the 400s of unknown or repeated call ids. Parts of this request's items (not the stored
+    history's) that carry a prompt_cache_breakpoint mark their message (cache_hints) with `cache_ttl_s`."""
     messages: list[dict[str, Any]] = [{"role": "system", "content": instructions}] if instructions else []
     turn: dict[str, Any] | None = None  # the open assistant turn
     stage = 0  # how far that turn has got: 0 reasoning, 1 text, 2 calls
@@ -243,7 +248,9 @@ def to_messages(items: Sequence[dict[str, Any]], paths: Sequence[str | None],
             text = "".join(part["text"] for part in item["content"])
             current["reasoning_content"] = current.get("reasoning_content", "") + text
         elif kind == "message" and item["role"] == "assistant":
-            assistant_turn(1)["content"] += message_text(item)
+            current = assistant_turn(1)
+            _mark_parts(current, item, path, len(current["content"]), cache_ttl_s)
+            current["content"] += message_text(item)
         elif kind in CALLS:
             if item["call_id"] in calls:
                 where = _at(path, "call_id") or "the stored conversation"
@@ -265,11 +272,26 @@ def to_messages(items: Sequence[dict[str, Any]], paths: Sequence[str | None],
                                      param=_at(path, "call_id"), code="invalid_tool_history")
             answered[call_id] = path
             messages.append({"role": "tool", "tool_call_id": call_id, "content": result_text(item["output"])})
+            if path is not None and not isinstance(item["output"], str) and any(
+                    "prompt_cache_breakpoint" in part for part in item["output"]):
+                mark(messages[-1], None, cache_ttl_s)
         else:
             turn = None
             role = "system" if item["role"] in ("system", "developer") else "user"
             messages.append({"role": role, "content": message_text(item)})
+            _mark_parts(messages[-1], item, path, 0, cache_ttl_s)
     return messages
+
+
+def _mark_parts(message: dict[str, Any], item: dict[str, Any], path: str | None, offset: int, ttl_s: float) -> None:
+    """Mark where each part of the item that carries a breakpoint ends in the message's content."""
+    if path is None:
+        return  # a stored turn's breakpoints were written when it was sent
+    end = offset
+    for part in item["content"]:
+        end += len(part.get("text", part.get("refusal", "")))
+        if "prompt_cache_breakpoint" in part:
+            mark(message, end, ttl_s)
 
 
 def _at(path: str | None, name: str) -> str | None:

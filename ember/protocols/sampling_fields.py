@@ -16,6 +16,7 @@ from ember.protocols.fields import Fields, as_string, json_type
 
 SEED_RANGE = (-(1 << 63), (1 << 64) - 1)
 FRESH_SEED = -1  # asks for a seed drawn anew, like leaving it out (see neutral.draw_seed)
+PRIORITIES = {"foreground": 0, "background": 1}  # the engine's ranks: larger values yield to smaller
 NUMBER_FIELDS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
 
 
@@ -63,6 +64,17 @@ def read_seed(f: Fields) -> int | None:
     """The seed; None (a fresh one is drawn before the engine) when absent, null or -1."""
     seed = f.integer("seed", low=SEED_RANGE[0], high=SEED_RANGE[1])
     return None if seed == FRESH_SEED else seed
+
+
+def read_priority(f: Fields) -> int:
+    """`priority`: foreground (the default) or background, or the engine's rank as an integer
+    (0 foreground, larger values yield to smaller ones; vLLM's spelling, without negatives)."""
+    value = f.raw("priority")
+    if value is None:
+        return 0
+    if isinstance(value, str):
+        return PRIORITIES[f.string("priority", choices=PRIORITIES)]
+    return f.integer("priority", low=0)
 
 
 def read_sampling_fields(f: Fields, values: dict[str, Any], *, stop_names: Sequence[str],

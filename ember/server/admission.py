@@ -6,6 +6,11 @@ tenant's waiting requests are capped too (429 naming that limit), and a freed sl
 waiting request whose tenant holds the fewest running requests, then to the tenant served least
 recently, then to the earliest: tenants take turns, a tenant that floods the queue cannot starve
 the others, and with one tenant it is first come, first served.
+
+Background requests (priority above 0) take their slots from a pool of their own, the same size,
+so a flood of them never keeps a foreground request waiting here: the engine's scheduler decides
+between the two (background requests yield to foreground ones there, within its starvation
+bound), and it holds at most `capacity` of each.
 """
 
 from __future__ import annotations
@@ -26,21 +31,23 @@ class _Waiter:
     weight: int
     future: asyncio.Future
     tenant: str
+    background: bool
 
 
 class Ticket:
     """A held slot (of `weight` sequences); release it exactly once, when the request ends."""
 
-    def __init__(self, admission: "Admission", weight: int, tenant: str) -> None:
+    def __init__(self, admission: "Admission", weight: int, tenant: str, background: bool) -> None:
         self._admission = admission
         self.weight = weight
         self.tenant = tenant
+        self.background = background
         self._held = True
 
     def release(self) -> None:
         if self._held:
             self._held = False
-            self._admission._release(self.weight, self.tenant)
+            self._admission._release(self.weight, self.tenant, self.background)
 
 
 class Admission:
@@ -50,6 +57,7 @@ class Admission:
         self.max_pending_per_tenant = max_pending_per_tenant  # 0: no share per tenant
         self.timeout = timeout  # seconds; 0: wait without limit
         self.in_use = 0
+        self.in_use_by_pool = {False: 0, True: 0}  # keyed by background
         self.num_running = 0  # requests holding a ticket
         self.running_by_tenant: Counter[str] = Counter()
         self._last_grant: dict[str, int] = {}  # tenant -> the grant number it last received
@@ -61,34 +69,34 @@ class Admission:
     def num_waiting(self) -> int:
         return len(self._waiters)
 
-    async def acquire(self, weight: int = 1, tenant: str = "default") -> Ticket:
-        """A ticket for `weight` sequences (a request's choices), once they fit."""
+    async def acquire(self, weight: int = 1, tenant: str = "default", background: bool = False) -> Ticket:
+        """A ticket for `weight` sequences (a request's choices), once they fit in their pool."""
         weight = max(1, min(weight, self.capacity))
         if self._closed is not None:
             raise self._closed
-        if not self._waiters and self.in_use + weight <= self.capacity:
-            return self._grant(weight, tenant)
+        if not any(w.background == background for w in self._waiters) and self._fits(weight, background):
+            return self._grant(weight, tenant, background)
         if len(self._waiters) >= self.max_pending:
             raise ServerOverloaded(len(self._waiters), RETRY_AFTER_S)
         if self.max_pending_per_tenant:
             mine = sum(1 for w in self._waiters if w.tenant == tenant)
             if mine >= self.max_pending_per_tenant:
                 raise ServerOverloaded(mine, RETRY_AFTER_S, tenant=tenant)
-        waiter = _Waiter(weight, asyncio.get_running_loop().create_future(), tenant)
+        waiter = _Waiter(weight, asyncio.get_running_loop().create_future(), tenant, background)
         self._waiters.append(waiter)
         started = time.monotonic()
         try:
             await asyncio.wait_for(asyncio.shield(waiter.future), self.timeout or None)
         except (asyncio.TimeoutError, asyncio.CancelledError) as exc:
             if waiter.future.done() and not waiter.future.cancelled():
-                self._release(weight, tenant)  # granted at the last moment: give it back
+                self._release(weight, tenant, background)  # granted at the last moment: give it back
             else:
                 waiter.future.cancel()
                 self._remove(waiter)
             if isinstance(exc, asyncio.TimeoutError):
                 raise QueueTimeout(time.monotonic() - started, RETRY_AFTER_S) from None
             raise
-        return Ticket(self, weight, tenant)
+        return Ticket(self, weight, tenant, background)
 
     def close(self, error: Exception) -> None:
         """Refuse every waiting and future request with `error` (the server is stopping)."""
@@ -98,18 +106,23 @@ class Admission:
             if not waiter.future.done():
                 waiter.future.set_exception(error)
 
-    def _grant(self, weight: int, tenant: str) -> Ticket:
-        self._take(weight, tenant)
-        return Ticket(self, weight, tenant)
+    def _fits(self, weight: int, background: bool) -> bool:
+        return self.in_use_by_pool[background] + weight <= self.capacity
 
-    def _take(self, weight: int, tenant: str) -> None:
+    def _grant(self, weight: int, tenant: str, background: bool) -> Ticket:
+        self._take(weight, tenant, background)
+        return Ticket(self, weight, tenant, background)
+
+    def _take(self, weight: int, tenant: str, background: bool) -> None:
         self.in_use += weight
+        self.in_use_by_pool[background] += weight
         self.num_running += 1
         self.running_by_tenant[tenant] += 1
         self._last_grant[tenant] = next(self._grants)
 
-    def _release(self, weight: int, tenant: str) -> None:
+    def _release(self, weight: int, tenant: str, background: bool) -> None:
         self.in_use -= weight
+        self.in_use_by_pool[background] -= weight
         self.num_running -= 1
         self.running_by_tenant[tenant] -= 1
         if not self.running_by_tenant[tenant]:
@@ -124,15 +137,19 @@ class Admission:
         self._wake()  # the head may have been what held the others back
 
     def _wake(self) -> None:
-        while self._waiters:
-            # min keeps the earliest of equals
-            waiter = min(self._waiters, key=lambda w: (self.running_by_tenant[w.tenant],
-                                                       self._last_grant.get(w.tenant, -1)))
-            if waiter.future.done():
+        for background in (False, True):
+            while True:
+                pool = [w for w in self._waiters if w.background == background]
+                if not pool:
+                    break
+                # min keeps the earliest of equals
+                waiter = min(pool, key=lambda w: (self.running_by_tenant[w.tenant],
+                                                  self._last_grant.get(w.tenant, -1)))
+                if waiter.future.done():
+                    self._waiters.remove(waiter)
+                    continue
+                if not self._fits(waiter.weight, background):
+                    break  # it waits for room; no one in its pool passes it, so a large request is never starved
                 self._waiters.remove(waiter)
-                continue
-            if self.in_use + waiter.weight > self.capacity:
-                break  # it waits for room; no one passes it, so a large request is never starved
-            self._waiters.remove(waiter)
-            self._take(waiter.weight, waiter.tenant)
-            waiter.future.set_result(None)
+                self._take(waiter.weight, waiter.tenant, background)
+                waiter.future.set_result(None)

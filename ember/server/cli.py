@@ -127,6 +127,14 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                              "differ in the last bits with what shares its batch (default: batch-invariant)")
     engine.add_argument("--no-prefix-caching", action="store_true",
                         help="do not reuse the KV cache of prompt prefixes seen before")
+    engine.add_argument("--kv-pin-share", type=float, default=_ENGINE_DEFAULTS.max_pinned_kv_share, metavar="F",
+                        help="the most of the KV cache that cache breakpoints (cache_control, "
+                             "prompt_cache_breakpoint) may pin, as a fraction from 0 to 1 (default "
+                             f"{_ENGINE_DEFAULTS.max_pinned_kv_share}; 0: breakpoints pin nothing)")
+    engine.add_argument("--background-wait-steps", type=int, default=_ENGINE_DEFAULTS.background_wait_steps,
+                        metavar="N", help="a background request (priority: background) that has waited N engine "
+                                          "steps in all is served as a foreground one from then on (default "
+                                          f"{_ENGINE_DEFAULTS.background_wait_steps})")
     engine.add_argument("--default-max-tokens", type=int, default=None,
                         help="output limit for requests that set no max_tokens (default: the rest of the window)")
     engine.add_argument("--no-engine-worker", action="store_true",
@@ -189,7 +197,8 @@ def build_config(args: argparse.Namespace, environ=os.environ) -> ServerConfig:
                           batch_invariant=not args.no_batch_invariant, dtype=args.dtype, device=args.device,
                           seed=args.seed, rope_scaling=args.rope_scaling, num_threads=args.threads,
                           cpu_kernels=not args.no_cpu_kernels, quantization=args.quantization,
-                          attention_cost_tokens=args.attention_cost_tokens)
+                          attention_cost_tokens=args.attention_cost_tokens, max_pinned_kv_share=args.kv_pin_share,
+                          background_wait_steps=args.background_wait_steps)
     if args.max_request_mb <= 0:
         raise ValueError("--max-request-mb must be positive")
     fault = environ.get(FAULT_ENV_VAR) or None

@@ -31,7 +31,8 @@ ENGINE_GAUGES = {
     "ember:num_sequences_waiting": ("num_waiting", "Sequences waiting inside the engine"),
     "ember:kv_cache_blocks_total": ("kv_blocks_total", "KV cache blocks in the pool"),
     "ember:kv_cache_blocks_used": ("kv_blocks_used", "KV cache blocks held by live sequences"),
-    "ember:kv_cache_blocks_cached": ("kv_blocks_cached", "Free KV cache blocks still holding reusable prefixes"),
+    "ember:kv_cache_blocks_cached": ("kv_blocks_cached", "KV cache blocks no sequence holds that keep reusable prefixes"),
+    "ember:kv_cache_blocks_pinned": ("kv_blocks_pinned", "KV cache blocks kept by cache breakpoints (held or not)"),
 }
 # name (without _total) -> (EngineStats field, help)
 ENGINE_COUNTERS = {
@@ -41,7 +42,7 @@ ENGINE_COUNTERS = {
     "ember:generation_tokens": ("generation_tokens", "Tokens generated"),
     "ember:prefix_cache_queries": ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache"),
     "ember:prefix_cache_hits": ("prefix_cache_hits", "Prompt tokens found in the prefix cache"),
-    "ember:num_preemptions": ("num_preemptions", "Sequences preempted to free KV cache blocks"),
+    "ember:num_preemptions": ("num_preemptions", "Sequences preempted, for KV cache blocks or for foreground requests"),
     "ember:engine_steps": ("num_steps", "Engine steps run"),
     "ember:prefill_seconds": ("prefill_seconds", "Engine step time spent on prefill tokens"),
     "ember:decode_seconds": ("decode_seconds", "Engine step time spent on decode tokens"),

@@ -57,7 +57,21 @@ SAMPLING_FIELDS: dict[str, Any] = {
     "timings_per_token": {**_BOOLEAN, "description": "Streams: the running timings object on every text chunk."},
     "user": {"type": "string", "description": "Accepted; not used."},
     "metadata": {"type": "object", "description": "Accepted; not used."},
+    "priority": {"oneOf": [{"enum": ["foreground", "background"]}, {**_INTEGER, "minimum": 0}],
+                 "description": "background yields its slot, KV blocks and step budget to foreground requests, "
+                 "within a bound of waiting steps; an integer is the engine's rank (0 foreground)."},
 }
+
+# OpenAI prompt caching, shared by chat and Responses (breakpoints sit on content parts).
+CACHE_FIELDS = {
+    "prompt_cache_options": {"type": "object", "description": "mode (implicit: the latest 3 breakpoints are "
+                             "pinned, explicit: the latest 4) and ttl (30m by default, 1m to 24h).",
+                             "properties": {"mode": {"enum": ["implicit", "explicit"]}, "ttl": {"type": "string"}}},
+    "prompt_cache_retention": {"enum": ["in_memory", "24h"], "description": "Checked; not used."},
+    "prompt_cache_key": {"type": "string", "description": "Accepted; not used."},
+}
+_BREAKPOINT = {"type": "object", "properties": {"mode": {"const": "explicit"}},
+               "description": "Pin the prompt up to the end of this part in the prefix cache."}
 
 # Structured outputs (at most one per request), shared by chat and completions.
 STRUCTURED_FIELDS = {
@@ -80,7 +94,8 @@ CHAT_REQUEST = {
             "properties": {
                 "role": {"enum": ["system", "developer", "user", "assistant", "tool"]},
                 "content": {"oneOf": [{"type": "string"}, {"type": "array", "items": {
-                    "type": "object", "properties": {"type": {"const": "text"}, "text": {"type": "string"}}}}],
+                    "type": "object", "properties": {"type": {"const": "text"}, "text": {"type": "string"},
+                                                     "prompt_cache_breakpoint": _BREAKPOINT}}}],
                     "description": "Text, or text parts joined in order. The model takes text only."},
                 "name": {"type": "string"}, "tool_calls": {"type": "array"}, "tool_call_id": {"type": "string"},
             }}},
@@ -89,6 +104,7 @@ CHAT_REQUEST = {
         "top_logprobs": {**_INTEGER, "minimum": 0, "maximum": 20},
         "chat_template_kwargs": {"type": "object", "description": "Extra variables for the chat template."},
         **STRUCTURED_FIELDS,
+        **CACHE_FIELDS,
     },
 }
 
@@ -135,8 +151,10 @@ RESPONSES_REQUEST = {
         "tool_choice": {"oneOf": [{"enum": ["none", "auto", "required"]}, {"type": "object"}]},
         "parallel_tool_calls": _BOOLEAN,
         "include": {"type": "array", "items": {"const": "reasoning.encrypted_content"}},
-        "prompt_cache_key": {"type": "string"}, "user": {"type": "string"}, "safety_identifier": {"type": "string"},
-        "service_tier": {"type": "string"},
+        **CACHE_FIELDS, "priority": SAMPLING_FIELDS["priority"],
+        "user": {"type": "string"}, "safety_identifier": {"type": "string"}, "service_tier": {"type": "string"},
+        "return_token_ids": {**_BOOLEAN, "description": "Add the prompt's and the reply's token ids to the final "
+                             "response object."},
     },
 }
 

@@ -118,7 +118,7 @@ async def serve_generation(request: Request, dialect: Dialect) -> Response:
               for run, ids in zip(runs, prompts)]
     params, fit = fitted[0]
     num_sequences = len(runs) * job.n
-    ticket = await state.admission.acquire(num_sequences, record.tenant or DEFAULT_TENANT)
+    ticket = await state.admission.acquire(num_sequences, record.tenant or DEFAULT_TENANT, params.priority > 0)
     try:
         request.app.state.observability.request_started(record, job, params)
         batch_prompt_ids = prompts if job.batch is not None else None

@@ -132,6 +132,11 @@ def claude(server) -> anthropic.Anthropic:
     return anthropic.Anthropic(base_url=server.url, api_key="unused", max_retries=0, timeout=600)
 
 
+def prompt_tokens(usage) -> int:
+    """The three input counts add up to the prompt."""
+    return usage.input_tokens + usage.cache_creation_input_tokens + usage.cache_read_input_tokens
+
+
 def create(client, **fields):
     fields = {"model": "ember-local", "max_tokens": 24, "messages": HI, **fields}
     return client.messages.create(extra_body={"temperature": 0}, **fields)
@@ -194,9 +199,10 @@ def test_the_billing_header_block_does_not_break_prefix_reuse(claude):
 
     first = create(claude, system=system("aaaa"), max_tokens=2)
     second = create(claude, system=system("bbbb"), max_tokens=2)
-    total = first.usage.input_tokens + first.usage.cache_read_input_tokens
-    assert total == second.usage.input_tokens + second.usage.cache_read_input_tokens
+    total = prompt_tokens(first.usage)
+    assert total == prompt_tokens(second.usage)
     assert first.usage.cache_read_input_tokens < total - 16
+    assert first.usage.cache_creation_input_tokens > 0  # the persona's breakpoint wrote and pinned it
     assert second.usage.cache_read_input_tokens >= total - 16  # all but the last partial block
     without = claude.messages.count_tokens(model="m", system=[system("x")[1]], messages=HI)
     assert without.input_tokens == total
@@ -206,13 +212,15 @@ def test_the_billing_header_block_does_not_break_prefix_reuse(claude):
 
 def test_a_forced_tool_call_round_trip(claude):
     ask = [{"role": "user", "content": "What is the weather in Paris?"}]
-    first = create(claude, messages=ask, tools=[WEATHER], tool_choice={"type": "any"}, max_tokens=48)
+    # One call: a second one cut by max_tokens would make the reply stop with max_tokens.
+    forced = {"type": "any", "disable_parallel_tool_use": True}
+    first = create(claude, messages=ask, tools=[WEATHER], tool_choice=forced, max_tokens=48)
     assert first.stop_reason == "tool_use"
     call = next(b for b in first.content if b.type == "tool_use")
     assert call.id.startswith("toolu_") and call.name == "get_weather" and isinstance(call.input, dict)
 
     streamed = sdk_stream(claude, model="m", max_tokens=48, temperature=0, messages=ask, tools=[WEATHER],
-                          tool_choice={"type": "any"})
+                          tool_choice=forced)
     assert streamed["stop_reason"] == "tool_use"
     calls = [b for b in streamed["content"] if b["type"] == "tool_use"]
     assert [c["input"] for c in calls][:1] == [call.input] and calls[0]["name"] == "get_weather"
@@ -326,7 +334,8 @@ def test_a_claude_code_request_is_accepted(server):
     assert reply.status_code == 200
     assert message["model"] == "claude-code-local-model"
     reply, second = raw_stream(server.url, claude_code_body(), headers)  # a new billing header, the same prefix
-    total = message["usage"]["input_tokens"] + message["usage"]["cache_read_input_tokens"]
+    usage = message["usage"]
+    total = usage["input_tokens"] + usage["cache_creation_input_tokens"] + usage["cache_read_input_tokens"]
     assert second["usage"]["cache_read_input_tokens"] >= total - 16
 
 

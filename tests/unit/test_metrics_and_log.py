@@ -122,8 +122,9 @@ def test_metrics_expose_engine_totals_as_counters_under_the_ember_prefix():
     metrics = Metrics()
     admission = SimpleNamespace(num_running=2, num_waiting=1)
     engine = {**_stats(prompt_tokens=7, generation_tokens=9, kv_blocks_used=50), "admitted_prompt_tokens": 12,
-              "cached_prompt_tokens": 5, "kv_blocks_cached": 3, "num_steps": 4}
+              "cached_prompt_tokens": 5, "kv_blocks_cached": 3, "kv_blocks_pinned": 2, "num_steps": 4}
     text = metrics.render(admission, engine).decode()
+    assert "ember:kv_cache_blocks_pinned 2.0" in text
     assert "# TYPE ember:generation_tokens_total counter" in text and "ember:generation_tokens_total 9.0" in text
     assert "ember:prompt_tokens_total 12.0" in text and "ember:kv_cache_usage_ratio 0.5" in text
     assert "ember:num_requests_running 2.0" in text

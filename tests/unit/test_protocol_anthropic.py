@@ -9,14 +9,17 @@ from dataclasses import replace
 import pytest
 
 from ember.errors import ContextLengthExceeded, InvalidRequest
-from ember.parsers.events import ContentText, ReasoningText, ThinkMarkers, ToolCall
+from ember.parsers.events import (
+    ContentText, ReasoningText, ThinkMarkers, ToolCall, ToolCallDelta, ToolCallStart, streamed_call,
+)
 from ember.parsers.hermes import HERMES
 from ember.protocols.anthropic_errors import anthropic_error_body, anthropic_status
 from ember.protocols.anthropic_messages import parse_count_tokens, parse_messages
 from ember.protocols.anthropic_render import BlockAssembler, MessagesRenderer, signature_matches
 from ember.protocols.chat_reply import ChatFeatures
 from ember.protocols.errors import ModelLoading, QueueTimeout, RequestTooLarge, ServerOverloaded, Unauthorized
-from ember.protocols.neutral import ModelInfo, ResponseMeta, RunResult, resolve_sampling
+from ember.protocols.neutral import ModelInfo, ResponseMeta, RunResult, resolve_sampling, token_sha
+from ember.protocols.partial_json import members_so_far
 from ember.types import FinishReason
 
 MODEL = ModelInfo(name="served", max_model_len=2048, vocab_size=1000, chat=ChatFeatures(ThinkMarkers(), HERMES))
@@ -276,7 +279,7 @@ def test_blocks_open_on_text_and_thinking_signs_before_it_stops():
     blocks = BlockAssembler()
     events = []
     for item in [ReasoningText("\n"), ReasoningText("Let me think."), ContentText("\n\n"), ContentText("Hi"),
-                 ToolCall(0, "call_abc", "get_weather", '{"city": "Paris"}'), ContentText("  \n")]:
+                 *streamed_call(ToolCall(0, "call_abc", "get_weather", '{"city": "Paris"}')), ContentText("  \n")]:
         events += blocks.feed(item)
     events += blocks.close()
     kinds = [(e.data["type"], e.data.get("delta", {}).get("type")) for e in events]
@@ -320,7 +323,8 @@ def test_the_whole_message():
     assert body == {"id": "msg_1", "type": "message", "role": "assistant", "model": "served",
                     "content": [{"type": "text", "text": "x"}], "stop_reason": "end_turn", "stop_sequence": None,
                     "usage": {"input_tokens": 10, "cache_creation_input_tokens": 0, "cache_read_input_tokens": 0,
-                              "output_tokens": 4}}
+                              "output_tokens": 4},
+                    "token_sha": token_sha([0, 1, 2, 3])}
 
 
 def test_errors_take_anthropic_statuses_and_types():
@@ -337,3 +341,26 @@ def test_errors_take_anthropic_statuses_and_types():
                         "request_id": "req_9"}
     too_long = anthropic_error_body(ContextLengthExceeded(1024, 1500))
     assert too_long["error"]["message"] == "prompt is too long: 1500 tokens > 1023 maximum"
+
+
+def test_a_tool_use_block_streams_its_input_in_pieces_and_a_cut_one_keeps_its_whole_members():
+    blocks = BlockAssembler()
+    pieces = ['{"city": "Paris", ', '"days": 3, "no', 'te": "ra']
+    events = blocks.feed(ToolCallStart(0, "call_abc", "get_weather"))
+    for piece in pieces:
+        events += blocks.feed(ToolCallDelta(0, piece))
+    events += blocks.feed(ToolCall(0, "call_abc", "get_weather", "".join(pieces), complete=False))
+    assert [e.data["type"] for e in events] == ["content_block_start"] + ["content_block_delta"] * 3 + [
+        "content_block_stop"]
+    assert [e.data["delta"]["partial_json"] for e in events[1:4]] == pieces
+    assert blocks.blocks == [{"type": "tool_use", "id": "toolu_abc", "name": "get_weather",
+                              "input": {"city": "Paris", "days": 3}}]
+
+
+@pytest.mark.parametrize("text, members", [
+    ("", {}), ("{", {}), ('{"a": "b', {}), ('{"a": "b"', {"a": "b"}), ('{"a": 1', {}), ('{"a": 1,', {"a": 1}),
+    ('{"a": [1, {"b": tru', {"a": [1, {}]}), ('{"a": "x\\"}", "b', {"a": 'x"}'}), ('{"a": {}}', {"a": {}}),
+    ("not json", {}),
+])
+def test_members_so_far(text, members):
+    assert members_so_far(text) == members

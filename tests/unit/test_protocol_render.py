@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 
 from ember.protocols.errors import GenerationFailed
-from ember.protocols.neutral import ModelInfo, ResponseMeta, RunResult
+from ember.protocols.neutral import ModelInfo, ResponseMeta, RunResult, token_sha
 from ember.protocols.openai_chat import CHAT, parse_chat
 from ember.protocols.openai_completions import COMPLETIONS, parse_completion
 from ember.protocols.sse import ServerEvent, encode
@@ -59,7 +60,8 @@ def test_chat_stream_sequence_with_usage():
     assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
     assert [c["choices"][0]["delta"].get("content") for c in chunks[1:3]] == ["Hel", "lo"]
     assert chunks[3]["choices"][0] == {"index": 0, "delta": {}, "logprobs": None, "finish_reason": "stop",
-                                       "matched_stop": 8}  # the reply's last token ended it (an end token)
+                                       "matched_stop": 8,  # the reply's last token ended it (an end token)
+                                       "token_sha": hashlib.sha256(b"7,8").hexdigest()}
     assert "timings" not in chunks[3]
     assert chunks[4]["choices"] == [] and chunks[4]["usage"] == {
         "prompt_tokens": 4, "completion_tokens": 2, "total_tokens": 6, "prompt_tokens_details": {"cached_tokens": 2},
@@ -143,3 +145,9 @@ def test_timings_arithmetic():
     assert t["prompt_ms"] == 500.0 and t["predicted_ms"] == 2000.0
     assert t["prompt_per_second"] == 6.0 and t["predicted_per_second"] == 1.0  # 2 tokens after the first in 2 s
     assert t["queue_ms"] == 500.0
+
+
+def test_token_sha_is_the_sha256_of_the_ids_in_decimal_joined_by_commas():
+    assert token_sha([533, 451, 2443]) == hashlib.sha256(b"533,451,2443").hexdigest()
+    assert token_sha([]) == hashlib.sha256(b"").hexdigest()
+    assert token_sha([1, 23]) != token_sha([12, 3])

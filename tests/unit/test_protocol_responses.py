@@ -7,7 +7,7 @@ import json
 import pytest
 
 from ember.errors import InvalidRequest
-from ember.parsers.events import ContentText, ReasoningText, ThinkMarkers, ToolCall
+from ember.parsers.events import ContentText, ReasoningText, ThinkMarkers, ToolCall, ToolCallDelta, streamed_call
 from ember.parsers.hermes import HERMES
 from ember.protocols.chat_reply import FUNCTION, NONE, REQUIRED, ChatFeatures
 from ember.protocols.neutral import ModelInfo, ResponseMeta, RunResult
@@ -277,9 +277,9 @@ def render_stream(events, finish=FinishReason.STOP, **fields):
 
 def test_a_stream_of_every_item_kind_passes_the_validator():
     events = [ReasoningText("Let me "), ReasoningText("think."), ContentText("Calling."),
-              ToolCall(0, "call_a", "get_weather", '{"city": "Paris"}'),
-              ToolCall(1, "call_b", "apply_patch", '{"input": "*** Begin Patch"}'),
-              ToolCall(2, "call_c", "ns__get", "{}"), ContentText("Done.")]
+              *streamed_call(ToolCall(0, "call_a", "get_weather", '{"city": "Paris"}')),
+              *streamed_call(ToolCall(1, "call_b", "apply_patch", '{"input": "*** Begin Patch"}')),
+              *streamed_call(ToolCall(2, "call_c", "ns__get", "{}")), ContentText("Done.")]
     frames, ctx = render_stream(events)
     final = check_stream(frames)
     assert [item["type"] for item in final["output"]] == ["reasoning", "message", "function_call",
@@ -291,6 +291,20 @@ def test_a_stream_of_every_item_kind_passes_the_validator():
     assert custom["input"] == "*** Begin Patch" and custom["name"] == "apply_patch"
     assert (namespaced["name"], namespaced["namespace"]) == ("get", "ns")
     assert final["status"] == "completed" and final["completed_at"] is not None
+
+
+def test_a_call_cut_short_streams_as_written_and_ends_incomplete():
+    pieces = ['{"city": ', '"Par']
+    events = [*streamed_call(ToolCall(0, "call_a", "get_weather", "".join(pieces), complete=False))]
+    events[1:2] = [ToolCallDelta(0, piece) for piece in pieces]
+    frames, _ = render_stream(events, finish=FinishReason.LENGTH)
+    final = check_stream(frames)
+    types = [kind for kind, _ in frames]
+    added = types.index("response.output_item.added")
+    assert types[added + 1:added + 3] == ["response.function_call_arguments.delta"] * 2
+    assert final["status"] == "incomplete"
+    [call] = final["output"]
+    assert (call["status"], call["arguments"]) == ("incomplete", '{"city": "Par')
 
 
 def test_a_reply_cut_by_the_token_limit_is_incomplete_and_invents_no_message():
