@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ember.errors import InvalidRequest
+from ember.protocols.cache_hints import read_openai_cache_options
 from ember.protocols.errors import unsupported
 from ember.protocols.fields import Fields, as_integer
 from ember.protocols.neutral import ChatPrompt, ModelInfo, TextPrompt
@@ -36,7 +37,7 @@ def parse_tokenize(body: Any, model: ModelInfo) -> TokenizeJob:
                                                 "add_special_tokens must be false")
     if f.has("tools"):
         raise unsupported("tools", "/tokenize counts messages only; tools are not rendered here")
-    messages = read_messages(f)
+    messages = read_messages(f, read_openai_cache_options(f))  # breakpoints parse as in chat; unused here
     template_kwargs, add_generation_prompt = read_template_options(f)
     prompt = ChatPrompt(messages, template_kwargs, add_generation_prompt=add_generation_prompt)
     return TokenizeJob(prompt, return_token_strs)
