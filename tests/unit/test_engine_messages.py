@@ -19,7 +19,7 @@ from ember.types import FinishReason, SamplingParams, StepOutput, TokenLogprob
 
 def stats() -> EngineStats:
     return EngineStats.build(EngineCounters(num_steps=3, generation_tokens=7), num_running=1, num_waiting=0,
-                             num_prefilling=0, kv_blocks_total=10, kv_blocks_used=2, kv_blocks_cached=1,
+                             num_prefilling=0, kv_blocks_total=10, kv_blocks_used=2, kv_blocks_cached=1, kv_blocks_pinned=0,
                              prefix_cache_queries=4, prefix_cache_hits=2)
 
 
