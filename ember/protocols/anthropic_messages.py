@@ -112,6 +112,8 @@ def _parse(body: Any, model: ModelInfo, *, counting: bool) -> MessagesRequest:
     stream = False if counting else f.boolean("stream", False)
     f.object("metadata")
     f.string("service_tier")
+    for accepted in ("inference_geo", "speed"):  # accepted; they change nothing here
+        f.raw(accepted)
     return MessagesRequest(prompt, params, stream=stream, prompt_param="messages", chat=options,
                            grammar=None if counting else grammar, model_label=label or model.name)
 

@@ -131,6 +131,8 @@ def parse_responses(body: Any, model: ModelInfo, context: ResponsesContext) -> R
         "top_logprobs": 0, "top_p": params.top_p, "truncation": "disabled", "user": f.string("user"),
         "preserve_thinking": preserve,
     }
+    f.object("stream_options")
+    f.object("client_metadata")
     spec = ResponseSpec(input_items, history, store, include_encrypted, tools.refs, echo)
     return ResponsesRequest(prompt, params, stream=stream, prompt_param="input", chat=options, grammar=grammar,
                             spec=spec)
