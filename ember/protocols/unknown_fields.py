@@ -51,10 +51,11 @@ class FieldReport:
 
     def header_value(self) -> str | None:
         """The header's value: names percent-encoded where they are not plain ASCII (headers carry
-        Latin-1 only, and a comma would split a name), the first MAX_HEADER_NAMES of them."""
+        Latin-1 only, and a comma would split a name), the empty name as "", the first
+        MAX_HEADER_NAMES of them. (A value may not end in a space: HTTP servers drop the connection.)"""
         if not self.ignored:
             return None
-        names = [quote(name, safe="_.-:~") for name in self.ignored[:MAX_HEADER_NAMES]]
+        names = [quote(name, safe="_.-:~") or '""' for name in self.ignored[:MAX_HEADER_NAMES]]
         if len(self.ignored) > MAX_HEADER_NAMES:
             names.append(f"...{len(self.ignored) - MAX_HEADER_NAMES} more")
         return ", ".join(names)
