@@ -9,6 +9,7 @@ from typing import Any
 from ember.errors import InvalidRequest
 from ember.protocols.errors import unsupported
 from ember.protocols.fields import Fields, as_integer
+from ember.protocols.cache_hints import read_openai_cache_options
 from ember.protocols.neutral import ChatPrompt, ModelInfo, TextPrompt
 from ember.protocols.openai_chat import read_messages, read_template_options
 from ember.protocols.openai_common import check_model
@@ -39,7 +40,7 @@ def parse_tokenize(body: Any, model: ModelInfo) -> TokenizeJob:
                                                 "add_special_tokens must be false")
     if f.has("tools"):
         raise unsupported("tools", "/tokenize counts messages only; tools are not rendered here")
-    messages = read_messages(f)
+    messages = read_messages(f, read_openai_cache_options(f))  # breakpoints mean nothing here; their fields are read
     template_kwargs, add_generation_prompt = read_template_options(f)
     preserve_thinking = read_preserve_thinking(f, template_kwargs, model.chat.preserve_thinking)
     prompt = ChatPrompt(messages, template_kwargs, add_generation_prompt=add_generation_prompt,
