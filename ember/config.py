@@ -31,6 +31,9 @@ class ModelConfig:
     attention_bias: bool = False
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
+    # config.json as read (a multimodal config's text part): the fields only one architecture
+    # uses (experts, soft-capping, ...) are read from it by that architecture's model file
+    hf: dict[str, Any] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         if self.num_attention_heads % self.num_key_value_heads:
@@ -95,6 +98,7 @@ class ModelConfig:
                 attention_bias=bool(hf.get("attention_bias", hf["model_type"] == "qwen2")),
                 bos_token_id=hf.get("bos_token_id"),
                 eos_token_ids=[] if eos is None else ([eos] if isinstance(eos, int) else list(eos)),
+                hf=dict(hf),
             )
         except KeyError as missing:
             raise ModelLoadError(f"the model's config lacks the field {missing}") from None

@@ -21,9 +21,9 @@ logger = logging.getLogger("ember.loaders")
 GGUF_MAGIC = b"GGUF"
 
 # GGUF general.architecture -> HF model_type (Mistral GGUFs are written as "llama").
-GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe": "qwen3_moe"}
 _HF_ARCHITECTURE_CLASS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                          "qwen3": "Qwen3ForCausalLM"}
+                          "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
 _PERMUTED_QK = {"llama"}  # llama.cpp's converter interleaves q/k rows for these
 
 _GLOBAL_NAMES = {
@@ -43,14 +43,29 @@ _LAYER_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    # mixtures of experts: the router, the experts stacked (experts, out, in), a shared expert
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_exps": "mlp.experts.gate_proj",
+    "ffn_up_exps": "mlp.experts.up_proj",
+    "ffn_down_exps": "mlp.experts.down_proj",
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
 }
 _LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 _REQUIRED_LAYER_TENSORS = ("attn_norm.weight", "ffn_norm.weight", "attn_q.weight", "attn_k.weight",
-                           "attn_v.weight", "attn_output.weight", "ffn_gate.weight",
-                           "ffn_up.weight", "ffn_down.weight")
+                           "attn_v.weight", "attn_output.weight")
+_DENSE_FFN = ("ffn_gate.weight", "ffn_up.weight", "ffn_down.weight")
+_EXPERT_FFN = ("ffn_gate_inp.weight", "ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_down_exps.weight")
+_EXPERT_ARCHITECTURES = {"qwen3moe"}  # the only ones whose files may hold router and expert tensors
+_EXPERT_PARTS = {"ffn_gate_inp", "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps", "ffn_gate_shexp",
+                 "ffn_up_shexp", "ffn_down_shexp", "ffn_gate_inp_shexp"}
 _EXTRA_REQUIRED = {
-    "qwen2": ("attn_q.bias", "attn_k.bias", "attn_v.bias"),
-    "qwen3": ("attn_q_norm.weight", "attn_k_norm.weight"),
+    "llama": _DENSE_FFN,
+    "qwen2": _DENSE_FFN + ("attn_q.bias", "attn_k.bias", "attn_v.bias"),
+    "qwen3": _DENSE_FFN + ("attn_q_norm.weight", "attn_k_norm.weight"),
+    "qwen3moe": _EXPERT_FFN + ("attn_q_norm.weight", "attn_k_norm.weight"),
 }
 _HALF_TYPES = {"F16": torch.float16, "BF16": torch.bfloat16}
 _NOT_WEIGHTS = {"rope_freqs.weight"}  # folded into the config's rope_scaling
@@ -159,7 +174,8 @@ class GGUFModel:
             "model_type": self.model_type,
             "vocab_size": vocab_size,
             "hidden_size": hidden,
-            "intermediate_size": int(self._required("feed_forward_length")),
+            "intermediate_size": int(self._arch_value("feed_forward_length") or 0
+                                     or self._required("expert_feed_forward_length")),
             "num_hidden_layers": num_layers,
             "num_attention_heads": heads,
             "num_key_value_heads": kv_heads,
@@ -178,6 +194,20 @@ class GGUFModel:
             config["pad_token_id"] = self.metadata["tokenizer.ggml.padding_token_id"]
         if self.model_type == "qwen2":
             config["use_sliding_window"] = False
+        if self._arch_value("expert_count"):
+            config.update(self._expert_config())
+        return config
+
+    def _expert_config(self) -> dict[str, Any]:
+        """Qwen3-MoE's config fields; llama.cpp renormalises the chosen experts' weights unless
+        the file says otherwise."""
+        config = {"num_experts": int(self._required("expert_count")),
+                  "num_experts_per_tok": int(self._required("expert_used_count")),
+                  "moe_intermediate_size": int(self._required("expert_feed_forward_length")),
+                  "norm_topk_prob": bool(self._arch_value("expert_weights_norm", True))}
+        shared = self._arch_value("expert_shared_feed_forward_length")
+        if shared:
+            config["shared_expert_intermediate_size"] = int(shared)
         return config
 
     def _rope_scaling(self, theta: float, head_dim: int) -> dict[str, Any] | None:
@@ -249,8 +279,10 @@ class GGUFModel:
             raise ModelLoadError(f"{self.path.name} is missing tensors ({shown}); the file is "
                                  f"incomplete or not a {self.arch} model", param="model",
                                  code="invalid_model")
+        has_experts = self.arch in _EXPERT_ARCHITECTURES
         unknown = [name for name in self.tensors
-                   if name not in _NOT_WEIGHTS and hf_tensor_name(name, num_layers) is None]
+                   if name not in _NOT_WEIGHTS and (hf_tensor_name(name, num_layers) is None
+                                                    or (_is_expert_tensor(name) and not has_experts))]
         if unknown:
             raise ModelLoadError(f"{self.path.name} has tensors ember does not know for "
                                  f"{self.arch}: {', '.join(unknown[:5])}", param="model",
@@ -320,6 +352,11 @@ def hf_tensor_name(name: str, num_layers: int) -> str | None:
     if layer >= num_layers or part not in _LAYER_NAMES:
         return None
     return f"model.layers.{layer}.{_LAYER_NAMES[part]}.{kind}"
+
+
+def _is_expert_tensor(name: str) -> bool:
+    match = _LAYER_TENSOR.fullmatch(name)
+    return match is not None and match.group(2) in _EXPERT_PARTS
 
 
 def unpermute_qk_rows(tensor: torch.Tensor, num_heads: int, name: str = "") -> torch.Tensor:

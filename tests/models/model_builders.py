@@ -30,6 +30,14 @@ CASES = {
     "qwen3_yarn": ("Qwen3Config", "Qwen3ForCausalLM", dict(
         head_dim=24, rope_scaling={"rope_type": "yarn", "factor": 2.0,
                                    "original_max_position_embeddings": 128})),
+    # 8 experts, 2 per token, renormalised; layer 1 dense
+    "qwen3_moe_top2": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
+        head_dim=16, moe_intermediate_size=48, num_experts=8, num_experts_per_tok=2,
+        norm_topk_prob=True, mlp_only_layers=[1])),
+    # 4 of 6 experts, weights as the softmax gives them; every second layer sparse
+    "qwen3_moe_unnormalized": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
+        head_dim=16, moe_intermediate_size=32, num_experts=6, num_experts_per_tok=4,
+        norm_topk_prob=False, decoder_sparse_step=2)),
 }
 
 LARGEST_ERRORS: dict[str, float] = {}
