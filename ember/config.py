@@ -73,6 +73,9 @@ class ModelConfig:
             if isinstance(rope_scaling, dict):
                 kind = rope_scaling.get("rope_type", rope_scaling.get("type", "default"))
                 rope_scaling = None if kind == "default" else {**rope_scaling, "rope_type": kind}
+            if rope_scaling and "original_max_position_embeddings" not in rope_scaling and \
+                    hf.get("original_max_position_embeddings"):  # Phi-3 keeps it beside the scaling
+                rope_scaling["original_max_position_embeddings"] = hf["original_max_position_embeddings"]
             max_positions = hf.get("max_position_embeddings", 2048)
             window = hf.get("sliding_window") if hf.get("use_sliding_window", True) else None
             if isinstance(window, int) and 0 < window < max_positions:

@@ -79,14 +79,15 @@ class Decoder(nn.Module):
     """Checkpoint prefix "model.": embeddings, layers, final norm."""
 
     def __init__(self, config: ModelConfig, attention_class: type[Attention],
-                 mlp_builder: Callable[[ModelConfig, int], nn.Module] = dense_mlp) -> None:
+                 mlp_builder: Callable[[ModelConfig, int], nn.Module] = dense_mlp,
+                 rotary_dim: int | None = None) -> None:
         super().__init__()
         self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
             DecoderLayer(config, attention_class(config, i), mlp_builder(config, i))
             for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings,
+        self.rotary = RotaryEmbedding(rotary_dim or config.head_dim, config.max_position_embeddings,
                                       config.rope_theta, config.rope_scaling)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: Any) -> torch.Tensor:
@@ -104,10 +105,15 @@ class Model(nn.Module):
     attention_class: type[Attention] = Attention
     mlp_builder = staticmethod(dense_mlp)  # (config, layer index) -> that layer's MLP
 
+    @staticmethod
+    def rotary_dim(config: ModelConfig) -> int:
+        """How many dims of each head rotate (the first ones)."""
+        return config.head_dim
+
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
-        self.model = Decoder(config, self.attention_class, self.mlp_builder)
+        self.model = Decoder(config, self.attention_class, self.mlp_builder, self.rotary_dim(config))
         self.lm_head = (self.model.embed_tokens if config.tie_word_embeddings
                         else Linear(config.hidden_size, config.vocab_size))
 

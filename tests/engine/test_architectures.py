@@ -21,6 +21,11 @@ ARCHITECTURES = {
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
         moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True,
         mlp_only_layers=[1])),
+    # LongRoPE past its original context (every sequence here is longer than 4), partial rotary
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(
+        sliding_window=None, pad_token_id=0, original_max_position_embeddings=4, partial_rotary_factor=0.5,
+        rope_scaling={"rope_type": "longrope", "short_factor": [1.0, 1.5, 2.0, 2.5],
+                      "long_factor": [1.0, 3.0, 5.0, 7.0]})),
 }
 
 # How rows attend: ember's attention kernel (blocks of 16 slots) or the torch paths (blocks of 4).

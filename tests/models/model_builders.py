@@ -30,6 +30,18 @@ CASES = {
     "qwen3_yarn": ("Qwen3Config", "Qwen3ForCausalLM", dict(
         head_dim=24, rope_scaling={"rope_type": "yarn", "factor": 2.0,
                                    "original_max_position_embeddings": 128})),
+    "phi3_fused": ("Phi3Config", "Phi3ForCausalLM", dict(
+        sliding_window=None, pad_token_id=0, bos_token_id=1, eos_token_id=2)),
+    # LongRoPE past its original context (8: every test sequence is longer), where transformers picks
+    # the long factors, as ember does at every length for a model built past that context
+    "phi3_longrope": ("Phi3Config", "Phi3ForCausalLM", dict(
+        sliding_window=None, pad_token_id=0, bos_token_id=1, eos_token_id=2, original_max_position_embeddings=8,
+        rope_scaling={"rope_type": "longrope", "short_factor": [1.0 + i / 8 for i in range(8)],
+                      "long_factor": [1.0 + i for i in range(8)]})),
+    # Phi-4-mini's shape: rotary embeddings on the first 3/4 of each head
+    "phi3_partial_rotary": ("Phi3Config", "Phi3ForCausalLM", dict(
+        sliding_window=None, pad_token_id=0, bos_token_id=1, eos_token_id=2, partial_rotary_factor=0.75,
+        tie_word_embeddings=True)),
     # 8 experts, 2 per token, renormalised; layer 1 dense
     "qwen3_moe_top2": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
         head_dim=16, moe_intermediate_size=48, num_experts=8, num_experts_per_tok=2,
