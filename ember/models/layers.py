@@ -89,7 +89,10 @@ def prepare_linears(model: nn.Module, quantization: str, block_kernels: bool) ->
                 module.weight.data = blocks.dequantize().to(module.weight.dtype)
             continue
         weight = module.weight.data
-        target = None if bits is None else 8 if module is head else bits
+        if module.keep_float and blocks is not None:
+            module.weight.data = weight = blocks.dequantize().to(weight.dtype)
+            blocks = None
+        target = None if bits is None or module.keep_float else 8 if module is head else bits
         if block_kernels and target is not None and module.in_features % QBLOCK == 0:
             if blocks is None:
                 blocks = QuantBlocks.quantize(weight, target)
@@ -125,6 +128,7 @@ class Linear(nn.Module):
         self.weights: Any = DenseWeights(self.weight, self.bias)
         self.blocks: list[QuantBlocks | None] | None = None  # quantized shards the loader staged
         self.rows = WHOLE_BATCH  # set by set_row_plan
+        self.keep_float = False  # never block-quantized (a MoE router: rounding would change the experts)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weights, self.rows)
@@ -205,6 +209,7 @@ class Embedding(nn.Module):
         self.weights: Any = DenseWeights(self.weight, None)
         self.blocks: list[QuantBlocks | None] | None = None
         self.rows = WHOLE_BATCH  # the row plan of its use as the LM head
+        self.keep_float = False
 
     stage_blocks = Linear.stage_blocks
     staged_blocks = Linear.staged_blocks

@@ -8,7 +8,8 @@ decoder_sparse_step, are dense. A config with shared_expert_intermediate_size ad
 token runs, scaled by a sigmoid gate (Qwen2-MoE's shape).
 
 Each expert is a GatedMLP of its own, so it takes the engine's weight formats and row plans like
-any linear layer. Checkpoints store experts one by one (`experts.E.gate_proj.weight`) or stacked
+any linear layer; the router stays in float (bfloat16 on the CPU), never block-quantized, so
+quantization never changes which experts a token runs. Checkpoints store experts one by one (`experts.E.gate_proj.weight`) or stacked
 into 3-D tensors (`experts.gate_up_proj`, `experts.down_proj`, transformers' in-memory names; or
 `experts.gate_proj` and `experts.up_proj` apart, as GGUF files store them): stacked ones are
 split here.
@@ -69,6 +70,7 @@ class SparseMoe(nn.Module):
         super().__init__()
         self.top_k, self.normalize = settings.experts_per_token, settings.normalize_top_k
         self.gate = Linear(hidden_size, settings.num_experts)
+        self.gate.keep_float = True
         self.experts = nn.ModuleList(GatedMLP(hidden_size, settings.expert_size)
                                      for _ in range(settings.num_experts))
         if settings.shared_expert_size:

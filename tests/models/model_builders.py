@@ -37,14 +37,14 @@ CASES = {
     "phi3_longrope": ("Phi3Config", "Phi3ForCausalLM", dict(
         sliding_window=None, pad_token_id=0, bos_token_id=1, eos_token_id=2, original_max_position_embeddings=8,
         rope_scaling={"rope_type": "longrope", "short_factor": [1.0 + i / 8 for i in range(8)],
-                      "long_factor": [1.0 + i for i in range(8)]})),
+                      "long_factor": [1.0 + i for i in range(8)], "factor": 2.0})),
     # Phi-4-mini's shape: rotary embeddings on the first 3/4 of each head
     "phi3_partial_rotary": ("Phi3Config", "Phi3ForCausalLM", dict(
         sliding_window=None, pad_token_id=0, bos_token_id=1, eos_token_id=2, partial_rotary_factor=0.75,
         tie_word_embeddings=True)),
     # 8 experts, 2 per token, renormalised; layer 1 dense
     "qwen3_moe_top2": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
-        head_dim=16, moe_intermediate_size=48, num_experts=8, num_experts_per_tok=2,
+        head_dim=16, moe_intermediate_size=64, num_experts=8, num_experts_per_tok=2,
         norm_topk_prob=True, mlp_only_layers=[1])),
     # 4 of 6 experts, weights as the softmax gives them; every second layer sparse
     "qwen3_moe_unnormalized": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
