@@ -63,7 +63,7 @@ class EngineCore:
                                  and kernels.available())
         cache = KVCache(model_config.num_hidden_layers, num_blocks, config.block_size,
                         model_config.num_key_value_heads, model_config.head_dim, dtype, device,
-                        kernel_layout=self.uses_cpu_kernels)
+                        kernel_layout=self.uses_cpu_kernels, layer_windows=model_config.layer_windows)
         sampler = Sampler(model_config.vocab_size, device, config.seed)
         self.runner = ModelRunner(model, cache, sampler, device, exact=config.batch_invariant and device.type == "cpu")
         self.kv_capacity_tokens = (num_blocks - 1) * config.block_size

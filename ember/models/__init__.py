@@ -6,9 +6,9 @@ import importlib
 
 from ember.errors import ModelLoadError
 
-SUPPORTED_ARCHITECTURES = ("llama", "phi3", "qwen2", "qwen3", "qwen3_moe")
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "phi3", "qwen2", "qwen3", "qwen3_moe")
 # model_type -> the module that implements it
-ALIASES = {"mistral": "llama"}  # Mistral without a sliding window is Llama
+ALIASES: dict[str, str] = {}
 
 
 def get_model_class(model_type: str) -> type:

@@ -1,4 +1,4 @@
-"""Llama 2/3, SmolLM2 and Mistral (without a sliding window): the decoder qwen2 and qwen3 build on.
+"""Llama 2/3 and SmolLM2: the decoder the other architectures build on.
 
 The model sees flattened tokens of many sequences (T,) and one attention call per layer;
 the `attn` object owns the KV cache, the causal structure and GQA.

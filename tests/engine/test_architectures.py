@@ -26,6 +26,11 @@ ARCHITECTURES = {
         sliding_window=None, pad_token_id=0, original_max_position_embeddings=4, partial_rotary_factor=0.5,
         rope_scaling={"rope_type": "longrope", "short_factor": [1.0, 1.5, 2.0, 2.5],
                       "long_factor": [1.0, 3.0, 5.0, 7.0]})),
+    # every layer local, a window of 8: prompts and decodes run far past it
+    "mistral_sliding_window": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=8)),
+    # windows of 12 on layers 1 and 2 only, layer 0 global
+    "qwen2_sliding_layers": ("Qwen2Config", "Qwen2ForCausalLM", dict(
+        use_sliding_window=True, sliding_window=12, max_window_layers=1)),
 }
 
 # How rows attend: ember's attention kernel (blocks of 16 slots) or the torch paths (blocks of 4).
