@@ -106,8 +106,9 @@ class ModelConfig:
 
 def sliding_windows(hf: dict[str, Any], max_positions: int) -> list[int | None]:
     """Each layer's sliding window from a config.json: layer_types where the config lists them
-    (Gemma 3, and transformers' own configs), else Qwen2's max_window_layers (layers from there on
-    are local), else every layer (Mistral, Phi-3). A window as wide as the context is no window."""
+    (Gemma 3, and transformers' own configs), else Gemma 3's sliding_window_pattern, else Qwen2's
+    max_window_layers (layers from there on are local), else every layer (Mistral, Phi-3). A window
+    as wide as the context is no window."""
     window = hf.get("sliding_window") if hf.get("use_sliding_window", True) else None
     if not isinstance(window, int) or isinstance(window, bool) or not 0 < window < max_positions:
         return []
@@ -117,6 +118,9 @@ def sliding_windows(hf: dict[str, Any], max_positions: int) -> list[int | None]:
         if len(types) != num_layers:
             raise ModelLoadError(f"layer_types lists {len(types)} layers, the model has {num_layers}")
         windows = [window if kind == "sliding_attention" else None for kind in types]
+    elif hf.get("sliding_window_pattern"):  # Gemma 3's first configs: every Nth layer global
+        pattern = hf["sliding_window_pattern"]
+        windows = [None if (i + 1) % pattern == 0 else window for i in range(num_layers)]
     elif hf.get("model_type") == "qwen2" and hf.get("max_window_layers") is not None:
         windows = [window if i >= hf["max_window_layers"] else None for i in range(num_layers)]
     else:

@@ -28,6 +28,10 @@ ARCHITECTURES = {
                       "long_factor": [1.0, 3.0, 5.0, 7.0]})),
     # every layer local, a window of 8: prompts and decodes run far past it
     "mistral_sliding_window": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=8)),
+    # local layers (window 8) around a global one, soft-capped logits, scaled queries
+    "gemma3_text": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(
+        sliding_window=8, layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        query_pre_attn_scalar=32, final_logit_softcapping=5.0, pad_token_id=0, bos_token_id=1, eos_token_id=2)),
     # windows of 12 on layers 1 and 2 only, layer 0 global
     "qwen2_sliding_layers": ("Qwen2Config", "Qwen2ForCausalLM", dict(
         use_sliding_window=True, sliding_window=12, max_window_layers=1)),

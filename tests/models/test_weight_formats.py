@@ -102,7 +102,7 @@ def test_a_row_plan_pads_and_tiles_without_changing_what_is_computed():
 
 
 def _logits(model, ids):
-    attn = ReferenceAttention()
+    attn = ReferenceAttention(model.config.layer_windows)
     attn.set_positions(torch.arange(len(ids)))
     with torch.inference_mode():
         return model.compute_logits(model(ids, torch.arange(len(ids)), attn))
