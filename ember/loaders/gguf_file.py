@@ -15,15 +15,18 @@ import torch
 
 from ember.errors import ModelLoadError
 from ember.loaders.source import check_architecture, supported_architectures
+from ember.tokenization.fallback_templates import BY_GGUF_ARCHITECTURE
 
 logger = logging.getLogger("ember.loaders")
 
 GGUF_MAGIC = b"GGUF"
 
 # GGUF general.architecture -> HF model_type (Mistral GGUFs are written as "llama").
-GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe": "qwen3_moe"}
+GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe": "qwen3_moe",
+                      "gemma3": "gemma3_text"}
 _HF_ARCHITECTURE_CLASS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                          "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
+                          "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
+                          "gemma3_text": "Gemma3ForCausalLM"}
 _PERMUTED_QK = {"llama"}  # llama.cpp's converter interleaves q/k rows for these
 
 _GLOBAL_NAMES = {
@@ -53,6 +56,12 @@ _LAYER_NAMES = {
     "ffn_down_shexp": "mlp.shared_expert.down_proj",
     "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
 }
+# Gemma 3 has four norms a layer: llama.cpp's ffn_norm is the one before its MLP
+_ARCH_LAYER_NAMES = {"gemma3": {"ffn_norm": "pre_feedforward_layernorm",
+                                "post_attention_norm": "post_attention_layernorm",
+                                "post_ffw_norm": "post_feedforward_layernorm"}}
+# llama.cpp's converter adds this to the norm weights of Gemma, whose norms scale by (1 + w)
+_NORM_SHIFT = {"gemma3": 1.0}
 _LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 _REQUIRED_LAYER_TENSORS = ("attn_norm.weight", "ffn_norm.weight", "attn_q.weight", "attn_k.weight",
                            "attn_v.weight", "attn_output.weight")
@@ -66,6 +75,8 @@ _EXTRA_REQUIRED = {
     "qwen2": _DENSE_FFN + ("attn_q.bias", "attn_k.bias", "attn_v.bias"),
     "qwen3": _DENSE_FFN + ("attn_q_norm.weight", "attn_k_norm.weight"),
     "qwen3moe": _EXPERT_FFN + ("attn_q_norm.weight", "attn_k_norm.weight"),
+    "gemma3": _DENSE_FFN + ("attn_q_norm.weight", "attn_k_norm.weight", "post_attention_norm.weight",
+                            "post_ffw_norm.weight"),
 }
 _HALF_TYPES = {"F16": torch.float16, "BF16": torch.bfloat16}
 _NOT_WEIGHTS = {"rope_freqs.weight"}  # folded into the config's rope_scaling
@@ -133,6 +144,9 @@ class GGUFModel:
         self.model_type = GGUF_ARCHITECTURES[arch]
         check_architecture(self.model_type, path.name)
         self._check_tensor_names()
+        template = BY_GGUF_ARCHITECTURE.get(arch)
+        if template is not None and not self.metadata.get("tokenizer.chat_template"):
+            self.metadata["tokenizer.chat_template"] = template
 
     # ---- metadata -> config -------------------------------------------------------------------
 
@@ -196,7 +210,18 @@ class GGUFModel:
             config["use_sliding_window"] = False
         if self._arch_value("expert_count"):
             config.update(self._expert_config())
+        if self.arch == "gemma3":
+            config.update(self._gemma3_config(num_layers, hidden, heads, head_dim))
         return config
+
+    def _gemma3_config(self, num_layers: int, hidden: int, heads: int, head_dim: int) -> dict[str, Any]:
+        """What llama.cpp fixes for Gemma 3 rather than storing: every sixth layer global, a local
+        rotary base of 10000, queries scaled by head_dim ** -0.5 (hidden / heads for the 62-layer
+        27B)."""
+        window = self._arch_value("attention.sliding_window")
+        return {"sliding_window": int(window) if window else None, "sliding_window_pattern": 6,
+                "rope_local_base_freq": 10000.0, "hidden_activation": "gelu_pytorch_tanh",
+                "query_pre_attn_scalar": hidden // heads if num_layers == 62 else head_dim}
 
     def _expert_config(self) -> dict[str, Any]:
         """Qwen3-MoE's config fields; llama.cpp renormalises the chosen experts' weights unless
@@ -281,7 +306,7 @@ class GGUFModel:
                                  code="invalid_model")
         has_experts = self.arch in _EXPERT_ARCHITECTURES
         unknown = [name for name in self.tensors
-                   if name not in _NOT_WEIGHTS and (hf_tensor_name(name, num_layers) is None
+                   if name not in _NOT_WEIGHTS and (hf_tensor_name(name, num_layers, self.arch) is None
                                                     or (_is_expert_tensor(name) and not has_experts))]
         if unknown:
             raise ModelLoadError(f"{self.path.name} has tensors ember does not know for "
@@ -318,13 +343,16 @@ class GGUFModel:
         num_layers = hf_config["num_hidden_layers"]
         heads = hf_config["num_attention_heads"]
         kv_heads = hf_config["num_key_value_heads"]
+        norm_shift = _NORM_SHIFT.get(self.arch)
         for name in self.tensors:
             if name in _NOT_WEIGHTS:
                 continue
-            hf_name = hf_tensor_name(name, num_layers)
+            hf_name = hf_tensor_name(name, num_layers, self.arch)
             if hf_name in skip:
                 continue
             tensor = dequantize_tensor(self, name)
+            if norm_shift is not None and name.endswith("norm.weight"):
+                tensor = tensor - norm_shift
             if keep_half and self.tensor_type(name) in _HALF_TYPES:
                 tensor = tensor.to(_HALF_TYPES[self.tensor_type(name)])
             if self.arch in _PERMUTED_QK:
@@ -340,7 +368,7 @@ def dequantize_tensor(model: GGUFModel, name: str) -> torch.Tensor:
     return model.dequantize(name)
 
 
-def hf_tensor_name(name: str, num_layers: int) -> str | None:
+def hf_tensor_name(name: str, num_layers: int, arch: str = "") -> str | None:
     """GGUF tensor name -> HF checkpoint name, or None when it is not one ember knows."""
     base, _, kind = name.rpartition(".")
     if base in _GLOBAL_NAMES and kind == "weight":
@@ -349,9 +377,10 @@ def hf_tensor_name(name: str, num_layers: int) -> str | None:
     if match is None:
         return None
     layer, part, kind = int(match.group(1)), match.group(2), match.group(3)
-    if layer >= num_layers or part not in _LAYER_NAMES:
+    names = {**_LAYER_NAMES, **_ARCH_LAYER_NAMES.get(arch, {})}
+    if layer >= num_layers or part not in names:
         return None
-    return f"model.layers.{layer}.{_LAYER_NAMES[part]}.{kind}"
+    return f"model.layers.{layer}.{names[part]}.{kind}"
 
 
 def _is_expert_tensor(name: str) -> bool:
