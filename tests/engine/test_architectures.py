@@ -107,3 +107,28 @@ def test_batched_chunked_and_prefix_cached_requests_match_transformers(case, att
     assert cached >= 32
     assert_matches_reference(reference, sharing, tokens, logprobs)
     assert_matches_reference(reference, fresh, fresh_tokens, fresh_logprobs)
+
+
+def test_a_local_only_model_holds_a_bounded_number_of_blocks_and_still_matches_transformers():
+    """Mistral with a window of 8 (every layer local), blocks of 4: a 60-token prompt and 30 decoded
+    tokens never hold more than the window's blocks plus the step's own, and the prompt sent again
+    is served from released blocks still in the prefix cache, with the same results."""
+    reference = reference_model("mistral_sliding_window")
+    engine = paged_engine(reference, **ATTENTION["torch-attention"])
+    assert engine.scheduler.config.release_window == 8
+    prompt = torch.randint(0, 256, (60,), generator=torch.Generator().manual_seed(4)).tolist()
+    params = SamplingParams(temperature=0.0, max_tokens=30, logprobs=1)
+    engine.add_request("long", prompt, params)
+    tokens, logprobs, most_used = [], [], 0
+    while engine.has_unfinished():
+        for out in engine.step():
+            tokens += out.new_token_ids
+            logprobs += out.logprobs or []
+        most_used = max(most_used, engine.kv_manager.num_used_blocks)
+    engine.check_invariants()
+    # the window's 8 keys span at most 3 blocks of 4, a step adds at most 8 tokens: 2 blocks more
+    assert most_used <= 5
+    assert_matches_reference(reference, prompt, tokens, logprobs)
+    [(again, again_logprobs, cached)] = run(engine, [prompt], params)
+    assert cached >= 32 and again == tokens
+    assert [lp.logprob for lp in again_logprobs] == pytest.approx([lp.logprob for lp in logprobs], abs=1e-5)
