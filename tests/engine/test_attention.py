@@ -223,24 +223,24 @@ def _windowed_reference(q, keys, values, window):
     return torch.einsum("hlk,hkd->lhd", scores.softmax(-1), v)
 
 
-WINDOWS = [16, 100, 300]  # one block; inside a split, off the block grid; across a split
+@pytest.fixture(params=[16, 100, 300])  # one block; inside a split, off the block grid; across a split
+def window(request, kernel_case) -> int:
+    """The kernel case's one layer given this sliding window."""
+    kernel_case[0].layer_windows = [request.param]
+    return request.param
 
 
-@pytest.mark.parametrize("window", WINDOWS)
 @pytest.mark.parametrize("kernel_case", [torch.float32, torch.bfloat16], indirect=True)
 def test_the_attention_kernel_keeps_to_a_sliding_window(kernel_case, window):
     cache, blocks, keys, values, q = kernel_case
-    cache.layer_windows = [window]
     out = _kernel(cache, [(blocks, 0, q)])
     tolerance = 1e-5 if q.dtype == torch.float32 else 2e-2
     torch.testing.assert_close(out.float(), _windowed_reference(q, keys, values, window), rtol=tolerance, atol=tolerance)
 
 
-@pytest.mark.parametrize("window", WINDOWS)
 @pytest.mark.parametrize("kernel_case", [torch.float32, torch.bfloat16], indirect=True)
 def test_a_windowed_row_keeps_its_bits_and_never_reads_blocks_before_its_window(kernel_case, window):
     cache, blocks, keys, values, q = kernel_case
-    cache.layer_windows = [window]
     whole = _kernel(cache, [(blocks, 0, q)])
     for position in (15, 16, 255, 299, 300, 301, 699):
         assert torch.equal(_kernel(cache, [(blocks, position, q[position:position + 1])])[0], whole[position])

@@ -1,23 +1,9 @@
 """Blocks behind every layer's sliding window go back to the pool (KVCacheManager.release_blocks_before),
 at toy sizes: block_size 4, 8 blocks (ids 1..7 allocatable), exact block ids."""
 
+from test_kv_cache import BLOCK_SIZE, admit_and_compute as compute, make_request
+
 from ember.engine.kv_cache import KVCacheManager
-from ember.engine.request import Request
-from ember.types import SamplingParams
-
-BLOCK_SIZE = 4
-
-
-def make_request(request_id, token_ids):
-    return Request(request_id, list(token_ids), SamplingParams(), max_tokens=16, eos_token_ids=(), arrival_time=0.0)
-
-
-def compute(kv, request):
-    hits, num_hits = kv.get_computed_blocks(request)
-    assert kv.allocate_slots(request, request.num_tokens - num_hits, hits, num_hits)
-    request.num_computed_tokens = request.num_tokens
-    kv.cache_full_blocks(request)
-    return hits
 
 
 def test_released_blocks_become_null_entries_and_return_to_the_pool():
