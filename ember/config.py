@@ -31,6 +31,12 @@ class ModelConfig:
     attention_bias: bool = False
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
+    # per layer: its sliding window (the keys a token sees, its own included), None where the layer
+    # attends to the whole sequence; empty when every layer does
+    layer_windows: list[int | None] = field(default_factory=list)
+    # config.json as read (a multimodal config's text part): the fields only one architecture
+    # uses (experts, soft-capping, ...) are read from it by that architecture's model file
+    hf: dict[str, Any] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         if self.num_attention_heads % self.num_key_value_heads:
@@ -70,14 +76,10 @@ class ModelConfig:
             if isinstance(rope_scaling, dict):
                 kind = rope_scaling.get("rope_type", rope_scaling.get("type", "default"))
                 rope_scaling = None if kind == "default" else {**rope_scaling, "rope_type": kind}
+            if rope_scaling and "original_max_position_embeddings" not in rope_scaling and \
+                    hf.get("original_max_position_embeddings"):  # Phi-3 keeps it beside the scaling
+                rope_scaling["original_max_position_embeddings"] = hf["original_max_position_embeddings"]
             max_positions = hf.get("max_position_embeddings", 2048)
-            window = hf.get("sliding_window") if hf.get("use_sliding_window", True) else None
-            if isinstance(window, int) and 0 < window < max_positions:
-                # Within the window, sliding-window attention is plain causal attention: serve exactly
-                # that much context rather than silently attending past the window.
-                logger.warning("the model uses sliding-window attention (window %d); ember serves at most "
-                               "%d tokens of context for it", window, window)
-                max_positions = window
             return cls(
                 model_type=hf["model_type"],
                 vocab_size=hf["vocab_size"],
@@ -95,9 +97,35 @@ class ModelConfig:
                 attention_bias=bool(hf.get("attention_bias", hf["model_type"] == "qwen2")),
                 bos_token_id=hf.get("bos_token_id"),
                 eos_token_ids=[] if eos is None else ([eos] if isinstance(eos, int) else list(eos)),
+                layer_windows=sliding_windows(hf, max_positions),
+                hf=dict(hf),
             )
         except KeyError as missing:
             raise ModelLoadError(f"the model's config lacks the field {missing}") from None
+
+
+def sliding_windows(hf: dict[str, Any], max_positions: int) -> list[int | None]:
+    """Each layer's sliding window from a config.json: layer_types where the config lists them
+    (Gemma 3, and transformers' own configs), else Gemma 3's sliding_window_pattern, else Qwen2's
+    max_window_layers (layers from there on are local), else every layer (Mistral, Phi-3). A window
+    as wide as the context is no window."""
+    window = hf.get("sliding_window") if hf.get("use_sliding_window", True) else None
+    if not isinstance(window, int) or isinstance(window, bool) or not 0 < window < max_positions:
+        return []
+    num_layers = hf["num_hidden_layers"]
+    types = hf.get("layer_types")
+    if types:
+        if len(types) != num_layers:
+            raise ModelLoadError(f"layer_types lists {len(types)} layers, the model has {num_layers}")
+        windows = [window if kind == "sliding_attention" else None for kind in types]
+    elif hf.get("sliding_window_pattern"):  # Gemma 3's first configs: every Nth layer global
+        pattern = hf["sliding_window_pattern"]
+        windows = [None if (i + 1) % pattern == 0 else window for i in range(num_layers)]
+    elif hf.get("model_type") == "qwen2" and hf.get("max_window_layers") is not None:
+        windows = [window if i >= hf["max_window_layers"] else None for i in range(num_layers)]
+    else:
+        windows = [window] * num_layers
+    return windows if any(windows) else []
 
 
 @dataclass(slots=True)

@@ -14,11 +14,16 @@ batch, whose gather would copy its whole KV at every layer and step: its keys ar
 logical chunks of that size, in place where the chunk's blocks are consecutive (the block
 manager hands out runs) and gathered only where they are not. The chunks depend on the
 sequence's length alone, never on where its blocks lie, so neither do its results.
+
+Sliding windows (KVCache.layer_windows): a layer with window W lets the token at position p see
+the keys at positions p - W + 1 to p. Its masks add that lower bound to the causal one, from
+positions alone, so a windowed row keeps every promise above. A model with any window decodes
+every sequence in the padded batch (the long-decode chunks do not take a window).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -31,6 +36,18 @@ class DecodeGroup:
     token_index: torch.Tensor  # (B,) rows of the step's flat token batch
     block_table: torch.Tensor  # (B, max_blocks) block ids, padded with the null block 0
     key_mask: torch.Tensor  # (1, B, 1, max_blocks * block_size) True where a key exists
+    lengths: torch.Tensor | None = None  # (B,) keys of each sequence, its new token's included
+    window_masks: dict[int, torch.Tensor] = field(default_factory=dict)  # window -> key_mask within it
+
+    def mask(self, window: int | None) -> torch.Tensor:
+        """key_mask, limited to each sequence's last `window` keys when the layer has a window."""
+        if window is None:
+            return self.key_mask
+        if window not in self.window_masks:
+            keys = torch.arange(self.key_mask.shape[-1], device=self.key_mask.device)
+            recent = keys[None, :] >= (self.lengths - window)[:, None]  # (B, keys)
+            self.window_masks[window] = self.key_mask & recent[None, :, None, :]
+        return self.window_masks[window]
 
 
 # Keys per chunk of a long decode: one fused attention call per layer and chunk (or run of chunks).
@@ -103,6 +120,20 @@ class PrefillSeq:
     key_slots: torch.Tensor  # (keys,) cache slots of every key it sees
     mask: torch.Tensor | None  # additive, 0 where a new token sees a key, -inf elsewhere
     exact: bool
+    start_pos: int = 0
+    dtype: torch.dtype = torch.float32  # the masks' dtype: the cache's
+    window_masks: dict[int, torch.Tensor] = field(default_factory=dict)  # window -> mask within it
+
+    def mask_for(self, window: int | None) -> torch.Tensor | None:
+        """The causal mask, with keys before each row's window hidden too when the layer has one."""
+        if window is None:
+            return self.mask
+        if window not in self.window_masks:
+            n, keys = self.end - self.begin, self.key_slots.shape[0]
+            rows = self.mask.shape[0] * self.mask.shape[2] if self.exact else n
+            mask = _causal_mask(self.start_pos, rows, keys, n, self.dtype, self.key_slots.device, window)
+            self.window_masks[window] = mask.view(-1, 1, self.mask.shape[2], keys) if self.exact else mask
+        return self.window_masks[window]
 
 
 def prefill_seq(begin: int, start_pos: int, key_slots: torch.Tensor, dtype: torch.dtype,
@@ -114,21 +145,25 @@ def prefill_seq(begin: int, start_pos: int, key_slots: torch.Tensor, dtype: torc
     n = total - start_pos
     if not exact:
         if start_pos == 0:
-            return PrefillSeq(begin, begin + n, key_slots.to(device), None, False)
+            return PrefillSeq(begin, begin + n, key_slots.to(device), None, False, start_pos, dtype)
         mask = _causal_mask(start_pos, n, total, n, dtype, device)
-        return PrefillSeq(begin, begin + n, key_slots.to(device), mask, False)
+        return PrefillSeq(begin, begin + n, key_slots.to(device), mask, False, start_pos, dtype)
     padded = -(-total // _KEY_BLOCK) * _KEY_BLOCK
     key_slots = torch.cat((key_slots, key_slots.new_zeros(padded - total)))
     rows = -(-n // tile) * tile
     mask = _causal_mask(start_pos, rows, padded, n, dtype, device).view(-1, 1, tile, padded)
-    return PrefillSeq(begin, begin + n, key_slots.to(device), mask, True)
+    return PrefillSeq(begin, begin + n, key_slots.to(device), mask, True, start_pos, dtype)
 
 
 def _causal_mask(start_pos: int, rows: int, keys: int, n: int, dtype: torch.dtype,
-                 device: torch.device) -> torch.Tensor:
-    """(rows, keys) additive mask; rows past the n new tokens repeat the last one's."""
+                 device: torch.device, window: int | None = None) -> torch.Tensor:
+    """(rows, keys) additive mask; rows past the n new tokens repeat the last one's. With a window,
+    a row also does not see keys `window` or more positions behind it."""
     query_pos = torch.arange(start_pos, start_pos + rows, device=device).clamp(max=start_pos + n - 1)
-    hidden = torch.arange(keys, device=device)[None, :] > query_pos[:, None]
+    key_pos = torch.arange(keys, device=device)[None, :]
+    hidden = key_pos > query_pos[:, None]
+    if window is not None:
+        hidden |= key_pos <= query_pos[:, None] - window
     return torch.zeros(hidden.shape, dtype=dtype, device=device).masked_fill_(hidden, float("-inf"))
 
 
@@ -142,8 +177,11 @@ class KVCache:
     """
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
-                 head_dim: int, dtype: torch.dtype, device: torch.device, kernel_layout: bool = False) -> None:
+                 head_dim: int, dtype: torch.dtype, device: torch.device, kernel_layout: bool = False,
+                 layer_windows: list[int | None] | None = None) -> None:
         self.block_size = block_size
+        # per layer: the sliding window (keys a token sees, its own included), None where global
+        self.layer_windows = list(layer_windows) if layer_windows else [None] * num_layers
         self.num_blocks = num_blocks
         self.kernel_layout = kernel_layout
         # (layers, k/v, kv_heads, slots, head_dim), or (layers, k/v, kv_heads, blocks, 16 * head_dim)
@@ -181,20 +219,21 @@ class PagedAttention:
         k_cache, v_cache = self.cache.layers[layer_idx]  # (KVH, slots, D) each
         k_cache.index_copy_(1, self.slot_mapping, k.transpose(0, 1))
         v_cache.index_copy_(1, self.slot_mapping, v.transpose(0, 1))
+        window = self.cache.layer_windows[layer_idx]
         if len(self.decodes) == 1 and not self.prefills and not self.long_decodes:
-            return self._decode(q, k_cache, v_cache, self.decodes[0])
+            return self._decode(q, k_cache, v_cache, self.decodes[0], window)
         out = torch.empty_like(q)
         for group in self.decodes:
-            out[group.token_index] = self._decode(q[group.token_index], k_cache, v_cache, group)
+            out[group.token_index] = self._decode(q[group.token_index], k_cache, v_cache, group, window)
         for seq in self.long_decodes:
             out[seq.row] = _long_decode(q[seq.row], k_cache, v_cache, seq)
         for seq in self.prefills:
             out[seq.begin:seq.end] = _prefill(q[seq.begin:seq.end], k_cache[:, seq.key_slots],
-                                              v_cache[:, seq.key_slots], seq)
+                                              v_cache[:, seq.key_slots], seq, seq.mask_for(window))
         return out
 
     def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                group: DecodeGroup) -> torch.Tensor:
+                group: DecodeGroup, window: int | None) -> torch.Tensor:
         batch, heads, head_dim = q.shape
         kv_heads = k_cache.shape[0]
         block_size = self.cache.block_size
@@ -207,7 +246,7 @@ class PagedAttention:
         grouped_q = q.view(batch, kv_heads, heads // kv_heads, head_dim).transpose(0, 1)  # (KVH, B, G, D)
         grouped_q = grouped_q.reshape(kv_heads * batch, heads // kv_heads, head_dim)
         scores = torch.bmm(grouped_q, keys.transpose(1, 2)).float() * head_dim ** -0.5  # (KVH * B, G, keys)
-        scores.view(kv_heads, batch, -1, scores.shape[-1]).masked_fill_(~group.key_mask, float("-inf"))
+        scores.view(kv_heads, batch, -1, scores.shape[-1]).masked_fill_(~group.mask(window), float("-inf"))
         probs = torch.softmax(scores, dim=-1).to(q.dtype)
         out = torch.bmm(probs, values)  # (KVH * B, G, D)
         return out.view(kv_heads, batch, -1, head_dim).transpose(0, 1).reshape(batch, heads, head_dim)
@@ -236,7 +275,8 @@ def _long_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     return out.view(heads, head_dim).to(q.dtype)
 
 
-def _prefill(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, seq: PrefillSeq) -> torch.Tensor:
+def _prefill(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, seq: PrefillSeq,
+             mask: torch.Tensor | None) -> torch.Tensor:
     """Causal attention of n new tokens over every key of one sequence, theirs included.
 
     q: (n, H, D); keys, values: (KVH, keys, D) -> (n, H, D). Fused attention (a flash kernel on
@@ -248,13 +288,13 @@ def _prefill(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, seq: Pre
     gqa = keys.shape[0] != heads
     if not seq.exact:
         out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], keys[None], values[None],
-                                             attn_mask=seq.mask, is_causal=seq.mask is None, enable_gqa=gqa)
+                                             attn_mask=mask, is_causal=mask is None, enable_gqa=gqa)
         return out[0].transpose(0, 1)
-    count, tile = seq.mask.shape[0], seq.mask.shape[2]
+    count, tile = mask.shape[0], mask.shape[2]
     tiles = F.pad(q, (0, 0, 0, 0, 0, count * tile - n)).view(count, tile, heads, head_dim).transpose(1, 2)
     # (count, H, tile, D), every tile reading the same keys
     out = F.scaled_dot_product_attention(tiles, keys.expand(count, -1, -1, -1), values.expand(count, -1, -1, -1),
-                                         attn_mask=seq.mask, enable_gqa=gqa)
+                                         attn_mask=mask, enable_gqa=gqa)
     return out.transpose(1, 2).reshape(-1, heads, head_dim)[:n]
 
 

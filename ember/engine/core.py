@@ -56,14 +56,15 @@ class EngineCore:
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, self.max_num_batched_tokens, self.max_model_len,
                             attention_cost_tokens(model_config, config.attention_cost_tokens),
-                            config.background_wait_steps),
+                            config.background_wait_steps,
+                            release_window=local_only_window(model_config.layer_windows)),
             self.kv_manager)
         self.uses_cpu_kernels = (config.cpu_kernels and device.type == "cpu" and config.block_size == KERNEL_BLOCK_SIZE
                                  and dtype in (torch.bfloat16, torch.float32) and model_config.head_dim % 16 == 0
                                  and kernels.available())
         cache = KVCache(model_config.num_hidden_layers, num_blocks, config.block_size,
                         model_config.num_key_value_heads, model_config.head_dim, dtype, device,
-                        kernel_layout=self.uses_cpu_kernels)
+                        kernel_layout=self.uses_cpu_kernels, layer_windows=model_config.layer_windows)
         sampler = Sampler(model_config.vocab_size, device, config.seed)
         self.runner = ModelRunner(model, cache, sampler, device, exact=config.batch_invariant and device.type == "cpu")
         self.kv_capacity_tokens = (num_blocks - 1) * config.block_size
@@ -281,6 +282,13 @@ def attention_cost_tokens(config: ModelConfig, setting: int | None) -> int | Non
     linear = hidden * (heads + 2 * kv_heads) * head_dim + heads * head_dim * hidden + 3 * hidden * config.intermediate_size
     per_key = 2 * heads * head_dim  # q.k and p.v, per layer; 2 FLOPs per weight in the linears cancel
     return max(1, round(linear / per_key / _ATTENTION_WORK_RATIO))
+
+
+def local_only_window(layer_windows: list[int | None]) -> int | None:
+    """The widest window when every layer has one (no layer reads keys behind it), else None."""
+    if layer_windows and all(layer_windows):
+        return max(layer_windows)
+    return None
 
 
 def build_model(model_config: ModelConfig, dtype: torch.dtype, device: torch.device,

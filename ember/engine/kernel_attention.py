@@ -5,6 +5,8 @@ the kernel's layout (KVCache with kernel_layout).
 The kernel computes a row from its position and its own keys alone, in fixed key splits and
 blocks (see ember/kernels/attention.cpp), so its bits are the same alone or in any batch, however
 its prompt was chunked or cached, and whether the token was decoded or recomputed in a prefill.
+A layer with a sliding window (KVCache.layer_windows) passes it to the kernel, which then reads
+only the blocks that hold the window's keys.
 """
 
 from __future__ import annotations
@@ -41,8 +43,9 @@ class KernelAttention:
         k_cache, v_cache = self.cache.layers[layer_idx]
         if k is not None:
             torch.ops.ember.store_kv_(k, v, k_cache, v_cache, self.slot_mapping)
+        window = self.cache.layer_windows[layer_idx] or 0  # 0: the whole sequence
         return torch.ops.ember.paged_attention(q, k_cache, v_cache, self.block_table, self.row_begin,
-                                               self.first_pos, q.shape[-1] ** -0.5)
+                                               self.first_pos, q.shape[-1] ** -0.5, window)
 
 
 def kernel_attention(cache: KVCache, scheduled_rows: list[tuple[list[int], int, int]],

@@ -216,20 +216,35 @@ class KVCacheManager:
     def free(self, request: Request) -> None:
         """Release the request's blocks; the tail of its chain goes to the free queue first."""
         for block_id in reversed(request.block_ids):
-            block = self.blocks[block_id]
-            block.ref_count -= 1
-            if block.ref_count == 0:
-                if block.hash is not None and block.hash in self._pins:
-                    self._pinned_idle.add(block_id)
-                    continue
-                self._free[block_id] = None
-                if block.hash is None:
-                    self._free.move_to_end(block_id, last=False)  # holds nothing worth keeping
-                else:
-                    self._num_cached_free += 1
+            if block_id:  # 0: released already, its window passed (release_blocks_before)
+                self._release(block_id)
         request.block_ids = []
         request.block_hashes = []
         self._holders.pop(request.request_id, None)
+
+    def release_blocks_before(self, request: Request, position: int) -> None:
+        """Give back the request's blocks that hold only tokens before `position`, which no layer
+        reads again (a model whose every layer has a sliding window); their entries in
+        request.block_ids become the null block 0, so positions keep their indices. A released
+        block keeps its hash: its keys are those of its tokens, so it stays a valid prefix for a
+        later request until the pool hands it out again, which drops the hash."""
+        for index in range(min(max(position, 0) // self.block_size, len(request.block_ids))):
+            if request.block_ids[index]:
+                self._release(request.block_ids[index])
+                request.block_ids[index] = 0
+
+    def _release(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        block.ref_count -= 1
+        if block.ref_count == 0:
+            if block.hash is not None and block.hash in self._pins:
+                self._pinned_idle.add(block_id)
+                return
+            self._free[block_id] = None
+            if block.hash is None:
+                self._free.move_to_end(block_id, last=False)  # holds nothing worth keeping
+            else:
+                self._num_cached_free += 1
 
     def reset_prefix_cache(self) -> bool:
         """Forget every hash; refused (False) while any block is in use."""
@@ -248,12 +263,12 @@ class KVCacheManager:
             "the null block 0 was handed out"
         expected_refs = [0] * self.num_blocks
         for request_id, request in self._holders.items():
-            assert request.block_ids, f"request {request_id} is tracked but holds no blocks"
-            assert len(set(request.block_ids)) == len(request.block_ids), \
-                f"request {request_id} lists a block twice: {request.block_ids}"
+            held = [block_id for block_id in request.block_ids if block_id]  # 0: released, out of its window
+            assert held, f"request {request_id} is tracked but holds no blocks"
+            assert len(set(held)) == len(held), f"request {request_id} lists a block twice: {request.block_ids}"
             assert len(request.block_hashes) <= len(request.block_ids), \
                 f"request {request_id} has more block hashes than blocks"
-            for block_id in request.block_ids:
+            for block_id in held:
                 expected_refs[block_id] += 1
         for block in self.blocks:
             assert block.ref_count == expected_refs[block.block_id], \

@@ -70,7 +70,8 @@ class ModelRunner:
         prefills: list[PrefillSeq] = []
         long_decodes: list[LongDecode] = []
         # On CPU, long sequences decode alone, reading the cache in place (see engine.attention)
-        long_from = LONG_DECODE_CHUNK if self.device.type == "cpu" and long_decode_available() else None
+        long_from = (LONG_DECODE_CHUNK if self.device.type == "cpu" and long_decode_available()
+                     and not any(self.cache.layer_windows) else None)
         for item in scheduled:
             request, start, count = item.request, item.start, item.num_new_tokens
             begin = len(token_ids)
@@ -135,6 +136,7 @@ class ModelRunner:
             token_index=torch.tensor(rows, dtype=torch.long).to(self.device, non_blocking=True),
             block_table=block_table.to(self.device, non_blocking=True),
             key_mask=key_mask[None, :, None, :].to(self.device, non_blocking=True),
+            lengths=torch.tensor(lengths, dtype=torch.long).to(self.device, non_blocking=True),
         )
 
 

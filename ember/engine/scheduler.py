@@ -48,6 +48,8 @@ class SchedulerConfig:
     attention_cost_tokens: int | None = None  # K above; None: every token costs 1
     # a background request that has waited this many steps in all is served as foreground (above)
     background_wait_steps: int = DEFAULT_BACKGROUND_WAIT_STEPS
+    # every layer's sliding window is at most this: blocks behind it are given back as requests advance
+    release_window: int | None = None
 
 
 def rank(request: Request) -> int:
@@ -304,6 +306,8 @@ class Scheduler:
                 continue  # finished or aborted since schedule()
             request.num_computed_tokens += entry.num_new_tokens
             self.kv_cache.cache_full_blocks(request)
+            if self.config.release_window:  # the next token's window starts here
+                self.kv_cache.release_blocks_before(request, request.num_computed_tokens + 1 - self.config.release_window)
             if request.max_tokens == 0 and request.num_computed_tokens == request.num_tokens:
                 self._finish(request, RequestStatus.FINISHED_LENGTH)  # prefilled, its full blocks cached
                 finished.append(request)

@@ -7,7 +7,10 @@
 // so that a block's scores and its weighted values are plain vector dot products, with no
 // transposition and no sum across lanes.
 //
-// A row at position p attends keys [0, p]. They are cut into splits of SPLIT keys at fixed
+// A row at position p attends keys [0, p], or [p - window + 1, p] for a layer with a sliding
+// window: its chunks then start at the block holding the window's first key, masked up to that
+// key; those positions are fixed by p, so a window keeps every promise below, and no block before
+// the window is read, so such blocks may be freed. The keys are cut into splits of SPLIT keys at fixed
 // positions; within a split, blocks of 16 in order, with an online softmax; then the splits'
 // partial results (max, sum, weighted values) are merged in order. A row's arithmetic depends on
 // its position and its data alone: it is the same alone or in a batch, decoded or inside a prompt
@@ -93,17 +96,18 @@ inline void block_values<float>(const float* probs, const float* vblock, int64_t
   for (int64_t key = 0; key < valid; ++key) axpy(probs[key], vblock + key * D, values, D);
 }
 
-// The online softmax over one block: `valid` of its 16 keys are visible to the row.
+// The online softmax over one block: its keys [first, valid) are visible to the row.
 template <typename T>
-inline void attend_block(const T* q, const T* kblock, const T* vblock, int64_t D, int64_t valid, float scale,
-                         State& state) {
+inline void attend_block(const T* q, const T* kblock, const T* vblock, int64_t D, int64_t first, int64_t valid,
+                         float scale, State& state) {
   alignas(64) float scores[BLOCK];
   block_scores<T>(q, kblock, D, scale, scores);
   float block_max = -std::numeric_limits<float>::infinity();
-  for (int64_t key = 0; key < valid; ++key) block_max = std::max(block_max, scores[key]);
+  for (int64_t key = first; key < valid; ++key) block_max = std::max(block_max, scores[key]);
   const float max = std::max(state.max, block_max);
   const float correction = std::exp(state.max - max);  // 0 on the first block (max was -inf)
-  const float sum = exp_and_sum(scores, valid, max);
+  const float sum = exp_and_sum(scores + first, valid - first, max);
+  for (int64_t key = 0; key < first; ++key) scores[key] = 0.f;  // keys before the window weigh nothing
   for (int64_t key = valid; key < BLOCK; ++key) scores[key] = 0.f;  // keys past the row weigh nothing
   state.sum = std::fma(state.sum, correction, sum);
   state.max = max;
@@ -115,11 +119,11 @@ inline void attend_block(const T* q, const T* kblock, const T* vblock, int64_t D
 // without the bfloat16 dot-product instructions).
 template <typename T>
 inline void attend_chunk(const T* const* q, int64_t G, const T* const* kblocks, const T* const* vblocks, int64_t count,
-                         int64_t D, int64_t valid, float scale, State* states) {
-  for (int64_t blk = 0; blk < count; ++blk)
+                         int64_t D, int64_t first, int64_t valid, float scale, State* states) {
+  for (int64_t blk = first / BLOCK; blk < count; ++blk)
     for (int64_t g = 0; g < G; ++g)
-      attend_block<T>(q[g], kblocks[blk], vblocks[blk], D, std::min<int64_t>(BLOCK, valid - blk * BLOCK), scale,
-                      states[g]);
+      attend_block<T>(q[g], kblocks[blk], vblocks[blk], D, std::max<int64_t>(0, first - blk * BLOCK),
+                      std::min<int64_t>(BLOCK, valid - blk * BLOCK), scale, states[g]);
 }
 
 #if EMBER_BF16_DOT
@@ -127,9 +131,17 @@ inline void attend_chunk(const T* const* q, int64_t G, const T* const* kblocks, 
 // share the chunk's key and value loads, each q pair and probability pair is broadcast once per
 // chunk, and every sum stays in a register. C = head_dim / 16. A head's arithmetic is the same
 // whatever heads it is grouped with.
+// Lanes of a block's 16 keys that a row sees: [hidden, left), both counted from the block's start.
+inline __mmask16 visible_keys(int64_t hidden, int64_t left) {
+  const uint32_t upto = left >= BLOCK ? 0xffffu : (1u << std::max<int64_t>(left, 0)) - 1;
+  const uint32_t before = hidden <= 0 ? 0u : hidden >= BLOCK ? 0xffffu : (1u << hidden) - 1;
+  return __mmask16(upto & ~before);
+}
+
 template <int N, int C, int COUNT>
 inline void attend_chunk_heads(const uint32_t* const* q_pairs, const at::BFloat16* const* kblocks,
-                               const at::BFloat16* const* vblocks, int64_t valid, float scale, State* states) {
+                               const at::BFloat16* const* vblocks, int64_t first, int64_t valid, float scale,
+                               State* states) {
   constexpr int64_t D = 16 * C;
   constexpr int count = COUNT;
   __m512 acc[N][COUNT];
@@ -150,8 +162,7 @@ inline void attend_chunk_heads(const uint32_t* const* q_pairs, const at::BFloat1
     __m512 scores[COUNT];
     __m512 vmax = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
     for (int blk = 0; blk < count; ++blk) {
-      const int64_t left = valid - blk * BLOCK;
-      const __mmask16 mask = left >= BLOCK ? __mmask16(0xffff) : __mmask16((1u << left) - 1);
+      const __mmask16 mask = visible_keys(first - blk * BLOCK, valid - blk * BLOCK);
       scores[blk] = _mm512_mul_ps(acc[h][blk], _mm512_set1_ps(scale));
       vmax = _mm512_mask_max_ps(vmax, mask, vmax, scores[blk]);
     }
@@ -159,8 +170,7 @@ inline void attend_chunk_heads(const uint32_t* const* q_pairs, const at::BFloat1
     const float factor = std::exp(state.max - max);  // 0 on the first chunk (max was -inf)
     __m512 sum = _mm512_setzero_ps();
     for (int blk = 0; blk < count; ++blk) {
-      const int64_t left = valid - blk * BLOCK;
-      const __mmask16 mask = left >= BLOCK ? __mmask16(0xffff) : __mmask16((1u << left) - 1);
+      const __mmask16 mask = visible_keys(first - blk * BLOCK, valid - blk * BLOCK);
       const __m512 probs = _mm512_maskz_mov_ps(mask, exp_nonpositive(_mm512_sub_ps(scores[blk], _mm512_set1_ps(max))));
       sum = _mm512_add_ps(sum, probs);
       _mm256_store_si256(reinterpret_cast<__m256i*>(prob_pairs[h] + blk * BLOCK / 2),
@@ -194,46 +204,46 @@ inline void attend_chunk_heads(const uint32_t* const* q_pairs, const at::BFloat1
 
 template <int N, int C>
 inline void attend_chunk_count(const uint32_t* const* pairs, const at::BFloat16* const* kblocks,
-                               const at::BFloat16* const* vblocks, int64_t count, int64_t valid, float scale,
-                               State* states) {
+                               const at::BFloat16* const* vblocks, int64_t count, int64_t first, int64_t valid,
+                               float scale, State* states) {
   switch (count) {
-    case 1: return attend_chunk_heads<N, C, 1>(pairs, kblocks, vblocks, valid, scale, states);
-    case 2: return attend_chunk_heads<N, C, 2>(pairs, kblocks, vblocks, valid, scale, states);
-    case 3: return attend_chunk_heads<N, C, 3>(pairs, kblocks, vblocks, valid, scale, states);
-    default: return attend_chunk_heads<N, C, 4>(pairs, kblocks, vblocks, valid, scale, states);
+    case 1: return attend_chunk_heads<N, C, 1>(pairs, kblocks, vblocks, first, valid, scale, states);
+    case 2: return attend_chunk_heads<N, C, 2>(pairs, kblocks, vblocks, first, valid, scale, states);
+    case 3: return attend_chunk_heads<N, C, 3>(pairs, kblocks, vblocks, first, valid, scale, states);
+    default: return attend_chunk_heads<N, C, 4>(pairs, kblocks, vblocks, first, valid, scale, states);
   }
 }
 
 // Heads [0, G) in passes of up to 4 (3 for head_dim 128: the sums must fit in the registers).
 template <int C>
 inline void attend_chunk_passes(const uint32_t* const* pairs, int64_t G, const at::BFloat16* const* kblocks,
-                                const at::BFloat16* const* vblocks, int64_t count, int64_t valid, float scale,
-                                State* states) {
+                                const at::BFloat16* const* vblocks, int64_t count, int64_t first, int64_t valid,
+                                float scale, State* states) {
   constexpr int64_t PER_PASS = C <= 4 ? 4 : 3;
   for (int64_t g = 0; g < G; g += PER_PASS) {
     switch (std::min(PER_PASS, G - g)) {
-      case 1: attend_chunk_count<1, C>(pairs + g, kblocks, vblocks, count, valid, scale, states + g); break;
-      case 2: attend_chunk_count<2, C>(pairs + g, kblocks, vblocks, count, valid, scale, states + g); break;
-      case 3: attend_chunk_count<3, C>(pairs + g, kblocks, vblocks, count, valid, scale, states + g); break;
-      default: attend_chunk_count<C <= 4 ? 4 : 3, C>(pairs + g, kblocks, vblocks, count, valid, scale, states + g);
+      case 1: attend_chunk_count<1, C>(pairs + g, kblocks, vblocks, count, first, valid, scale, states + g); break;
+      case 2: attend_chunk_count<2, C>(pairs + g, kblocks, vblocks, count, first, valid, scale, states + g); break;
+      case 3: attend_chunk_count<3, C>(pairs + g, kblocks, vblocks, count, first, valid, scale, states + g); break;
+      default: attend_chunk_count<C <= 4 ? 4 : 3, C>(pairs + g, kblocks, vblocks, count, first, valid, scale, states + g);
     }
   }
 }
 
 template <>
 inline void attend_chunk<at::BFloat16>(const at::BFloat16* const* q, int64_t G, const at::BFloat16* const* kblocks,
-                                       const at::BFloat16* const* vblocks, int64_t count, int64_t D, int64_t valid,
-                                       float scale, State* states) {
+                                       const at::BFloat16* const* vblocks, int64_t count, int64_t D, int64_t first,
+                                       int64_t valid, float scale, State* states) {
   std::vector<const uint32_t*> pairs(G);
   for (int64_t g = 0; g < G; ++g) pairs[g] = reinterpret_cast<const uint32_t*>(q[g]);
   switch (D) {
-    case 64: return attend_chunk_passes<4>(pairs.data(), G, kblocks, vblocks, count, valid, scale, states);
-    case 128: return attend_chunk_passes<8>(pairs.data(), G, kblocks, vblocks, count, valid, scale, states);
+    case 64: return attend_chunk_passes<4>(pairs.data(), G, kblocks, vblocks, count, first, valid, scale, states);
+    case 128: return attend_chunk_passes<8>(pairs.data(), G, kblocks, vblocks, count, first, valid, scale, states);
     default:
-      for (int64_t blk = 0; blk < count; ++blk)
+      for (int64_t blk = first / BLOCK; blk < count; ++blk)
         for (int64_t g = 0; g < G; ++g)
-          attend_block<at::BFloat16>(q[g], kblocks[blk], vblocks[blk], D, std::min<int64_t>(BLOCK, valid - blk * BLOCK),
-                                     scale, states[g]);
+          attend_block<at::BFloat16>(q[g], kblocks[blk], vblocks[blk], D, std::max<int64_t>(0, first - blk * BLOCK),
+                                     std::min<int64_t>(BLOCK, valid - blk * BLOCK), scale, states[g]);
   }
 }
 #endif
@@ -248,6 +258,7 @@ struct Batch {
   int64_t table_width;
   const int32_t* row_begin;  // (S + 1,) rows of sequence s: [row_begin[s], row_begin[s + 1])
   const int32_t* first_pos;  // (S,) the position of each sequence's first row
+  int64_t window;  // keys a row sees, its own included; 0: every key before it
   float scale;
   void* out;
 };
@@ -266,14 +277,18 @@ void split_partials(const Batch& b, int64_t s, int64_t kvh, int64_t split, int64
   std::vector<State> states(G);
   std::vector<const T*> rows(G);
   for (int64_t r = r0; r < r1; ++r) {
-    const int64_t end = std::min<int64_t>(b.first_pos[s] + (r - b.row_begin[s]) + 1, lo + SPLIT);
+    const int64_t pos = b.first_pos[s] + (r - b.row_begin[s]);
+    const int64_t end = std::min<int64_t>(pos + 1, lo + SPLIT);
+    const int64_t begin = b.window > 0 ? std::max<int64_t>(0, pos + 1 - b.window) : 0;  // the row's first key
     for (int64_t g = 0; g < G; ++g) {
       float* p = partials + ((r - r0) * G + g) * partial_floats(D);
       states[g] = State{-std::numeric_limits<float>::infinity(), 0.f, p + 2};
       std::fill(p + 2, p + 2 + D, 0.f);
       rows[g] = q + r * b.q_stride + (kvh * G + g) * D;
     }
-    for (int64_t chunk = lo; chunk < end; chunk += CHUNK) {
+    // A window's chunks start at the block holding its first key (a position fixed by the row's),
+    // so no block before the window is read.
+    for (int64_t chunk = std::max(lo, begin / BLOCK * BLOCK); chunk < end; chunk += CHUNK) {
       const int64_t count = (std::min(end, chunk + CHUNK) - chunk + BLOCK - 1) / BLOCK;
       const T* kblocks[CHUNK / BLOCK];
       const T* vblocks[CHUNK / BLOCK];
@@ -282,8 +297,8 @@ void split_partials(const Batch& b, int64_t s, int64_t kvh, int64_t split, int64
         kblocks[blk] = keys + base;
         vblocks[blk] = vals + base;
       }
-      attend_chunk<T>(rows.data(), G, kblocks, vblocks, count, D, std::min(end, chunk + CHUNK) - chunk, b.scale,
-                      states.data());
+      attend_chunk<T>(rows.data(), G, kblocks, vblocks, count, D, std::max<int64_t>(0, begin - chunk),
+                      std::min(end, chunk + CHUNK) - chunk, b.scale, states.data());
     }
     for (int64_t g = 0; g < G; ++g) {
       float* p = partials + ((r - r0) * G + g) * partial_floats(D);
@@ -380,7 +395,7 @@ void check_cache(const at::Tensor& k_cache, const at::Tensor& v_cache, int64_t D
 // at positions first_pos[s] onward, its blocks listed in block_table[s].
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                            const at::Tensor& block_table, const at::Tensor& row_begin, const at::Tensor& first_pos,
-                           double scale) {
+                           double scale, int64_t window) {
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2), "q must be (T, heads, head_dim) rows");
   const int64_t T = q.size(0), H = q.size(1), D = q.size(2), KVH = k_cache.size(0), S = first_pos.numel();
   check_cache(k_cache, v_cache, D);
@@ -394,7 +409,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
   if (T == 0) return out;
   Batch b{q.data_ptr(), q.stride(0), H, KVH, H / KVH, D, k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(0),
           block_table.data_ptr<int32_t>(), block_table.size(1), row_begin.data_ptr<int32_t>(),
-          first_pos.data_ptr<int32_t>(), float(scale), out.data_ptr()};
+          first_pos.data_ptr<int32_t>(), window, float(scale), out.data_ptr()};
   dispatch_float_or_bf16(q.scalar_type(), [&](auto tag) { attention_impl<decltype(tag)>(b, S); });
   return out;
 }
@@ -481,7 +496,7 @@ at::Tensor unpack_cache(const at::Tensor& cache, bool values, int64_t D) {
 
 TORCH_LIBRARY_FRAGMENT(ember, m) {
   m.def("paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, Tensor row_begin, "
-        "Tensor first_pos, float scale) -> Tensor");
+        "Tensor first_pos, float scale, int window=0) -> Tensor");
   m.def("store_kv_(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots) -> ()");
   m.def("rotary_store_(Tensor(a!) qkv, Tensor cos, Tensor sin, Tensor(b!) k_cache, Tensor(c!) v_cache, Tensor slots, "
         "int heads, int kv_heads) -> ()");

@@ -29,7 +29,7 @@ def read_blocks(path: pathlib.Path, hf_config: dict[str, Any]) -> Iterator[tuple
     heads = {".attn_q.": hf_config["num_attention_heads"], ".attn_k.": hf_config["num_key_value_heads"]}
     for name, tensor in model.tensors.items():
         kind = tensor.tensor_type.name
-        hf_name = hf_tensor_name(name, num_layers)
+        hf_name = hf_tensor_name(name, num_layers, model.arch)
         shape = model.torch_shape(name)
         if hf_name is None or kind in _FLOAT_TYPES or len(shape) != 2 or shape[1] % QBLOCK:
             continue

@@ -17,15 +17,18 @@ if TYPE_CHECKING:  # imported where tensors are made: reading a file's metadata 
 
 from ember.errors import ModelLoadError
 from ember.loaders.source import check_architecture, supported_architectures
+from ember.tokenization.fallback_templates import BY_GGUF_ARCHITECTURE
 
 logger = logging.getLogger("ember.loaders")
 
 GGUF_MAGIC = b"GGUF"
 
 # GGUF general.architecture -> HF model_type (Mistral GGUFs are written as "llama").
-GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe": "qwen3_moe",
+                      "gemma3": "gemma3_text"}
 _HF_ARCHITECTURE_CLASS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                          "qwen3": "Qwen3ForCausalLM"}
+                          "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
+                          "gemma3_text": "Gemma3ForCausalLM"}
 _PERMUTED_QK = {"llama"}  # llama.cpp's converter interleaves q/k rows for these
 
 _GLOBAL_NAMES = {
@@ -45,14 +48,37 @@ _LAYER_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    # mixtures of experts: the router, the experts stacked (experts, out, in), a shared expert
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_exps": "mlp.experts.gate_proj",
+    "ffn_up_exps": "mlp.experts.up_proj",
+    "ffn_down_exps": "mlp.experts.down_proj",
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
 }
+# Gemma 3 has four norms a layer: llama.cpp's ffn_norm is the one before its MLP
+_ARCH_LAYER_NAMES = {"gemma3": {"ffn_norm": "pre_feedforward_layernorm",
+                                "post_attention_norm": "post_attention_layernorm",
+                                "post_ffw_norm": "post_feedforward_layernorm"}}
+# llama.cpp's converter adds this to the norm weights of Gemma, whose norms scale by (1 + w)
+_NORM_SHIFT = {"gemma3": 1.0}
 _LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 _REQUIRED_LAYER_TENSORS = ("attn_norm.weight", "ffn_norm.weight", "attn_q.weight", "attn_k.weight",
-                           "attn_v.weight", "attn_output.weight", "ffn_gate.weight",
-                           "ffn_up.weight", "ffn_down.weight")
+                           "attn_v.weight", "attn_output.weight")
+_DENSE_FFN = ("ffn_gate.weight", "ffn_up.weight", "ffn_down.weight")
+_EXPERT_FFN = ("ffn_gate_inp.weight", "ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_down_exps.weight")
+_EXPERT_ARCHITECTURES = {"qwen3moe"}  # the only ones whose files may hold router and expert tensors
+_EXPERT_PARTS = {"ffn_gate_inp", "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps", "ffn_gate_shexp",
+                 "ffn_up_shexp", "ffn_down_shexp", "ffn_gate_inp_shexp"}
 _EXTRA_REQUIRED = {
-    "qwen2": ("attn_q.bias", "attn_k.bias", "attn_v.bias"),
-    "qwen3": ("attn_q_norm.weight", "attn_k_norm.weight"),
+    "llama": _DENSE_FFN,
+    "qwen2": _DENSE_FFN + ("attn_q.bias", "attn_k.bias", "attn_v.bias"),
+    "qwen3": _DENSE_FFN + ("attn_q_norm.weight", "attn_k_norm.weight"),
+    "qwen3moe": _EXPERT_FFN + ("attn_q_norm.weight", "attn_k_norm.weight"),
+    "gemma3": _DENSE_FFN + ("attn_q_norm.weight", "attn_k_norm.weight", "post_attention_norm.weight",
+                            "post_ffw_norm.weight"),
 }
 _HALF_TYPES = {"F16": "float16", "BF16": "bfloat16"}  # torch dtype names
 _NOT_WEIGHTS = {"rope_freqs.weight"}  # folded into the config's rope_scaling
@@ -120,6 +146,9 @@ class GGUFModel:
         self.model_type = GGUF_ARCHITECTURES[arch]
         check_architecture(self.model_type, path.name)
         self._check_tensor_names()
+        template = BY_GGUF_ARCHITECTURE.get(arch)
+        if template is not None and not self.metadata.get("tokenizer.chat_template"):
+            self.metadata["tokenizer.chat_template"] = template
 
     # ---- metadata -> config -------------------------------------------------------------------
 
@@ -161,7 +190,8 @@ class GGUFModel:
             "model_type": self.model_type,
             "vocab_size": vocab_size,
             "hidden_size": hidden,
-            "intermediate_size": int(self._required("feed_forward_length")),
+            "intermediate_size": int(self._arch_value("feed_forward_length") or 0
+                                     or self._required("expert_feed_forward_length")),
             "num_hidden_layers": num_layers,
             "num_attention_heads": heads,
             "num_key_value_heads": kv_heads,
@@ -180,6 +210,31 @@ class GGUFModel:
             config["pad_token_id"] = self.metadata["tokenizer.ggml.padding_token_id"]
         if self.model_type == "qwen2":
             config["use_sliding_window"] = False
+        if self._arch_value("expert_count"):
+            config.update(self._expert_config())
+        if self.arch == "gemma3":
+            config.update(self._gemma3_config(num_layers, hidden, heads, head_dim))
+        return config
+
+    def _gemma3_config(self, num_layers: int, hidden: int, heads: int, head_dim: int) -> dict[str, Any]:
+        """What llama.cpp fixes for Gemma 3 rather than storing: every sixth layer global, a local
+        rotary base of 10000, queries scaled by head_dim ** -0.5 (hidden / heads for the 62-layer
+        27B)."""
+        window = self._arch_value("attention.sliding_window")
+        return {"sliding_window": int(window) if window else None, "sliding_window_pattern": 6,
+                "rope_local_base_freq": 10000.0, "hidden_activation": "gelu_pytorch_tanh",
+                "query_pre_attn_scalar": hidden // heads if num_layers == 62 else head_dim}
+
+    def _expert_config(self) -> dict[str, Any]:
+        """Qwen3-MoE's config fields; llama.cpp renormalises the chosen experts' weights unless
+        the file says otherwise."""
+        config = {"num_experts": int(self._required("expert_count")),
+                  "num_experts_per_tok": int(self._required("expert_used_count")),
+                  "moe_intermediate_size": int(self._required("expert_feed_forward_length")),
+                  "norm_topk_prob": bool(self._arch_value("expert_weights_norm", True))}
+        shared = self._arch_value("expert_shared_feed_forward_length")
+        if shared:
+            config["shared_expert_intermediate_size"] = int(shared)
         return config
 
     def _rope_scaling(self, theta: float, head_dim: int) -> dict[str, Any] | None:
@@ -251,8 +306,10 @@ class GGUFModel:
             raise ModelLoadError(f"{self.path.name} is missing tensors ({shown}); the file is "
                                  f"incomplete or not a {self.arch} model", param="model",
                                  code="invalid_model")
+        has_experts = self.arch in _EXPERT_ARCHITECTURES
         unknown = [name for name in self.tensors
-                   if name not in _NOT_WEIGHTS and hf_tensor_name(name, num_layers) is None]
+                   if name not in _NOT_WEIGHTS and (hf_tensor_name(name, num_layers, self.arch) is None
+                                                    or (_is_expert_tensor(name) and not has_experts))]
         if unknown:
             raise ModelLoadError(f"{self.path.name} has tensors ember does not know for "
                                  f"{self.arch}: {', '.join(unknown[:5])}", param="model",
@@ -291,13 +348,16 @@ class GGUFModel:
         num_layers = hf_config["num_hidden_layers"]
         heads = hf_config["num_attention_heads"]
         kv_heads = hf_config["num_key_value_heads"]
+        norm_shift = _NORM_SHIFT.get(self.arch)
         for name in self.tensors:
             if name in _NOT_WEIGHTS:
                 continue
-            hf_name = hf_tensor_name(name, num_layers)
+            hf_name = hf_tensor_name(name, num_layers, self.arch)
             if hf_name in skip:
                 continue
             tensor = dequantize_tensor(self, name)
+            if norm_shift is not None and name.endswith("norm.weight"):
+                tensor = tensor - norm_shift
             if keep_half and self.tensor_type(name) in _HALF_TYPES:
                 tensor = tensor.to(getattr(torch, _HALF_TYPES[self.tensor_type(name)]))
             if self.arch in _PERMUTED_QK:
@@ -313,7 +373,7 @@ def dequantize_tensor(model: GGUFModel, name: str) -> torch.Tensor:
     return model.dequantize(name)
 
 
-def hf_tensor_name(name: str, num_layers: int) -> str | None:
+def hf_tensor_name(name: str, num_layers: int, arch: str = "") -> str | None:
     """GGUF tensor name -> HF checkpoint name, or None when it is not one ember knows."""
     base, _, kind = name.rpartition(".")
     if base in _GLOBAL_NAMES and kind == "weight":
@@ -322,9 +382,15 @@ def hf_tensor_name(name: str, num_layers: int) -> str | None:
     if match is None:
         return None
     layer, part, kind = int(match.group(1)), match.group(2), match.group(3)
-    if layer >= num_layers or part not in _LAYER_NAMES:
+    names = {**_LAYER_NAMES, **_ARCH_LAYER_NAMES.get(arch, {})}
+    if layer >= num_layers or part not in names:
         return None
-    return f"model.layers.{layer}.{_LAYER_NAMES[part]}.{kind}"
+    return f"model.layers.{layer}.{names[part]}.{kind}"
+
+
+def _is_expert_tensor(name: str) -> bool:
+    match = _LAYER_TENSOR.fullmatch(name)
+    return match is not None and match.group(2) in _EXPERT_PARTS
 
 
 def unpermute_qk_rows(tensor: torch.Tensor, num_heads: int, name: str = "") -> torch.Tensor:

@@ -6,9 +6,9 @@ import importlib
 
 from ember.errors import ModelLoadError
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
+SUPPORTED_ARCHITECTURES = ("gemma3_text", "llama", "mistral", "phi3", "qwen2", "qwen3", "qwen3_moe")
 # model_type -> the module that implements it
-ALIASES = {"mistral": "llama"}  # Mistral without a sliding window is Llama
+ALIASES = {"gemma3": "gemma3_text"}  # a multimodal Gemma 3 checkpoint: its text config and weights
 
 
 def get_model_class(model_type: str) -> type:

@@ -89,7 +89,10 @@ def prepare_linears(model: nn.Module, quantization: str, block_kernels: bool) ->
                 module.weight.data = blocks.dequantize().to(module.weight.dtype)
             continue
         weight = module.weight.data
-        target = None if bits is None else 8 if module is head else bits
+        if module.keep_float and blocks is not None:
+            module.weight.data = weight = blocks.dequantize().to(weight.dtype)
+            blocks = None
+        target = None if bits is None or module.keep_float else 8 if module is head else bits
         if block_kernels and target is not None and module.in_features % QBLOCK == 0:
             if blocks is None:
                 blocks = QuantBlocks.quantize(weight, target)
@@ -125,6 +128,7 @@ class Linear(nn.Module):
         self.weights: Any = DenseWeights(self.weight, self.bias)
         self.blocks: list[QuantBlocks | None] | None = None  # quantized shards the loader staged
         self.rows = WHOLE_BATCH  # set by set_row_plan
+        self.keep_float = False  # never block-quantized (a MoE router: rounding would change the experts)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weights, self.rows)
@@ -205,6 +209,7 @@ class Embedding(nn.Module):
         self.weights: Any = DenseWeights(self.weight, None)
         self.blocks: list[QuantBlocks | None] | None = None
         self.rows = WHOLE_BATCH  # the row plan of its use as the LM head
+        self.keep_float = False
 
     stage_blocks = Linear.stage_blocks
     staged_blocks = Linear.staged_blocks
@@ -305,6 +310,25 @@ def _yarn_inv_freq(dim: int, base: float, scaling: dict[str, Any],
     return inv_freq, float(attention_factor)
 
 
+def _longrope_inv_freq(dim: int, base: float, scaling: dict[str, Any],
+                       max_positions: int) -> tuple[torch.Tensor, float]:
+    """Phi-3's LongRoPE: every frequency divided by its own factor, short_factor within the original
+    context and long_factor past it. The choice is made once, from the length the model is built
+    for (as llama.cpp makes it from its context size), never per batch: a token's rotation then
+    never depends on its neighbours or on how long its sequence grows."""
+    original = scaling["original_max_position_embeddings"]
+    factors = scaling["long_factor"] if max_positions > original else scaling["short_factor"]
+    if len(factors) != dim // 2:
+        raise ModelLoadError(f"rope_scaling has {len(factors)} factors for {dim // 2} rotary frequencies")
+    factor = scaling.get("factor") or max_positions / original
+    attention_factor = scaling.get("attention_factor")
+    if attention_factor is None:
+        attention_factor = 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(original))
+    inv_freq = 1.0 / (torch.tensor(factors, dtype=torch.float32)
+                      * base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    return inv_freq, float(attention_factor)
+
+
 def rope_inv_freq(dim: int, base: float, scaling: dict[str, Any] | None,
                   max_positions: int) -> tuple[torch.Tensor, float, int]:
     """(inv_freq (dim/2,), attention factor, number of positions the table must cover)."""
@@ -320,8 +344,11 @@ def rope_inv_freq(dim: int, base: float, scaling: dict[str, Any] | None,
         old_len = scaling.get("original_max_position_embeddings") or max_positions
         extended = int(old_len * (scaling.get("factor") or 1.0))
         return inv_freq, attention_factor, max(max_positions, extended)
+    if kind in ("longrope", "su"):  # "su" is the name of the first Phi-3 configs
+        inv_freq, attention_factor = _longrope_inv_freq(dim, base, scaling, max_positions)
+        return inv_freq, attention_factor, max_positions
     raise ModelLoadError(f"rope scaling type {kind!r} is not supported "
-                         "(supported: default, linear, llama3, yarn)")
+                         "(supported: default, linear, llama3, yarn, longrope)")
 
 
 class RotaryEmbedding(nn.Module):

@@ -1,4 +1,4 @@
-"""Llama 2/3, SmolLM2 and Mistral (without a sliding window): the decoder qwen2 and qwen3 build on.
+"""Llama 2/3 and SmolLM2: the decoder the other architectures build on.
 
 The model sees flattened tokens of many sequences (T,) and one attention call per layer;
 the `attn` object owns the KV cache, the causal structure and GQA.
@@ -6,7 +6,7 @@ the `attn` object owns the KV cache, the causal structure and GQA.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -54,11 +54,15 @@ class Attention(nn.Module):
         return self.o_proj(out.reshape(out.shape[0], -1))
 
 
+def dense_mlp(config: ModelConfig, layer_idx: int) -> nn.Module:
+    return GatedMLP(config.hidden_size, config.intermediate_size)
+
+
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, self_attn: nn.Module) -> None:
+    def __init__(self, config: ModelConfig, self_attn: nn.Module, mlp: nn.Module) -> None:
         super().__init__()
         self.self_attn = self_attn
-        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size)
+        self.mlp = mlp
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -74,13 +78,16 @@ class DecoderLayer(nn.Module):
 class Decoder(nn.Module):
     """Checkpoint prefix "model.": embeddings, layers, final norm."""
 
-    def __init__(self, config: ModelConfig, attention_class: type[Attention]) -> None:
+    def __init__(self, config: ModelConfig, attention_class: type[Attention],
+                 mlp_builder: Callable[[ModelConfig, int], nn.Module] = dense_mlp,
+                 rotary_dim: int | None = None) -> None:
         super().__init__()
         self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, attention_class(config, i)) for i in range(config.num_hidden_layers))
+            DecoderLayer(config, attention_class(config, i), mlp_builder(config, i))
+            for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings,
+        self.rotary = RotaryEmbedding(rotary_dim or config.head_dim, config.max_position_embeddings,
                                       config.rope_theta, config.rope_scaling)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: Any) -> torch.Tensor:
@@ -95,12 +102,18 @@ class Decoder(nn.Module):
 class Model(nn.Module):
     """The engine's contract: forward -> final hidden states, compute_logits, load_weights."""
 
-    attention_class: type[Attention] = Attention  # architectures differ only in their attention
+    attention_class: type[Attention] = Attention
+    mlp_builder = staticmethod(dense_mlp)  # (config, layer index) -> that layer's MLP
+
+    @staticmethod
+    def rotary_dim(config: ModelConfig) -> int:
+        """How many dims of each head rotate (the first ones)."""
+        return config.head_dim
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
-        self.model = Decoder(config, self.attention_class)
+        self.model = Decoder(config, self.attention_class, self.mlp_builder, self.rotary_dim(config))
         self.lm_head = (self.model.embed_tokens if config.tie_word_embeddings
                         else Linear(config.hidden_size, config.vocab_size))
 

@@ -1,6 +1,7 @@
 """Qwen2 / Qwen2.5: the Llama decoder with a bias on q, k and v (never on o), as transformers has it.
 
-Sliding-window attention (use_sliding_window) is not supported; released Qwen2 checkpoints leave it off.
+A sliding window (use_sliding_window, on the layers from max_window_layers on) is read into
+ModelConfig.layer_windows; released Qwen2 checkpoints leave it off.
 """
 
 from __future__ import annotations

@@ -18,13 +18,16 @@ from ember.protocols.anthropic_errors import ANTHROPIC_ERRORS
 from ember.protocols.anthropic_render import MessagesRenderer
 from ember.protocols.cache_hints import AnthropicBreakpoints, Breakpoint, collect_breakpoints, mark, shift_marks
 from ember.protocols.chat_reply import (
-    AUTO, FUNCTION, NONE, REQUIRED, ChatOptions, declare_tool, template_tools, tool_items, tool_name, tool_schema,
+    AUTO, FUNCTION, NONE, REQUIRED, ChatFeatures, ChatOptions, declare_tool, template_tools, tool_items, tool_name,
+    tool_schema,
 )
 from ember.protocols.errors import unsupported
 from ember.protocols.fields import Fields, as_string, json_type
 from ember.protocols.neutral import ChatPrompt, Dialect, GenerationRequest, ModelInfo, build_sampling_params
 from ember.protocols.sampling_fields import read_max_tokens, read_sampling_fields, read_single_choice
 from ember.protocols.structured import GrammarSpec, check_grammar_with_tools, read_flat_format
+from ember.protocols.thinking import read_preserve_thinking, settle_thinking
+from ember.protocols.unknown_fields import reads_fields
 
 BILLING_HEADER = "x-anthropic-billing-header:"
 MIN_THINKING_BUDGET = 1024
@@ -54,10 +57,12 @@ class MessagesRequest(GenerationRequest):
     model_label: str = ""  # echoed in the response
 
 
+@reads_fields
 def parse_messages(body: Any, model: ModelInfo) -> MessagesRequest:
     return _parse(body, model, counting=False)
 
 
+@reads_fields
 def parse_count_tokens(body: Any, model: ModelInfo) -> MessagesRequest:
     """The same prompt a create request makes; output-only fields are not read."""
     return _parse(body, model, counting=True)
@@ -78,16 +83,16 @@ def _parse(body: Any, model: ModelInfo, *, counting: bool) -> MessagesRequest:
         raise unsupported("tools", "tool calling is turned off on this server (--tool-call-parser none)")
     choice, chosen, parallel = read_tool_choice(f, tools)
     thinking, budget = read_thinking(f, max_tokens if max_tokens is not None else model.default_max_tokens)
-    effort, grammar = read_output_config(f)
+    effort, grammar = read_output_config(f, model.chat)
     check_grammar_with_tools(grammar, choice, "tool_choice")
     clear_old_thinking(f, messages)
     prefill = read_prefill(messages, thinking_enabled=budget is not None)
     if prefill and grammar is not None:
         raise InvalidRequest(f"{grammar.param} cannot be combined with a prefill (a final assistant turn of text): "
                              "the format holds the whole answer", param=grammar.param)
-    template_kwargs: dict[str, Any] = {"enable_thinking": thinking and not prefill}
-    if effort is not None:
-        template_kwargs["reasoning_effort"] = effort
+    template_kwargs: dict[str, Any] = {}
+    _, effort = settle_thinking(thinking and not prefill, effort, "output_config.effort", model.chat, template_kwargs)
+    preserve_thinking = read_preserve_thinking(f, template_kwargs, model.chat.preserve_thinking)
     if prefill:
         template_kwargs["continue_final_message"] = True
     options = ChatOptions(tools=tuple(chosen if chosen is not None else tools), tool_choice=choice,
@@ -97,7 +102,8 @@ def _parse(body: Any, model: ModelInfo, *, counting: bool) -> MessagesRequest:
     if tools_ttl is not None:  # the tools end where the template's system part does
         breakpoints.insert(0, Breakpoint(1 if messages and messages[0]["role"] == "system" else 0, None, tools_ttl))
     prompt = ChatPrompt(messages, template_kwargs, template_tools(options.tools) if options.calls_tools else None,
-                        add_generation_prompt=not prefill, cache_breakpoints=breakpoints)
+                        add_generation_prompt=not prefill, cache_breakpoints=breakpoints,
+                        preserve_thinking=preserve_thinking)
     if counting:
         params = build_sampling_params({"max_tokens": None})
     else:
@@ -107,6 +113,8 @@ def _parse(body: Any, model: ModelInfo, *, counting: bool) -> MessagesRequest:
     return_token_ids = False if counting else f.boolean("return_token_ids", False)
     f.object("metadata")
     f.string("service_tier")
+    for accepted in ("inference_geo", "speed"):  # accepted; they change nothing here
+        f.raw(accepted)
     return MessagesRequest(prompt, params, stream=stream, prompt_param="messages", chat=options,
                            grammar=None if counting else grammar, return_token_ids=return_token_ids,
                            model_label=label or model.name)
@@ -464,19 +472,25 @@ def read_thinking(f: Fields, max_tokens: int | None) -> tuple[bool, int | None]:
     return True, budget
 
 
-def read_output_config(f: Fields) -> tuple[str | None, GrammarSpec | None]:
-    """(output_config.effort, reaching the chat template as reasoning_effort ('max' as 'xhigh'); the
-    structured output of output_config.format, or of output_format, the older name of the same field)."""
+def read_output_config(f: Fields, features: ChatFeatures) -> tuple[str | None, GrammarSpec | None]:
+    """(output_config.effort, reaching the chat template as reasoning_effort ('max' as 'xhigh' unless
+    the template offers 'max'); the structured output of output_config.format, or of output_format,
+    the older name of the same field)."""
     config = f.object("output_config")
     effort = config.string("effort", choices=EFFORTS) if config is not None else None
+    if effort is not None and not (effort == "max" and features.efforts is not None and "max" in features.efforts):
+        effort = EFFORTS[effort]
+    return effort, _read_format(f, config)
+
+
+def _read_format(f: Fields, config: Fields | None) -> GrammarSpec | None:
     fmt = config.object("format") if config is not None else None
     older = f.object("output_format")
     if fmt is not None and older is not None:
         raise InvalidRequest("output_format cannot be combined with output_config.format: send the format once, "
                              "in output_config.format", param="output_format", code="conflicting_constraints")
     fmt = fmt if fmt is not None else older
-    grammar = read_flat_format(fmt, allow_text=False, allow_json_object=False) if fmt is not None else None
-    return (EFFORTS[effort] if effort is not None else None), grammar
+    return read_flat_format(fmt, allow_text=False, allow_json_object=False) if fmt is not None else None
 
 
 def read_sampling(f: Fields, model: ModelInfo, max_tokens: int | None, max_tokens_param: str):

@@ -18,7 +18,7 @@ from ember.parsers.reply import ReplyFormat, ReplyParser
 from ember.parsers.tool_format import ToolFormat
 
 AUTO, NONE, REQUIRED, FUNCTION = "auto", "none", "required", "function"
-REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
 MAX_TOOLS = 128
 TOOL_NAME = re.compile(r"[A-Za-z0-9_.:\-]{1,128}")  # what every dialect accepts as a tool's name
 # Template arguments a request may not override: they belong to the server.
@@ -88,6 +88,10 @@ class ChatFeatures:
     think: ThinkMarkers | None = None
     tool_format: ToolFormat | None = None
     default_thinking_budget: int | None = None
+    efforts: tuple[str, ...] | None = None  # the reasoning efforts the template tells apart; None: it ignores them
+    default_thinking: bool | None = None  # False with --no-thinking; None: the template's own default
+    default_reasoning_effort: str | None = None  # --reasoning-effort
+    preserve_thinking: bool = False  # --preserve-thinking: closed turns keep their reasoning by default
 
 
 @dataclass(frozen=True, slots=True)

@@ -23,6 +23,7 @@ from ember.protocols.openai_common import MAX_TOP_LOGPROBS, read_logit_bias, rea
 from ember.protocols.sse import DONE, ServerEvent
 from ember.protocols.structured import grammar_spec, json_schema_spec, regex_spec
 from ember.types import FinishReason, GenerationOutput, SamplingParams, TokenLogprob
+from ember.protocols.unknown_fields import reads_fields
 
 MAX_BATCH = 64
 DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's default
@@ -59,6 +60,7 @@ class NativeOptions:
     return_text_in_logprobs: bool
 
 
+@reads_fields
 def parse_generate(body: Any, model: ModelInfo) -> GenerationRequest:
     f = Fields(body)
     for name, message in _REFUSED.items():
@@ -171,7 +173,7 @@ def _read_one(sp: Fields, model: ModelInfo, logprobs: int | None, logprob_token_
         raise unsupported(sp.at("stream_interval"), "streams send every engine step's tokens; stream_interval "
                                                     "must be 1")
     values: dict[str, Any] = dict(model.sampling_defaults)
-    values["max_tokens"] = sp.integer("max_new_tokens", DEFAULT_MAX_NEW_TOKENS, low=1)
+    values["max_tokens"] = sp.integer("max_new_tokens", DEFAULT_MAX_NEW_TOKENS, low=0)  # 0: the prompt only
     values["min_tokens"] = sp.integer("min_new_tokens", 0, low=0)
     try:
         read_shared_sampling(sp, values)

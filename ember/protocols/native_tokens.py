@@ -7,12 +7,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from ember.errors import InvalidRequest
-from ember.protocols.cache_hints import read_openai_cache_options
 from ember.protocols.errors import unsupported
 from ember.protocols.fields import Fields, as_integer
+from ember.protocols.cache_hints import read_openai_cache_options
 from ember.protocols.neutral import ChatPrompt, ModelInfo, TextPrompt
 from ember.protocols.openai_chat import read_messages, read_template_options
 from ember.protocols.openai_common import check_model
+from ember.protocols.thinking import read_preserve_thinking
+from ember.protocols.unknown_fields import reads_fields
 
 
 @dataclass(slots=True)
@@ -21,6 +23,7 @@ class TokenizeJob:
     return_token_strs: bool
 
 
+@reads_fields
 def parse_tokenize(body: Any, model: ModelInfo) -> TokenizeJob:
     f = Fields(body)
     check_model(f, model)
@@ -37,9 +40,11 @@ def parse_tokenize(body: Any, model: ModelInfo) -> TokenizeJob:
                                                 "add_special_tokens must be false")
     if f.has("tools"):
         raise unsupported("tools", "/tokenize counts messages only; tools are not rendered here")
-    messages = read_messages(f, read_openai_cache_options(f))  # breakpoints parse as in chat; unused here
+    messages = read_messages(f, read_openai_cache_options(f))  # breakpoints mean nothing here; their fields are read
     template_kwargs, add_generation_prompt = read_template_options(f)
-    prompt = ChatPrompt(messages, template_kwargs, add_generation_prompt=add_generation_prompt)
+    preserve_thinking = read_preserve_thinking(f, template_kwargs, model.chat.preserve_thinking)
+    prompt = ChatPrompt(messages, template_kwargs, add_generation_prompt=add_generation_prompt,
+                        preserve_thinking=preserve_thinking)
     return TokenizeJob(prompt, return_token_strs)
 
 
@@ -50,6 +55,7 @@ def render_tokenize(job: TokenizeJob, token_ids: list[int], model: ModelInfo, to
     return body
 
 
+@reads_fields
 def parse_detokenize(body: Any, model: ModelInfo) -> list[int]:
     f = Fields(body)
     check_model(f, model)

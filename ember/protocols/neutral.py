@@ -23,7 +23,7 @@ from ember.protocols.chat_reply import ChatFeatures, ChatOptions, ReplyPlan
 from ember.protocols.errors import ErrorShape
 from ember.protocols.sse import ServerEvent
 from ember.protocols.structured import GrammarSpec
-from ember.tokenization.chat_prompt import prepare_conversation
+from ember.tokenization.chat_prompt import drop_closed_reasoning, prepare_conversation
 from ember.types import CachePin, FinishReason, GenerationOutput, RequestTimings, SamplingParams, TokenLogprob
 
 
@@ -39,6 +39,8 @@ class ChatPrompt:
     # The breakpoints as token positions: written by encode_prompt (positions exist only once the
     # prompt is rendered), read by resolve_sampling into SamplingParams.cache_pins.
     cache_pins: list[CachePin] = field(default_factory=list)
+    # closed assistant turns keep their reasoning; the template receives it as preserve_thinking too
+    preserve_thinking: bool = True
 
 
 @dataclass(slots=True)
@@ -130,22 +132,24 @@ class ResponseMeta:
 def encode_prompt(prompt: Prompt, tokenizer, tool_format=None) -> list[int]:
     """Prompt token ids, counted once: the same ids run on the engine and count for usage.
 
-    A chat prompt is first fitted to what the template can take (see tokenization.chat_prompt).
+    A chat prompt is first fitted to what the template can take (see tokenization.chat_prompt);
+    without preserve_thinking, closed turns lose their reasoning first, prefixes included.
     Its cache breakpoints become token positions in `prompt.cache_pins`."""
     if isinstance(prompt, TokenPrompt):
         return list(prompt.token_ids)
     if isinstance(prompt, TextPrompt):
         return tokenizer.encode(prompt.text, add_special_tokens=prompt.add_special_tokens)
     try:
-        ids = _render_chat(prompt, prompt.messages, tokenizer, tool_format, prompt.add_generation_prompt,
-                           prompt.template_kwargs)
+        messages = prompt.messages if prompt.preserve_thinking else drop_closed_reasoning(prompt.messages)
+        template_kwargs = {"preserve_thinking": prompt.preserve_thinking, **prompt.template_kwargs}
+        ids = _render_chat(prompt, messages, tokenizer, tool_format, prompt.add_generation_prompt, template_kwargs)
     except InvalidRequest:
         raise
     except Exception as exc:  # a template that fails on this conversation (TypeError, KeyError ...)
         raise InvalidRequest(f"the chat template could not render these messages: {type(exc).__name__}: {exc}",
                              param="messages") from None
     if prompt.cache_breakpoints:
-        closed = {k: v for k, v in prompt.template_kwargs.items() if k != "continue_final_message"}
+        closed = {k: v for k, v in template_kwargs.items() if k != "continue_final_message"}
 
         def render_prefix(messages: list[dict[str, Any]]) -> list[int] | None:
             try:
@@ -153,7 +157,7 @@ def encode_prompt(prompt: Prompt, tokenizer, tool_format=None) -> list[int]:
             except Exception:  # the template cannot render this prefix alone: the breakpoint is dropped
                 return None
 
-        prompt.cache_pins = cache_pins(prompt.cache_breakpoints, prompt.messages, ids, render_prefix)
+        prompt.cache_pins = cache_pins(prompt.cache_breakpoints, messages, ids, render_prefix)
     return ids
 
 

@@ -19,10 +19,12 @@ from ember.protocols.openai_common import (
     read_sampling, read_stream,
 )
 from ember.protocols.structured import check_grammar_with_tools, read_openai_structured
+from ember.protocols.thinking import read_preserve_thinking
 from ember.protocols.progress import read_stream_extras
 from ember.parsers.events import ContentText, ReasoningText, ToolCallDelta, ToolCallStart
 from ember.protocols.sse import ServerEvent
 from ember.types import FinishReason, GenerationOutput
+from ember.protocols.unknown_fields import reads_fields
 
 # Wire role -> the role the chat template sees. Templates rarely know `developer`; it is a system turn.
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant",
@@ -31,6 +33,7 @@ ROLES = {"system": "system", "developer": "system", "user": "user", "assistant":
 MEDIA_PARTS = ("image_url", "input_image", "input_audio", "audio_url", "video_url", "file", "input_file")
 
 
+@reads_fields
 def parse_chat(body: Any, model: ModelInfo) -> GenerationRequest:
     f = Fields(body)
     check_model(f, model)
@@ -41,6 +44,7 @@ def parse_chat(body: Any, model: ModelInfo) -> GenerationRequest:
     refuse_unsupported_outputs(f)
     template_kwargs, add_generation_prompt = read_template_options(f)
     options = read_chat_options(f, template_kwargs, model)
+    preserve_thinking = read_preserve_thinking(f, template_kwargs, model.chat.preserve_thinking)
     check_grammar_with_tools(grammar, options.tool_choice)
     logprobs = read_logprobs(f)
     params = read_sampling(f, model, logprobs=logprobs, rename={"logprobs": "top_logprobs"})
@@ -50,7 +54,8 @@ def parse_chat(body: Any, model: ModelInfo) -> GenerationRequest:
     return_progress, timings_per_token = read_stream_extras(f)
     read_accepted(f)
     tools = template_tools(options.tools) if options.calls_tools else None
-    prompt = ChatPrompt(messages, template_kwargs, tools, add_generation_prompt, cache_breakpoints=breakpoints)
+    prompt = ChatPrompt(messages, template_kwargs, tools, add_generation_prompt, cache_breakpoints=breakpoints,
+                        preserve_thinking=preserve_thinking)
     return GenerationRequest(prompt, params, n=n, stream=stream, include_usage=include_usage,
                              return_token_ids=return_token_ids, return_progress=return_progress,
                              timings_per_token=timings_per_token, prompt_param="messages", chat=options,

@@ -16,12 +16,13 @@ from typing import Any
 from ember.errors import InvalidRequest
 from ember.parsers.events import ToolSpec
 from ember.protocols.chat_reply import (
-    AUTO, FUNCTION, NONE, REQUIRED, REASONING_EFFORTS, ChatOptions, declare_tool, read_thinking_budget, tool_items,
-    tool_name, tool_schema,
+    AUTO, FUNCTION, NONE, REQUIRED, REASONING_EFFORTS, ChatFeatures, ChatOptions, declare_tool, read_thinking_budget,
+    tool_items, tool_name, tool_schema,
 )
 from ember.protocols.errors import unsupported
 from ember.protocols.fields import Fields
 from ember.protocols.neutral import ModelInfo
+from ember.protocols.thinking import settle_thinking
 
 
 
@@ -33,7 +34,7 @@ def read_chat_options(f: Fields, template_kwargs: dict[str, Any], model: ModelIn
     choice, chosen = read_tool_choice(f, tools)
     if chosen is not None:
         tools = chosen
-    thinking, effort = read_thinking(f, template_kwargs)
+    thinking, effort = read_thinking(f, template_kwargs, model.chat)
     budget = read_thinking_budget(f)
     return ChatOptions(tools=tuple(tools), tool_choice=choice, parallel_tool_calls=f.boolean("parallel_tool_calls", True),
                        thinking=thinking, thinking_budget=budget, reasoning_effort=effort)
@@ -103,9 +104,11 @@ def _declared(tools: list[ToolSpec], name: str | None, param: str) -> ToolSpec:
     raise InvalidRequest(f"{param} names '{name}', which is not among the declared tools", param=param)
 
 
-def read_thinking(f: Fields, template_kwargs: dict[str, Any]) -> tuple[bool | None, str | None]:
+def read_thinking(f: Fields, template_kwargs: dict[str, Any],
+                  features: ChatFeatures) -> tuple[bool | None, str | None]:
     """(thinking on/off or None for the template's default, the reasoning effort) from the top-level
-    fields and their chat_template_kwargs spellings; contradictions are refused."""
+    fields and their chat_template_kwargs spellings, then the server's defaults; contradictions are
+    refused, and so is an effort the template does not offer."""
     enable = f.boolean("enable_thinking")
     in_kwargs = template_kwargs.get("enable_thinking")
     if in_kwargs is not None:
@@ -116,19 +119,15 @@ def read_thinking(f: Fields, template_kwargs: dict[str, Any]) -> tuple[bool | No
             raise InvalidRequest("enable_thinking and chat_template_kwargs.enable_thinking disagree",
                                  param="enable_thinking", code="conflicting_template_option")
         enable = in_kwargs
-    effort = f.string("reasoning_effort", choices=REASONING_EFFORTS)
+    effort, effort_param = f.string("reasoning_effort", choices=REASONING_EFFORTS), "reasoning_effort"
     if effort is None and template_kwargs.get("reasoning_effort") is not None:
         effort = Fields(template_kwargs, "chat_template_kwargs").string("reasoning_effort",
                                                                         choices=REASONING_EFFORTS)
+        effort_param = "chat_template_kwargs.reasoning_effort"
     if effort is not None:
         wants_thinking = effort != "none"
         if enable is not None and enable != wants_thinking:
             raise InvalidRequest(f"reasoning_effort '{effort}' contradicts enable_thinking {str(enable).lower()}",
                                  param="reasoning_effort", code="conflicting_template_option")
         enable = wants_thinking
-    template_kwargs.pop("reasoning_effort", None)
-    if enable is not None:
-        template_kwargs["enable_thinking"] = enable
-    if effort is not None and effort != "none":
-        template_kwargs["reasoning_effort"] = effort
-    return enable, effort
+    return settle_thinking(enable, effort, effort_param, features, template_kwargs)

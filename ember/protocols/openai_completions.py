@@ -16,8 +16,10 @@ from ember.protocols.structured import read_openai_structured
 from ember.protocols.progress import read_stream_extras
 from ember.protocols.sse import ServerEvent
 from ember.types import GenerationOutput
+from ember.protocols.unknown_fields import reads_fields
 
 
+@reads_fields
 def parse_completion(body: Any, model: ModelInfo) -> GenerationRequest:
     f = Fields(body)
     check_model(f, model)

@@ -18,13 +18,14 @@ from ember.parsers.events import (
 )
 from ember.protocols.chat_reply import ChatOptions, read_template_kwargs, read_thinking_budget, template_tools
 from ember.protocols.errors import OPENAI_ERRORS, unsupported
-from ember.protocols.fields import Fields
+from ember.protocols.fields import Fields, as_string
 from ember.protocols.neutral import (
     ChatPrompt, ChoiceResult, Dialect, GenerationRequest, ModelInfo, ResponseMeta, RunResult, build_sampling_params,
     reply_token_fields,
 )
-from ember.protocols.chat_reply import REASONING_EFFORTS
+from ember.protocols.chat_reply import REASONING_EFFORTS, ChatFeatures
 from ember.protocols.cache_hints import collect_breakpoints, openai_writes, read_openai_cache_options
+from ember.protocols.thinking import read_preserve_thinking, settle_thinking
 from ember.protocols.openai_common import check_model, read_shared_sampling
 from ember.protocols.reasoning_seal import ReasoningSeal
 from ember.protocols.sampling_fields import read_max_tokens, read_priority, read_single_choice
@@ -33,6 +34,7 @@ from ember.protocols.responses_tools import ToolRef, read_tool_choice, read_tool
 from ember.protocols.structured import GrammarSpec, check_grammar_with_tools, read_flat_format
 from ember.protocols.sse import ServerEvent
 from ember.types import FinishReason, GenerationOutput
+from ember.protocols.unknown_fields import reads_fields
 
 ENCRYPTED_REASONING = "reasoning.encrypted_content"
 MAX_METADATA = 16
@@ -52,6 +54,7 @@ class ResponsesContext:
     history_of: Callable[[str], tuple[dict[str, Any], ...] | None]  # a stored response's conversation
     save: Callable[[dict[str, Any], "ResponseSpec", tuple[dict[str, Any], ...]], None]  # may raise a 400
     check_size: Callable[[tuple[dict[str, Any], ...]], None] = lambda items: None  # refuses what cannot be stored
+    preserve_thinking_of: Callable[[str], bool | None] = lambda response_id: None  # a stored response's setting
 
 
 @dataclass(slots=True)
@@ -73,6 +76,7 @@ class ResponsesRequest(GenerationRequest):
 
 # ---- validation -----------------------------------------------------------------------------------
 
+@reads_fields
 def parse_responses(body: Any, model: ModelInfo, context: ResponsesContext) -> ResponsesRequest:
     f = Fields(body)
     check_model(f, model)
@@ -103,7 +107,10 @@ def parse_responses(body: Any, model: ModelInfo, context: ResponsesContext) -> R
     check_grammar_with_tools(grammar, choice, "tool_choice")
     parallel = f.boolean("parallel_tool_calls", True)
     template_kwargs = read_template_kwargs(f, reserved=("add_generation_prompt", "continue_final_message"))
-    reasoning_echo, thinking, effort = read_reasoning(f, template_kwargs)
+    reasoning_echo, thinking, effort = read_reasoning(f, template_kwargs, model.chat)
+    parent_preserves = context.preserve_thinking_of(previous) if previous is not None else None
+    preserve = read_preserve_thinking(f, template_kwargs, model.chat.preserve_thinking if parent_preserves is None
+                                      else parent_preserves)
     options = ChatOptions(tools=tuple(callable_tools), tool_choice=choice, parallel_tool_calls=parallel,
                           thinking=thinking, thinking_budget=read_thinking_budget(f), reasoning_effort=effort)
 
@@ -113,7 +120,7 @@ def parse_responses(body: Any, model: ModelInfo, context: ResponsesContext) -> R
     messages = to_messages(history + tuple(input_items), paths, instructions, cache_options.ttl_s)
     breakpoints = openai_writes(collect_breakpoints(messages), cache_options)
     prompt = ChatPrompt(messages, template_kwargs, template_tools(options.tools) if options.calls_tools else None,
-                        cache_breakpoints=breakpoints)
+                        cache_breakpoints=breakpoints, preserve_thinking=preserve)
     params = read_sampling(f, model)
     read_single_choice(f, "a response")
     stream = f.boolean("stream", False)
@@ -126,7 +133,10 @@ def parse_responses(body: Any, model: ModelInfo, context: ResponsesContext) -> R
         "safety_identifier": f.string("safety_identifier"), "service_tier": read_service_tier(f), "store": store,
         "temperature": params.temperature, "text": text_echo, "tool_choice": echo_choice, "tools": tools.echo,
         "top_logprobs": 0, "top_p": params.top_p, "truncation": "disabled", "user": f.string("user"),
+        "preserve_thinking": preserve,
     }
+    f.object("stream_options")
+    f.object("client_metadata")
     spec = ResponseSpec(input_items, history, store, include_encrypted, tools.refs, echo)
     return ResponsesRequest(prompt, params, stream=stream, prompt_param="input", chat=options, grammar=grammar,
                             return_token_ids=return_token_ids, spec=spec)
@@ -149,39 +159,45 @@ def refuse_unsupported(f: Fields) -> None:
 
 
 def read_include(f: Fields) -> bool:
-    values = f.array("include") or []
+    """Whether encrypted reasoning is asked for. Log probabilities are refused by name; any other
+    value names something ember's responses do not carry, and is ignored."""
+    values = [as_string(value, f"include[{i}]") for i, value in enumerate(f.array("include") or [])]
     for i, value in enumerate(values):
-        if value != ENCRYPTED_REASONING:
-            raise unsupported(f"include[{i}]", f"include '{value}' cannot be given by this server; only "
-                                               f"'{ENCRYPTED_REASONING}' is supported")
+        if "logprobs" in value:
+            raise unsupported(f"include[{i}]", f"include '{value}' cannot be given: log probabilities are not "
+                                               "available on the Responses route; use /v1/chat/completions with "
+                                               "logprobs")
     return ENCRYPTED_REASONING in values
 
 
-def read_reasoning(f: Fields, template_kwargs: dict[str, Any]) -> tuple[dict[str, Any], bool | None, str | None]:
+def read_reasoning(f: Fields, template_kwargs: dict[str, Any],
+                   features: ChatFeatures) -> tuple[dict[str, Any], bool | None, str | None]:
     """(the reasoning object the response repeats, thinking on/off or None, the effort). The
     template's switch may also come from chat_template_kwargs.enable_thinking; a contradiction
-    with reasoning.effort is refused."""
+    with reasoning.effort is refused, and so is an effort the template does not offer. The
+    server's defaults apply to what the request leaves open."""
     thinking = template_kwargs.get("enable_thinking")
     if thinking is not None and not isinstance(thinking, bool):
         raise InvalidRequest("chat_template_kwargs.enable_thinking must be true or false",
                              param="chat_template_kwargs.enable_thinking")
     reasoning = f.object("reasoning")
-    if reasoning is None:
-        return {"effort": None, "summary": None}, thinking, None
-    effort = reasoning.string("effort", choices=REASONING_EFFORTS)
-    summary = reasoning.string("summary", choices=("auto", "concise", "detailed"))
-    reasoning.string("generate_summary", choices=("auto", "concise", "detailed"))
+    effort = summary = None
+    if reasoning is not None:
+        effort = reasoning.string("effort", choices=REASONING_EFFORTS)
+        summary = reasoning.string("summary", choices=("auto", "concise", "detailed"))
+        reasoning.string("generate_summary", choices=("auto", "concise", "detailed"))
+    effort_param = "reasoning.effort"
+    if effort is None and template_kwargs.get("reasoning_effort") is not None:
+        effort_param = "chat_template_kwargs.reasoning_effort"
+        effort = Fields(template_kwargs, "chat_template_kwargs").string("reasoning_effort", choices=REASONING_EFFORTS)
     if effort is not None:
         wants_thinking = effort != "none"
         if thinking is not None and thinking != wants_thinking:
-            raise InvalidRequest(f"reasoning.effort '{effort}' contradicts chat_template_kwargs.enable_thinking "
-                                 f"{str(thinking).lower()}", param="reasoning.effort",
-                                 code="conflicting_template_option")
+            raise InvalidRequest(f"{effort_param} '{effort}' contradicts chat_template_kwargs.enable_thinking "
+                                 f"{str(thinking).lower()}", param=effort_param, code="conflicting_template_option")
         thinking = wants_thinking
-        template_kwargs["enable_thinking"] = thinking
-        if thinking:
-            template_kwargs["reasoning_effort"] = effort
-    return {"effort": effort, "summary": summary}, thinking, effort
+    thinking, settled = settle_thinking(thinking, effort, effort_param, features, template_kwargs)
+    return {"effort": settled, "summary": summary}, thinking, settled
 
 
 def read_text(f: Fields) -> tuple[dict[str, Any], GrammarSpec | None]:

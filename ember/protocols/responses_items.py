@@ -25,9 +25,11 @@ from ember.protocols.reasoning_seal import ReasoningSeal, SealError
 ROLES = ("user", "assistant", "system", "developer")
 MEDIA_PARTS = ("input_image", "input_file", "input_audio", "input_video", "image_url")
 ID_PREFIXES = {"message": "msg_", "reasoning": "rs_", "function_call": "fc_", "function_call_output": "fco_",
-               "custom_tool_call": "ctc_", "custom_tool_call_output": "ctco_"}
-CALLS = ("function_call", "custom_tool_call")
-RESULTS = ("function_call_output", "custom_tool_call_output")
+               "custom_tool_call": "ctc_", "custom_tool_call_output": "ctco_", "local_shell_call": "lsh_",
+               "local_shell_call_output": "lsho_"}
+CALLS = ("function_call", "custom_tool_call", "local_shell_call")
+RESULTS = ("function_call_output", "custom_tool_call_output", "local_shell_call_output")
+LOCAL_SHELL = "local_shell"  # the name a past local_shell_call has in the prompt (Codex's history)
 NAMESPACE_JOIN = "__"
 
 
@@ -77,8 +79,8 @@ def read_item(f: Fields, seal: ReasoningSeal) -> dict[str, Any]:
                                  "or continue with previous_response_id", param=f.at("type"),
                                  code="unsupported_parameter")
         raise InvalidRequest(f"{f.at('type')} is '{kind}'; this server takes message, reasoning, function_call, "
-                             "function_call_output, custom_tool_call and custom_tool_call_output items",
-                             param=f.at("type"))
+                             "function_call_output, custom_tool_call, custom_tool_call_output, local_shell_call "
+                             "and local_shell_call_output items", param=f.at("type"))
     item = reader(f, seal)
     given = f.string("id", non_empty=True)
     return {"id": given or new_item_id(kind), "type": kind, **item}
@@ -175,6 +177,23 @@ def _read_call(f: Fields, seal: ReasoningSeal) -> dict[str, Any]:
     return item
 
 
+def _read_shell_call(f: Fields, seal: ReasoningSeal) -> dict[str, Any]:
+    """Codex's record of a command it ran for the model: `action` {type: exec, command: [...], ...}."""
+    call_id = f.string("call_id", non_empty=True)
+    if call_id is None:
+        raise InvalidRequest(f"{f.at('call_id')} is required", param=f.at("call_id"))
+    action = f.object("action")
+    if action is None:
+        raise InvalidRequest(f"{f.at('action')} is required", param=f.at("action"))
+    action.string("type", choices=("exec",))
+    command = action.array("command", non_empty=True)
+    if command is None:
+        raise InvalidRequest(f"{action.at('command')} is required", param=action.at("command"))
+    for j, part in enumerate(command):
+        as_string(part, f"{action.at('command')}[{j}]")
+    return {"call_id": call_id, "action": dict(action.obj), "status": "completed"}
+
+
 def _read_result(f: Fields, seal: ReasoningSeal) -> dict[str, Any]:
     call_id = f.string("call_id", non_empty=True)
     if call_id is None:
@@ -189,7 +208,7 @@ def _read_result(f: Fields, seal: ReasoningSeal) -> dict[str, Any]:
         raise InvalidRequest(f"{path} must be a string or an array of input_text parts, not {json_type(output)}",
                              param=path)
     item = {"call_id": call_id, "output": output}
-    if f.string("type") == "function_call_output":
+    if f.string("type") != "custom_tool_call_output":
         item["status"] = "completed"
     return item
 
@@ -197,6 +216,7 @@ def _read_result(f: Fields, seal: ReasoningSeal) -> dict[str, Any]:
 _READERS: dict[str, Callable[[Fields, ReasoningSeal], dict[str, Any]]] = {
     "message": _read_message, "reasoning": _read_reasoning, "function_call": _read_call,
     "custom_tool_call": _read_call, "function_call_output": _read_result, "custom_tool_call_output": _read_result,
+    "local_shell_call": _read_shell_call, "local_shell_call_output": _read_result,
 }
 
 
@@ -215,6 +235,8 @@ def call_arguments(item: dict[str, Any]) -> Any:
     a custom tool's free-form input becomes {"input": ...}, the shape the model was shown."""
     if item["type"] == "custom_tool_call":
         return {"input": item["input"]}
+    if item["type"] == "local_shell_call":
+        return item["action"]
     try:
         decoded = json.loads(item["arguments"])
     except ValueError:
@@ -258,7 +280,7 @@ def to_messages(items: Sequence[dict[str, Any]], paths: Sequence[str | None], in
                                      param=_at(path, "call_id"), code="invalid_tool_history")
             calls[item["call_id"]] = path
             entry = {"id": item["call_id"], "type": "function",
-                     "function": {"name": visible_name(item["name"], item.get("namespace")),
+                     "function": {"name": visible_name(item.get("name", LOCAL_SHELL), item.get("namespace")),
                                   "arguments": call_arguments(item)}}
             assistant_turn(2).setdefault("tool_calls", []).append(entry)
         elif kind in RESULTS:

@@ -23,6 +23,8 @@ from ember.parsers import REASONING_PARSERS, TOOL_PARSERS
 from ember.server.config import ServerConfig, is_loopback
 from ember.server.keys import read_key_file
 from ember.server.request_log import REDACTED
+from ember.server.sampling_defaults import FLAGS, check_flags, check_override
+from ember.protocols.chat_reply import REASONING_EFFORTS
 
 _ALLOW_OPEN_FLAG = "--allow-no-api-key"
 MODEL_HELP = ("what to serve: a Hugging Face model folder, a .gguf file, a Hugging Face repo id org/name[@REVISION] "
@@ -64,6 +66,9 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                           "Requests naming another host get 403, which stops DNS rebinding")
     net.add_argument("--max-request-mb", type=float, default=16.0,
                      help="largest request body in MiB; larger ones get 413 (default 16)")
+    net.add_argument("--strict-fields", action="store_true",
+                     help="refuse request fields ember does not know with 400 unknown_parameter (default: accept "
+                          "them, log each name once and list them in the x-ember-ignored-fields header)")
     model = p.add_argument_group("model")
     model.add_argument("--served-model-name", action="append", default=[], metavar="NAME[,ALIAS...]",
                        help="the model id clients see and send (default: the model's own name); further names, "
@@ -93,6 +98,26 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     chat.add_argument("--default-thinking-budget", type=int, default=None, metavar="TOKENS",
                       help="reasoning tokens a reply may spend before ember closes its think block, for requests "
                            "without thinking_budget (default: no limit)")
+    chat.add_argument("--no-thinking", action="store_true",
+                      help="turn thinking off for requests that do not turn it on themselves (enable_thinking, "
+                           "reasoning_effort, Anthropic's thinking)")
+    chat.add_argument("--reasoning-effort", default=None, choices=REASONING_EFFORTS, metavar="EFFORT",
+                      help="the effort of requests that name none: " + ", ".join(REASONING_EFFORTS) + " (none turns "
+                           "thinking off); one the chat template does not offer stops the start")
+    chat.add_argument("--preserve-thinking", action="store_true",
+                      help="keep the reasoning of closed assistant turns in later prompts unless a request says "
+                           "preserve_thinking: false (default: dropped, as most reasoning templates do)")
+    sampling = p.add_argument_group("sampling defaults (a request's own fields win)")
+    for flag, kind in (("--temperature", float), ("--top-p", float), ("--top-k", int), ("--min-p", float),
+                       ("--presence-penalty", float), ("--frequency-penalty", float)):
+        sampling.add_argument(flag, type=kind, default=None,
+                              help=f"the {flag[2:].replace('-', '_')} of requests that set none (default: the "
+                                   "model's generation config, else ember's own)")
+    sampling.add_argument("--greedy", action="store_true",
+                          help="greedy decoding (temperature 0) for requests that set no temperature")
+    sampling.add_argument("--override-generation-config", type=_json_object, default={}, metavar="JSON",
+                          help="a JSON object merged over the model's generation config, e.g. "
+                               "'{\"temperature\": 0.6, \"top_p\": 0.95}'; the single flags above win over it")
     engine = p.add_argument_group("engine and limits")
     engine.add_argument("--max-model-len", type=int, default=None,
                         help="context window in tokens, prompt and output together (default: the model's "
@@ -204,6 +229,11 @@ def build_config(args: argparse.Namespace, environ=os.environ) -> ServerConfig:
     fault = environ.get(FAULT_ENV_VAR) or None
     if fault:
         FaultPlan.parse(fault)  # refused at start, with the reason
+    sampling_flags = read_sampling_flags(args)
+    check_override(args.override_generation_config)
+    if args.no_thinking and args.reasoning_effort not in (None, "none"):
+        raise ValueError(f"--no-thinking and --reasoning-effort {args.reasoning_effort} contradict each other; "
+                         "give one")
     if args.reasoning_key_file:
         from ember.protocols.reasoning_seal import ReasoningSeal
         ReasoningSeal.from_key_file(args.reasoning_key_file)  # refused at start, with the reason
@@ -218,8 +248,21 @@ def build_config(args: argparse.Namespace, environ=os.environ) -> ServerConfig:
         reasoning_parser=args.reasoning_parser, tool_call_parser=args.tool_call_parser, default_thinking_budget=args.default_thinking_budget,
         log_stats_interval=args.log_stats_interval, response_store_max_records=args.response_store_max_records,
         response_store_max_mb=args.response_store_max_mb, reasoning_key_file=args.reasoning_key_file, ui=args.ui,
-        engine_worker=not args.no_engine_worker, drain_timeout=args.drain_timeout,
+        no_thinking=args.no_thinking, reasoning_effort=args.reasoning_effort, preserve_thinking=args.preserve_thinking,
+        sampling_flags=sampling_flags, override_generation_config=args.override_generation_config,
+        strict_fields=args.strict_fields, engine_worker=not args.no_engine_worker, drain_timeout=args.drain_timeout,
         stalled_client_timeout=args.stalled_client_timeout, inject_fault=fault, engine=engine)
+
+
+def read_sampling_flags(args: argparse.Namespace) -> dict:
+    """The sampling defaults given as single flags (--greedy is temperature 0)."""
+    flags = {name: getattr(args, name) for name in FLAGS if getattr(args, name) is not None}
+    if args.greedy:
+        if flags.get("temperature", 0) != 0:
+            raise ValueError(f"--greedy and --temperature {flags['temperature']} contradict each other; give one")
+        flags["temperature"] = 0.0
+    check_flags(flags)
+    return flags
 
 
 def _json_object(text: str) -> dict:

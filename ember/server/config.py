@@ -30,6 +30,12 @@ class ServerConfig:
     reasoning_parser: str = "auto"  # auto | none | think
     tool_call_parser: str = "auto"  # auto | none | hermes | qwen3_xml
     default_thinking_budget: int | None = None  # reasoning tokens before ember closes the block
+    no_thinking: bool = False  # requests that do not choose get thinking off
+    reasoning_effort: str | None = None  # the effort of requests that name none
+    preserve_thinking: bool = False  # closed assistant turns keep their reasoning unless a request says otherwise
+    sampling_flags: dict = field(default_factory=dict)  # --temperature ... (--greedy: temperature 0)
+    override_generation_config: dict = field(default_factory=dict)  # merged over the model's generation config
+    strict_fields: bool = False  # refuse unknown top-level request fields (400 unknown_parameter)
     sse_keepalive: float = 5.0  # seconds without an event before a keep-alive comment
     request_log: str | None = None  # a JSON-lines file of server and request events, appended
     log_stats_interval: float = 10.0  # seconds between throughput lines on stderr; 0: none

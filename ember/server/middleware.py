@@ -19,6 +19,7 @@ from ember.errors import EmberError
 from ember.protocols.errors import (
     OPENAI_ERRORS, ErrorShape, GenerationFailed, RequestTooLarge, Unauthorized, UnsupportedMediaType, error_headers,
 )
+from ember.protocols.unknown_fields import HEADER as IGNORED_FIELDS_HEADER, watch_fields
 from ember.server.keys import KeyRing
 from ember.server.request_events import log_request
 from ember.server.request_record import RequestRecord
@@ -78,14 +79,18 @@ class RequestContextMiddleware:
                 MutableHeaders(scope=message).append("x-request-id", record.request_id)
                 if record.errors.id_header:
                     MutableHeaders(scope=message).append(record.errors.id_header, record.request_id)
+                ignored = fields.header_value()
+                if ignored:
+                    MutableHeaders(scope=message).append(IGNORED_FIELDS_HEADER, ignored)
             await send(message)
 
         try:
-            if scope["method"] == "HEAD":
-                status, _ = self.state.health()
-                await Response(status_code=status)(scope, receive, send_with_id)
-            else:
-                await self.app(scope, receive, send_with_id)
+            with watch_fields(self.state.config.strict_fields) as fields:
+                if scope["method"] == "HEAD":
+                    status, _ = self.state.health()
+                    await Response(status_code=status)(scope, receive, send_with_id)
+                else:
+                    await self.app(scope, receive, send_with_id)
         except Exception as exc:  # a bug; the client still gets a JSON error with its request id
             logger.exception("request %s failed", record.request_id)
             if not started:

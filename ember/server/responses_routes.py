@@ -42,7 +42,11 @@ def make_context(store: ResponseStore, seal: ReasoningSeal | None = None) -> Res
     def check_size(items: tuple[dict[str, Any], ...]) -> None:
         store.check_fits(sum(len(json.dumps(item, ensure_ascii=False)) for item in items))
 
-    return ResponsesContext(seal or ReasoningSeal(), history_of, save, check_size)
+    def preserve_thinking_of(response_id: str) -> bool | None:
+        record = store.get(response_id)
+        return record.response.get("preserve_thinking") if record is not None else None
+
+    return ResponsesContext(seal or ReasoningSeal(), history_of, save, check_size, preserve_thinking_of)
 
 
 def add_responses_routes(app: FastAPI, state: ServerState) -> None:

@@ -17,18 +17,18 @@ import ember
 from ember.constraint_spec import ConstraintSpec
 from ember.errors import EmberError
 from ember.protocols.errors import ModelLoading, ServerUnavailable
-from ember.parsers import resolve_reasoning, resolve_tool_format
 from ember.protocols.chat_reply import ChatFeatures, ReplyPlan, plan_reply
 from ember.protocols.neutral import GenerationRequest, ModelInfo, Prompt, encode_prompt
 from ember.grammar.compiler import xgrammar_installed
 from ember.grammar.plan import build_constraints
 from ember.server.admission import Admission
+from ember.server.chat_defaults import chat_features
 from ember.server.config import ServerConfig
 from ember.server.keys import KeyRing
+from ember.server.sampling_defaults import sampling_defaults
 
 logger = logging.getLogger("ember.server")
 
-_SAMPLING_DEFAULTS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 _PROMPT_TAIL_TOKENS = 16  # enough to see whether the prompt leaves a think block open
 
 
@@ -61,15 +61,12 @@ def load_model(config: ServerConfig) -> LoadedModel:
     tokenizer = source.tokenizer
     if config.chat_template is not None:
         tokenizer.chat_template = config.chat_template
-    chat = ChatFeatures(resolve_reasoning(config.reasoning_parser, tokenizer.chat_template),
-                        resolve_tool_format(config.tool_call_parser, tokenizer.chat_template),
-                        config.default_thinking_budget)
+    chat = chat_features(config, tokenizer)
     _ = tokenizer.token_bytes, tokenizer.template_traits  # built now rather than on the first request
     engine = _start_engine(config, source)
     info = engine.info
-    generation_config = getattr(source, "generation_config", None) or {}
-    defaults = {k: generation_config[k] for k in _SAMPLING_DEFAULTS
-                if isinstance(generation_config.get(k), (int, float)) and not isinstance(generation_config[k], bool)}
+    defaults = sampling_defaults(getattr(source, "generation_config", None) or {}, config.override_generation_config,
+                                 config.sampling_flags)
     return LoadedModel(
         engine=engine, tokenizer=tokenizer, name=source.name, path=source.path,
         max_model_len=info.max_model_len, vocab_size=info.vocab_size, kv_capacity_tokens=info.kv_capacity_tokens,

@@ -17,23 +17,42 @@ from ember.parsers.events import ToolSpec
 from ember.parsers.tool_format import ToolFormat, tool_system_prompt
 
 _PROBE = "ember_template_probe"
+EFFORTS = ("minimal", "low", "medium", "high", "xhigh", "max")  # the efforts a request may name, "none" aside
 
 
 @dataclass(frozen=True, slots=True)
 class TemplateTraits:
     takes_tools: bool
     takes_system: bool
+    efforts: tuple[str, ...] | None = None  # the reasoning efforts it renders apart; None: it ignores efforts
 
 
 def probe_template(tokenizer) -> TemplateTraits:
-    """What the tokenizer's chat template does with tools and with a system message."""
+    """What the tokenizer's chat template does with tools, with a system message and with efforts."""
     tool = {"type": "function", "function": {"name": _PROBE, "description": "probe",
                                              "parameters": {"type": "object", "properties": {}}}}
     user = {"role": "user", "content": "hello"}
     return TemplateTraits(
         takes_tools=_renders_with(tokenizer, [user], tools=[tool]),
         takes_system=_renders_with(tokenizer, [{"role": "system", "content": _PROBE}, user]),
+        efforts=_template_efforts(tokenizer, [user]),
     )
+
+
+def _template_efforts(tokenizer, messages: list[dict[str, Any]]) -> tuple[str, ...] | None:
+    """An effort is offered when the template renders it otherwise than an effort it cannot know;
+    a template that renders every effort as it renders none ignores them (None)."""
+    def render(**kwargs: Any) -> str | None:
+        try:
+            return tokenizer.render_chat_template(messages, enable_thinking=True, **kwargs)
+        except Exception:  # a template that refuses the value: not offered
+            return None
+
+    plain, unknown = render(), render(reasoning_effort=_PROBE)
+    rendered = {effort: render(reasoning_effort=effort) for effort in EFFORTS}
+    if all(text == plain for text in (unknown, *rendered.values())):
+        return None
+    return tuple(effort for effort, text in rendered.items() if text is not None and text != unknown)
 
 
 def _renders_with(tokenizer, messages: list[dict[str, Any]], **kwargs: Any) -> bool:
@@ -57,6 +76,15 @@ def prepare_conversation(messages: Sequence[Mapping[str, Any]], tools: Sequence[
     if not traits.takes_system:
         prepared = _system_into_first_user(prepared)
     return prepared, template_tools
+
+
+def drop_closed_reasoning(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Reasoning stays only in the assistant turns after the last user message (the open turn: a
+    reply still calling tools); the ones before it are closed."""
+    users = [i for i, m in enumerate(messages) if m.get("role") == "user"]
+    last_user = users[-1] if users else -1
+    return [{k: v for k, v in m.items() if k != "reasoning_content"}
+            if i < last_user and m.get("role") == "assistant" else m for i, m in enumerate(messages)]
 
 
 def _specs(tools: Sequence[Mapping[str, Any]]) -> list[ToolSpec]:

@@ -519,10 +519,15 @@ def test_adaptive_thinking_is_a_signed_block_held_to_the_budget(thinker, close_t
                    *[b.to_dict() for b in whole.content[1:]]]},
                {"role": "user", "content": "Say more."}]
     follow = create(thinker, messages=history, max_tokens=8, thinking={"type": "adaptive"})
-    assert follow.content  # any signature is taken; the thinking text goes back into the prompt
+    assert follow.content  # any signature is taken
     without = [history[0], {"role": "assistant", "content": [b.to_dict() for b in whole.content[1:]]}, history[2]]
-    assert thinker.messages.count_tokens(model="m", messages=history).input_tokens > \
-        thinker.messages.count_tokens(model="m", messages=without).input_tokens
+
+    def count(messages, **extra) -> int:
+        return thinker.messages.count_tokens(model="m", messages=messages, extra_body=extra).input_tokens
+
+    # a closed turn's thinking leaves the prompt, unless preserve_thinking keeps it
+    assert count(history) == count(without)
+    assert count(history, preserve_thinking=True) > count(without)
 
 
 def test_enabled_thinking_and_disabled_thinking(thinker):

@@ -140,9 +140,10 @@ def test_a_body_that_is_not_json_is_415(http):
     assert reply.status_code == 415
 
 
-def test_unknown_fields_are_ignored(http):
+def test_unknown_fields_are_ignored_and_listed(http):
     reply = http.post(CHAT, json=chat(temperature=0, some_future_field={"x": 1}, another=[1, 2]))
     assert reply.status_code == 200
+    assert reply.headers["x-ember-ignored-fields"] == "some_future_field, another"
 
 
 def test_bad_requests_never_reach_the_engine(http):

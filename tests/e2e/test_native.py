@@ -131,7 +131,7 @@ def test_a_disconnect_aborts_and_frees_the_kv_blocks(http):
 @pytest.mark.parametrize("body, param", [
     ({"sampling_params": {}}, "text"),
     ({"text": PROMPT, "sampling_params": {"temperature": -1}}, "sampling_params.temperature"),
-    ({"text": PROMPT, "sampling_params": {"max_new_tokens": 0}}, "sampling_params.max_new_tokens"),
+    ({"text": PROMPT, "sampling_params": {"max_new_tokens": -1}}, "sampling_params.max_new_tokens"),
     ({"text": PROMPT, "sampling_params": {"frobnicate": 1}}, "sampling_params.frobnicate"),
     ({"text": PROMPT, "logprob_start_len": 0, "return_logprob": True}, "logprob_start_len"),
     ({"text": [PROMPT, 5]}, "text[1]"),

@@ -207,3 +207,72 @@ def test_a_row_gets_the_same_bits_decoded_chunked_batched_or_moved(kernel_case):
     v_cache[:, moved] = v_cache[:, blocks].clone()
     assert torch.equal(_kernel(cache, [(moved, 650, q[650:])]), whole[650:])
     assert slots_of(moved).shape[0] >= KERNEL_LENGTH
+
+
+# ---- sliding windows: a row sees its last `window` keys, its own included ---------------------
+
+def _windowed_reference(q, keys, values, window):
+    """Plain softmax attention in float32 over each row's window: q (L, H, D) -> (L, H, D)."""
+    length, heads, head_dim = q.shape
+    group = heads // keys.shape[1]
+    k = keys.float().repeat_interleave(group, 1).transpose(0, 1)  # (H, L, D)
+    v = values.float().repeat_interleave(group, 1).transpose(0, 1)
+    scores = torch.einsum("lhd,hkd->hlk", q.float(), k) * head_dim ** -0.5
+    query, key = torch.arange(length)[:, None], torch.arange(length)[None, :]
+    scores = scores.masked_fill((key > query) | (key <= query - window), float("-inf"))
+    return torch.einsum("hlk,hkd->lhd", scores.softmax(-1), v)
+
+
+@pytest.fixture(params=[16, 100, 300])  # one block; inside a split, off the block grid; across a split
+def window(request, kernel_case) -> int:
+    """The kernel case's one layer given this sliding window."""
+    kernel_case[0].layer_windows = [request.param]
+    return request.param
+
+
+@pytest.mark.parametrize("kernel_case", [torch.float32, torch.bfloat16], indirect=True)
+def test_the_attention_kernel_keeps_to_a_sliding_window(kernel_case, window):
+    cache, blocks, keys, values, q = kernel_case
+    out = _kernel(cache, [(blocks, 0, q)])
+    tolerance = 1e-5 if q.dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.float(), _windowed_reference(q, keys, values, window), rtol=tolerance, atol=tolerance)
+
+
+@pytest.mark.parametrize("kernel_case", [torch.float32, torch.bfloat16], indirect=True)
+def test_a_windowed_row_keeps_its_bits_and_never_reads_blocks_before_its_window(kernel_case, window):
+    cache, blocks, keys, values, q = kernel_case
+    whole = _kernel(cache, [(blocks, 0, q)])
+    for position in (15, 16, 255, 299, 300, 301, 699):
+        assert torch.equal(_kernel(cache, [(blocks, position, q[position:position + 1])])[0], whole[position])
+    together = _kernel(cache, [(blocks, 650, q[650:]), (blocks, 100, q[100:300]), (blocks, 5, q[5:6])])
+    assert torch.equal(together, torch.cat((whole[650:], whole[100:300], whole[5:6])))
+    # the last row's window starts at position 700 - window: poison every block wholly before it
+    before = blocks[: (KERNEL_LENGTH - window) // KERNEL_BLOCK]
+    k_cache, v_cache = cache.layers[0]
+    k_cache[:, before] = float("nan")
+    v_cache[:, before] = float("nan")
+    assert torch.equal(_kernel(cache, [(blocks, 699, q[699:])]), whole[699:])
+
+
+@pytest.mark.parametrize("exact", [True, False], ids=["exact", "fast"])
+def test_torch_prefill_and_decode_keep_to_a_sliding_window(exact):
+    window, length = 7, LENGTH
+    generator = torch.Generator().manual_seed(5)
+    q = torch.randn(length, HEADS, HEAD_DIM, generator=generator)
+    keys = torch.randn(KV_HEADS, length, HEAD_DIM, generator=generator)
+    values = torch.randn(KV_HEADS, length, HEAD_DIM, generator=generator)
+    expected = _windowed_reference(q, keys.transpose(0, 1), values.transpose(0, 1), window)
+    block_ids = list(range(1, 13))
+    cache, slots = _cache_holding(keys, values, block_ids, torch.float32)
+    cache.layer_windows = [window]
+    for start in (0, 20):  # the whole prompt, and a chunk over cached keys
+        seq = prefill_seq(0, start, slots, torch.float32, torch.device("cpu"), exact)
+        attn = PagedAttention(cache, slots[start:], [], [seq])
+        out = attn.attend(0, q[start:], keys[:, start:].transpose(0, 1), values[:, start:].transpose(0, 1))
+        torch.testing.assert_close(out, expected[start:], rtol=1e-5, atol=1e-5)
+    table = torch.tensor([block_ids + [0] * 4])
+    key_mask = (torch.arange(table.shape[1] * BLOCK_SIZE) < length)[None, None, None, :]
+    group = DecodeGroup(torch.tensor([0]), table, key_mask, torch.tensor([length]))
+    attn = PagedAttention(cache, slots[-1:], [group], [])
+    out = attn.attend(0, q[-1:], keys[:, -1:].transpose(0, 1), values[:, -1:].transpose(0, 1))
+    torch.testing.assert_close(out, expected[-1:], rtol=1e-5, atol=1e-5)

@@ -30,6 +30,33 @@ CASES = {
     "qwen3_yarn": ("Qwen3Config", "Qwen3ForCausalLM", dict(
         head_dim=24, rope_scaling={"rope_type": "yarn", "factor": 2.0,
                                    "original_max_position_embeddings": 128})),
+    "phi3_fused": ("Phi3Config", "Phi3ForCausalLM", dict(
+        sliding_window=None, pad_token_id=0, bos_token_id=1, eos_token_id=2)),
+    # LongRoPE past its original context (8: every test sequence is longer), where transformers picks
+    # the long factors, as ember does at every length for a model built past that context
+    "phi3_longrope": ("Phi3Config", "Phi3ForCausalLM", dict(
+        sliding_window=None, pad_token_id=0, bos_token_id=1, eos_token_id=2, original_max_position_embeddings=8,
+        rope_scaling={"rope_type": "longrope", "short_factor": [1.0 + i / 8 for i in range(8)],
+                      "long_factor": [1.0 + i for i in range(8)], "factor": 2.0})),
+    # Phi-4-mini's shape: rotary embeddings on the first 3/4 of each head
+    "phi3_partial_rotary": ("Phi3Config", "Phi3ForCausalLM", dict(
+        sliding_window=None, pad_token_id=0, bos_token_id=1, eos_token_id=2, partial_rotary_factor=0.75,
+        tie_word_embeddings=True)),
+    # local layers (window 16, the prompts run past it) around one global layer, their own rotary
+    # bases, query_pre_attn_scalar unlike head_dim, logits soft-capped
+    "gemma3_local_global": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(
+        head_dim=16, sliding_window=16, layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        query_pre_attn_scalar=24, final_logit_softcapping=30.0, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+        rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 100000.0},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}})),
+    # 8 experts, 2 per token, renormalised; layer 1 dense
+    "qwen3_moe_top2": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
+        head_dim=16, moe_intermediate_size=64, num_experts=8, num_experts_per_tok=2,
+        norm_topk_prob=True, mlp_only_layers=[1])),
+    # 4 of 6 experts, weights as the softmax gives them; every second layer sparse
+    "qwen3_moe_unnormalized": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
+        head_dim=16, moe_intermediate_size=32, num_experts=6, num_experts_per_tok=4,
+        norm_topk_prob=False, decoder_sparse_step=2)),
 }
 
 LARGEST_ERRORS: dict[str, float] = {}

@@ -6,13 +6,15 @@ import torch
 
 
 class ReferenceAttention:
-    """One sequence: a dense per-layer K/V list, causal masking by absolute position.
+    """One sequence: a dense per-layer K/V list, causal masking by absolute position (and by a
+    layer's sliding window, when given).
 
     Call `set_positions` before each forward with that forward's positions (T,); prefill, chunked
     prefill and decode steps are then all the same call.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, windows: list[int | None] | None = None) -> None:
+        self.windows = windows or []  # per layer: its sliding window, None (or none listed) for global
         self.keys: dict[int, torch.Tensor] = {}  # layer -> (S, kv_heads, head_dim)
         self.values: dict[int, torch.Tensor] = {}
         self.key_positions: dict[int, torch.Tensor] = {}  # layer -> (S,)
@@ -38,6 +40,9 @@ class ReferenceAttention:
         v = v.repeat_interleave(groups, dim=1)
         scores = torch.einsum("thd,shd->hts", q.float(), k.float()) * q.shape[-1] ** -0.5
         allowed = key_positions[None, :] <= self.positions[:, None]  # (T, S)
+        window = self.windows[layer_idx] if self.windows else None
+        if window is not None:
+            allowed &= key_positions[None, :] > self.positions[:, None] - window
         scores = scores.masked_fill(~allowed, float("-inf"))
         out = torch.einsum("hts,shd->thd", scores.softmax(-1), v.float())
         return out.to(q.dtype)

@@ -9,15 +9,16 @@ from model_builders import build_pair
 from ember.config import ModelConfig
 from ember.errors import ModelLoadError
 from ember.models import SUPPORTED_ARCHITECTURES, get_model_class
-from ember.models import llama, qwen2, qwen3
+from ember.models import llama, qwen2, qwen3, qwen3_moe
 
 
 def test_get_model_class_finds_each_architecture():
-    assert SUPPORTED_ARCHITECTURES == ("llama", "qwen2", "qwen3")
+    assert SUPPORTED_ARCHITECTURES == ("gemma3_text", "llama", "mistral", "phi3", "qwen2", "qwen3", "qwen3_moe")
     assert get_model_class("llama") is llama.Model
-    assert get_model_class("mistral") is llama.Model
+    assert issubclass(get_model_class("mistral"), llama.Model)
     assert get_model_class("qwen2") is qwen2.Model
     assert get_model_class("qwen3") is qwen3.Model
+    assert get_model_class("qwen3_moe") is qwen3_moe.Model
 
 
 def test_get_model_class_names_the_unknown_type_and_the_supported_ones():

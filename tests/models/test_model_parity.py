@@ -28,7 +28,7 @@ def reference(hf_model, vocab_size: int, length: int, seed: int = 1):
 def test_prefill_then_decode_matches_transformers(case, fused):
     hf_model, model, config = build_pair(case, fused=fused)
     ids, ref = reference(hf_model, config.vocab_size, PROMPT_LEN + DECODE_STEPS)
-    attn = ReferenceAttention()
+    attn = ReferenceAttention(config.layer_windows)
     logits = ember_logits(model, attn, ids[:PROMPT_LEN], 0)
     assert logits.shape == (PROMPT_LEN, config.vocab_size)
     assert_logits_close(logits, ref[:PROMPT_LEN], case)
@@ -41,7 +41,7 @@ def test_prefill_then_decode_matches_transformers(case, fused):
 def test_chunked_prefill_matches_transformers(case, fused):
     hf_model, model, config = build_pair(case, fused=fused)
     ids, ref = reference(hf_model, config.vocab_size, PROMPT_LEN, seed=2)
-    attn = ReferenceAttention()
+    attn = ReferenceAttention(config.layer_windows)
     for start, end in ((0, 23), (23, 50), (50, PROMPT_LEN)):
         logits = ember_logits(model, attn, ids[start:end], start)
         assert_logits_close(logits, ref[start:end], case)
@@ -51,7 +51,7 @@ def test_chunked_prefill_matches_transformers(case, fused):
 def test_hidden_states_are_final_normed(case):
     hf_model, model, config = build_pair(case)
     ids, _ = reference(hf_model, config.vocab_size, 9)
-    attn = ReferenceAttention()
+    attn = ReferenceAttention(config.layer_windows)
     attn.set_positions(torch.arange(9))
     hidden = model(ids, torch.arange(9), attn)
     with torch.no_grad():
@@ -69,11 +69,11 @@ def test_bfloat16_rows_do_not_depend_on_the_batch(case, fused):
     ids = torch.randint(config.vocab_size, (30,), generator=torch.Generator().manual_seed(3))
     a, b = ids[:7], ids[7:]
 
-    alone = ReferenceAttention()
+    alone = ReferenceAttention(config.layer_windows)
     a_prefill = ember_logits(model, alone, a, 0)
     a_step = ember_logits(model, alone, ids[29:30], 7)
 
-    a_attn, b_attn = ReferenceAttention(), ReferenceAttention()
+    a_attn, b_attn = ReferenceAttention(config.layer_windows), ReferenceAttention(config.layer_windows)
     pos_a, pos_b = torch.arange(7), torch.arange(17)
     both = model(torch.cat((b[:17], a)), torch.cat((pos_b, pos_a)),
                  BatchAttention([(b_attn, pos_b), (a_attn, pos_a)]))

@@ -69,7 +69,27 @@ def test_yarn_table_covers_the_extended_context():
 
 def test_unsupported_rope_type_is_a_load_error():
     with pytest.raises(ModelLoadError, match="longrope"):
-        RotaryEmbedding(16, 256, 10000.0, {"rope_type": "longrope", "factor": 2.0})
+        RotaryEmbedding(16, 256, 10000.0, {"rope_type": "dynamic", "factor": 2.0})
+
+
+@pytest.mark.parametrize("max_positions", [4096, 16384])
+def test_longrope_takes_short_factors_within_the_original_context_and_long_ones_past_it(max_positions):
+    """Phi-3's table against transformers' LongRoPE at a length of the same side of the original 4096."""
+    from transformers import Phi3Config
+    from transformers.models.phi3.modeling_phi3 import Phi3RotaryEmbedding
+    scaling = {"rope_type": "longrope", "short_factor": [1.0 + i / 32 for i in range(32)],
+               "long_factor": [1.0 + i / 4 for i in range(32)]}
+    hf = Phi3Config(hidden_size=256, num_attention_heads=4, max_position_embeddings=max_positions,
+                    original_max_position_embeddings=4096, rope_scaling=scaling, pad_token_id=0)
+    config = ModelConfig.from_hf(hf.to_dict())
+    ours = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta,
+                           config.rope_scaling)
+    positions = torch.arange(max_positions)
+    # transformers picks by the forward's length: the whole table's length is on the same side
+    ref_cos, ref_sin = Phi3RotaryEmbedding(hf)(torch.zeros(1), positions[None])
+    cos, sin = ours(positions, torch.float32)
+    torch.testing.assert_close(cos[:, 0], ref_cos[0, :, :32], rtol=0, atol=1e-6)
+    torch.testing.assert_close(sin[:, 0], ref_sin[0, :, :32], rtol=0, atol=1e-6)
 
 
 def test_table_stays_float32_under_a_bfloat16_default():

@@ -102,7 +102,7 @@ def test_a_row_plan_pads_and_tiles_without_changing_what_is_computed():
 
 
 def _logits(model, ids):
-    attn = ReferenceAttention()
+    attn = ReferenceAttention(model.config.layer_windows)
     attn.set_positions(torch.arange(len(ids)))
     with torch.inference_mode():
         return model.compute_logits(model(ids, torch.arange(len(ids)), attn))
@@ -129,13 +129,19 @@ def test_block_quantized_models_compute_their_dequantized_weights(case, quantiza
     prepare_linears(model, quantization, block_kernels=True)
     layers = [m for m in model.modules() if isinstance(m, Linear)]
     assert model.lm_head.weights.name == "int8 blocks"
-    assert all(m.weights.name == f"{quantization} blocks" for m in layers if m is not model.lm_head)
+    assert all(m.weights.name == ("dense" if m.keep_float else f"{quantization} blocks")
+               for m in layers if m is not model.lm_head)
     _, twin, _ = build_pair(case)
     for ours, theirs in zip([*layers, model.lm_head], [*(m for m in twin.modules() if isinstance(m, Linear)),
                                                       twin.lm_head]):
         weights = ours.weights
-        theirs.weights = DenseWeights(weights.rows(torch.arange(weights.out_features)), ours.bias)
+        if not ours.keep_float:
+            theirs.weights = DenseWeights(weights.rows(torch.arange(weights.out_features)), ours.bias)
     ids = torch.randint(0, config.vocab_size, (30,), generator=torch.Generator().manual_seed(1))
     reference, got = _logits(twin, ids), _logits(model, ids)
-    assert ((got - reference).abs().max() / reference.abs().max()).item() < 0.03
+    # a mixture of experts moves further: a token whose activations round differently may be routed
+    # to another expert in a later layer; Gemma's embeddings, scaled by sqrt(hidden), carry the
+    # activations' rounding a little further through its extra norms
+    tolerance = 0.05 if "moe" in case or "gemma" in case else 0.03
+    assert ((got - reference).abs().max() / reference.abs().max()).item() < tolerance
     assert (got.argmax(-1) == reference.argmax(-1)).sum().item() >= 25  # of 30 (random models have near ties)

@@ -10,7 +10,7 @@ from ember.loaders import load_model_source
 from ember.parsers.hermes import HERMES
 from ember.parsers.qwen3_xml import QWEN3_XML
 from ember.protocols.neutral import ChatPrompt, encode_prompt
-from ember.tokenization.chat_prompt import TemplateTraits, prepare_conversation, probe_template
+from ember.tokenization.chat_prompt import EFFORTS, TemplateTraits, prepare_conversation, probe_template
 
 TEMPLATES = Path(__file__).parents[1] / "e2e" / "templates"
 NO_SYSTEM = ("{% for m in messages %}{% if m.role == 'system' %}{{ raise_exception('System role not supported') }}"
@@ -50,7 +50,8 @@ def test_probes_tell_what_each_template_takes(tokenizer):
         assert probe_template(with_template(tokenizer, original)) == TemplateTraits(False, True)
         assert probe_template(with_template(tokenizer, NO_SYSTEM)) == TemplateTraits(False, False)
         hermes = (TEMPLATES / "think_hermes.jinja").read_text()
-        assert probe_template(with_template(tokenizer, hermes)) == TemplateTraits(True, True)
+        # it writes whatever effort it is given into the system turn, so it tells every effort apart
+        assert probe_template(with_template(tokenizer, hermes)) == TemplateTraits(True, True, EFFORTS)
     finally:
         with_template(tokenizer, original)
 

@@ -157,7 +157,9 @@ def test_tensor_names_map_to_hf_names():
     assert hf_tensor_name("blk.0.attn_q_norm.weight", 2) == "model.layers.0.self_attn.q_norm.weight"
     assert hf_tensor_name("blk.0.ffn_norm.weight", 2) == "model.layers.0.post_attention_layernorm.weight"
     assert hf_tensor_name("blk.2.attn_q.weight", 2) is None  # past the last layer
-    assert hf_tensor_name("blk.0.ffn_gate_exps.weight", 2) is None
+    assert hf_tensor_name("blk.0.ffn_gate_exps.weight", 2) == "model.layers.0.mlp.experts.gate_proj.weight"
+    assert hf_tensor_name("blk.0.ffn_gate_inp.weight", 2) == "model.layers.0.mlp.gate.weight"
+    assert hf_tensor_name("blk.0.ffn_unheard_of.weight", 2) is None
 
 
 @pytest.mark.parametrize("file_name, name", [
@@ -316,7 +318,7 @@ def test_refuses_an_unsupported_architecture(tmp_path):
         load_model_source(str(path), cache_dir=tmp_path / "cache")
     message = str(caught.value)
     assert "'gemma2' is not supported" in message
-    assert "supported: llama, mistral, qwen2, qwen3" in message
+    assert "supported: gemma3, gemma3_text, llama, mistral, phi3, qwen2, qwen3, qwen3_moe" in message
     assert "\n" not in message
 
 

@@ -74,7 +74,7 @@ def test_logprob_fields():
     ({"text": "a", "logprob_start_len": 0}, "logprob_start_len"),
     ({"text": "a", "top_logprobs_num": 21}, "top_logprobs_num"),
     ({"text": "a", "token_ids_logprob": [1000]}, "token_ids_logprob[0]"),
-    ({"text": "a", "sampling_params": {"max_new_tokens": 0}}, "sampling_params.max_new_tokens"),
+    ({"text": "a", "sampling_params": {"max_new_tokens": -1}}, "sampling_params.max_new_tokens"),
     ({"text": "a", "sampling_params": {"temperature": -1}}, "sampling_params.temperature"),
     ({"text": "a", "sampling_params": {"top_p": 0}}, "sampling_params.top_p"),
     ({"text": "a", "sampling_params": {"stop": 3}}, "sampling_params.stop"),

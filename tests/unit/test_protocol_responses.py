@@ -100,7 +100,8 @@ def test_malformed_items_name_the_field(items, param):
 
 @pytest.mark.parametrize("fields, param", [
     ({"background": True}, "background"),
-    ({"include": ["reasoning.encrypted_content", "file_search_call.results"]}, "include[1]"),
+    ({"include": ["reasoning.encrypted_content", "message.output_text.logprobs"]}, "include[1]"),
+    ({"include": ["file_search_call.results", 3]}, "include[1]"),
     ({"truncation": "auto"}, "truncation"),
     ({"conversation": {"id": "c"}}, "conversation"),
     ({"prompt": {"id": "p"}}, "prompt"),
