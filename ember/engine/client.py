@@ -41,9 +41,9 @@ from ember.constraint_spec import ConstraintSpec
 from ember.context_window import ContextWindow, fit_output
 from ember.engine import messages
 from ember.engine.messages import Add, Abort, Answer, EngineInfo, Fatal, Outputs, Query, Ready, Shutdown, WorkerSettings
-from ember.engine.outputs import RequestTracker
+from ember.engine.outputs import open_stream
 from ember.engine.stats import EngineCounters, EngineStats
-from ember.errors import EmberError, EngineRestarted, EngineUnavailable, InvalidRequest, ModelLoadError
+from ember.errors import EngineRestarted, EngineUnavailable, InvalidRequest, ModelLoadError
 from ember.types import GenerationOutput, SamplingParams, StepOutput
 
 logger = logging.getLogger("ember.engine")
@@ -192,11 +192,7 @@ class EngineClient:
         window = ContextWindow(self.info.max_model_len, self.info.kv_capacity_tokens)
         fit_output(window, len(prompt_token_ids), params.max_tokens, over_room="refuse")
         request_id = request_id or f"req-{next(self._ids)}"
-        if request_id in self._streams:
-            raise EmberError(f"request id {request_id!r} is already running", param="request_id", status=400)
-        stream: asyncio.Queue = asyncio.Queue()
-        self._streams[request_id] = stream
-        tracker = RequestTracker(request_id, prompt_token_ids, params, self.tokenizer.hf.backend_tokenizer)
+        stream, tracker = open_stream(self._streams, request_id, prompt_token_ids, params, self.tokenizer)
         add = Add(request_id, prompt_token_ids, params, priority, cache_salt, tracker.timings.arrival, constraint,
                   report_progress)
         self._send(add)

@@ -22,7 +22,7 @@ from typing import Any, AsyncIterator, Callable, TypeVar
 from ember.constraint_spec import ConstraintSpec
 from ember.engine.core import EngineCore
 from ember.engine.messages import EngineInfo, engine_info
-from ember.engine.outputs import RequestTracker
+from ember.engine.outputs import open_stream
 from ember.errors import EmberError, EngineUnavailable
 from ember.types import FinishReason, GenerationOutput, SamplingParams, StepOutput
 
@@ -136,11 +136,7 @@ class AsyncEngine:
         self.start()
         self.core.resolve_max_tokens(len(prompt_token_ids), params.max_tokens)
         request_id = request_id or f"req-{next(self._ids)}"
-        if request_id in self._streams:
-            raise EmberError(f"request id {request_id!r} is already running", param="request_id", status=400)
-        stream: asyncio.Queue = asyncio.Queue()
-        self._streams[request_id] = stream
-        tracker = RequestTracker(request_id, prompt_token_ids, params, self.tokenizer.hf.backend_tokenizer)
+        stream, tracker = open_stream(self._streams, request_id, prompt_token_ids, params, self.tokenizer)
         self._inbox.put(AddRequest(request_id, prompt_token_ids, params, priority, cache_salt,
                                    tracker.timings.arrival, constraint, report_progress))
         finished = False
