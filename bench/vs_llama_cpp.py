@@ -78,10 +78,8 @@ class Server:
         raise SystemExit(f"{self.name} did not get ready in 600 s; see {log}")
 
     def rss_mib(self) -> float:
-        for line in Path(f"/proc/{self.process.pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-        return 0.0
+        """The server's resident memory, its child processes' included (ember's engine worker)."""
+        return sum(_rss_mib(pid) for pid in _process_tree(self.process.pid))
 
     def stop(self) -> None:
         if self.process is not None and self.process.poll() is None:
@@ -91,6 +89,28 @@ class Server:
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait()
+
+
+def _process_tree(pid: int) -> list[int]:
+    pids, index = [pid], 0
+    while index < len(pids):
+        for task in Path(f"/proc/{pids[index]}/task").glob("*"):
+            try:
+                pids += [int(child) for child in (task / "children").read_text().split()]
+            except OSError:
+                pass
+        index += 1
+    return pids
+
+
+def _rss_mib(pid: int) -> float:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return 0.0
 
 
 def free_port() -> int:

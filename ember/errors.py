@@ -41,3 +41,20 @@ class ModelLoadError(EmberError):
 
     status = 500
     type = "model_load_error"
+
+
+class EngineUnavailable(EmberError):
+    """The engine does not run (a fault it could not recover from)."""
+
+    status = 503
+    type = "server_error"
+
+
+class EngineRestarted(EmberError):
+    """The engine worker running a request died, and the request could not run again."""
+
+    status = 500
+    type = "server_error"
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, code="engine_restarted")

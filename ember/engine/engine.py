@@ -1,8 +1,10 @@
-"""The asyncio client of the engine: the core runs in its own thread; typed messages cross over.
+"""The in-process asyncio engine: the core runs in a thread of this process.
 
 The front end's event loop never waits on model work. It sends AddRequest / AbortRequest /
 CallInEngine / Shutdown into the engine thread's inbox, and step outputs come back through
 `loop.call_soon_threadsafe`. Detokenizing and stop strings happen on the front end's side.
+The server runs its engine in a supervised worker process instead (ember.engine.client, with the
+same `generate`); this one serves the Python API, offline benchmarks and `--no-engine-worker`.
 """
 
 from __future__ import annotations
@@ -17,10 +19,12 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable, TypeVar
 
+from ember.constraint_spec import ConstraintSpec
 from ember.engine.core import EngineCore
-from ember.engine.outputs import RequestTracker
-from ember.errors import EmberError
-from ember.types import FinishReason, GenerationOutput, SamplingParams, StepOutput, TokenConstraint
+from ember.engine.messages import EngineInfo, engine_info
+from ember.engine.outputs import open_stream
+from ember.errors import EmberError, EngineUnavailable
+from ember.types import FinishReason, GenerationOutput, SamplingParams, StepOutput
 
 logger = logging.getLogger("ember.engine")
 
@@ -33,7 +37,7 @@ class AddRequest:
     priority: int = 0
     cache_salt: str | None = None
     arrival_time: float = field(default_factory=time.time)
-    constraint: TokenConstraint | None = None
+    constraint: ConstraintSpec | None = None
     report_progress: bool = False
 
 
@@ -53,11 +57,6 @@ class CallInEngine:
 @dataclass(slots=True)
 class Shutdown:
     pass
-
-
-class EngineUnavailable(EmberError):
-    status = 503
-    type = "server_error"
 
 
 T = TypeVar("T")
@@ -89,9 +88,11 @@ def build_off_thread(factory: Callable[[], T]) -> T:
 
 
 class AsyncEngine:
-    def __init__(self, core: EngineCore, tokenizer) -> None:
+    def __init__(self, core: EngineCore, tokenizer, constraints=None) -> None:
         self.core = core
         self.tokenizer = tokenizer
+        self.constraints = constraints  # a grammar.realize.ConstraintBuilder; built when first needed
+        self.info: EngineInfo = engine_info(core)
         self.failed: str | None = None  # the fault that stopped the engine, if any
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, asyncio.Queue] = {}
@@ -120,8 +121,9 @@ class AsyncEngine:
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams, *,
                        request_id: str | None = None, priority: int = 0,
                        cache_salt: str | None = None,
-                       constraint: TokenConstraint | None = None,
-                       report_progress: bool = False) -> AsyncIterator[GenerationOutput]:
+                       constraint: ConstraintSpec | None = None,
+                       report_progress: bool = False,
+                       may_retry: Callable[[], bool] | None = None) -> AsyncIterator[GenerationOutput]:
         """Submit a request and yield its outputs until it finishes.
 
         Refusals (context length, cache size) raise before the first output. Leaving the
@@ -134,11 +136,7 @@ class AsyncEngine:
         self.start()
         self.core.resolve_max_tokens(len(prompt_token_ids), params.max_tokens)
         request_id = request_id or f"req-{next(self._ids)}"
-        if request_id in self._streams:
-            raise EmberError(f"request id {request_id!r} is already running", param="request_id", status=400)
-        stream: asyncio.Queue = asyncio.Queue()
-        self._streams[request_id] = stream
-        tracker = RequestTracker(request_id, prompt_token_ids, params, self.tokenizer.hf.backend_tokenizer)
+        stream, tracker = open_stream(self._streams, request_id, prompt_token_ids, params, self.tokenizer)
         self._inbox.put(AddRequest(request_id, prompt_token_ids, params, priority, cache_salt,
                                    tracker.timings.arrival, constraint, report_progress))
         finished = False
@@ -157,6 +155,28 @@ class AsyncEngine:
 
     def abort(self, request_id: str) -> None:
         self._inbox.put(AbortRequest([request_id]))
+
+    async def check_constraint(self, spec: ConstraintSpec) -> None:
+        """Raise InvalidRequest (naming the field) unless the spec's grammar compiles (cached)."""
+        await asyncio.to_thread(self._constraint_builder().compile, spec)
+
+    def _constraint_builder(self):
+        if self.constraints is None:
+            from ember.grammar.realize import load_constraint_builder
+
+            self.constraints = load_constraint_builder(self.tokenizer, self.core.model_config.vocab_size,
+                                                       self.core.eos_token_ids)
+        return self.constraints
+
+    @property
+    def status(self) -> str:
+        return "unavailable" if self.failed else "ok"
+
+    async def wait_ready(self, timeout: float | None) -> bool:
+        return not self.failed
+
+    def health(self) -> dict:
+        return {}
 
     async def call(self, fn: Callable[[EngineCore], Any]) -> Any:
         """Run fn(core) on the engine thread and return its result."""
@@ -218,9 +238,10 @@ class AsyncEngine:
             self._reject(message, self.failed)
             return
         try:
+            constraint = self._constraint_builder().build(message.constraint) if message.constraint else None
             self.core.add_request(message.request_id, message.prompt_token_ids, message.params,
                                   message.priority, message.cache_salt, message.arrival_time,
-                                  message.constraint, message.report_progress)
+                                  constraint, message.report_progress)
         except EmberError as exc:
             self._reject(message, exc.message)
 

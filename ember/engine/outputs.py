@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 from ember.tokenization.detokenizer import IncrementalDetokenizer, StopStringMatcher
@@ -70,3 +71,14 @@ class RequestTracker:
             num_computed_prompt_tokens=step.num_computed_prompt_tokens,
             num_pinned_tokens=step.num_pinned_tokens,
         )
+
+
+def open_stream(streams: dict[str, asyncio.Queue], request_id: str, prompt_token_ids: list[int],
+                params: SamplingParams, tokenizer) -> tuple[asyncio.Queue, RequestTracker]:
+    """Register a new request's output queue under its id (a 400 if the id is running) and its tracker."""
+    from ember.errors import EmberError
+
+    if request_id in streams:
+        raise EmberError(f"request id {request_id!r} is already running", param="request_id", status=400)
+    streams[request_id] = asyncio.Queue()
+    return streams[request_id], RequestTracker(request_id, prompt_token_ids, params, tokenizer.hf.backend_tokenizer)

@@ -58,7 +58,9 @@ class Grammars:
 
     def compile_structural_tag(self, tag: dict[str, Any], param: str) -> Any:
         """A CompiledGrammar for an xgrammar structural tag (tool calls, alone or beside a grammar)."""
-        text = json.dumps(tag, ensure_ascii=False, sort_keys=False)
+        return self.compile_structural_tag_text(structural_tag_text(tag), param)
+
+    def compile_structural_tag_text(self, text: str, param: str) -> Any:
         return self._cached(("structural_tag", text), param, lambda: self.compiler.compile_structural_tag(text))
 
     def matcher(self, compiled: Any) -> Any:
@@ -108,6 +110,10 @@ def load_grammars(tokenizer: Any, vocab_size: int, stop_token_ids: Iterable[int]
         logger.warning("xgrammar cannot read this model's tokenizer (%s: %s); structured outputs are off",
                        type(exc).__name__, exc)
         return None
+
+
+def structural_tag_text(tag: dict[str, Any]) -> str:
+    return json.dumps(tag, ensure_ascii=False, sort_keys=False)
 
 
 def choice_ebnf(choices: list[str]) -> str:

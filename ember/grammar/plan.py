@@ -17,50 +17,41 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from ember.errors import InvalidRequest
-from ember.grammar.compiler import MAX_JSON_WHITESPACE, Grammars, grammar_unavailable
-from ember.grammar.constraint import GrammarConstraint
-from ember.parsers.constraint import ReplyConstraint
+from ember.constraint_spec import STRUCTURAL_TAG, ConstraintSpec
+from ember.grammar.compiler import MAX_JSON_WHITESPACE, grammar_unavailable, structural_tag_text
 from ember.parsers.events import ToolSpec
 from ember.parsers.tool_format import CLOSER, OPENER
 from ember.protocols.chat_reply import FUNCTION, REQUIRED, ReplyPlan
 from ember.protocols.neutral import GenerationRequest
 from ember.protocols.structured import CHOICE, GRAMMAR, JSON_OBJECT, JSON_SCHEMA, REGEX, GrammarSpec
-from ember.types import TokenConstraint
-
-ConstraintFactory = Callable[[], TokenConstraint | None]
-
 _ANY_OBJECT = {"type": "object"}
 _CALL_SEPARATOR = "\n"
 
 
-def build_constraints(grammars: Grammars | None, job: GenerationRequest, plan: ReplyPlan | None,
-                      token_bytes: Any) -> ConstraintFactory | None:
-    """A factory of one fresh constraint per choice, or None when no grammar applies (the reply
-    plan's own constraint, if any, steers the reply). Compiles (cached), so call it off the event
-    loop; an uncompilable schema or grammar is a 400 naming its field."""
+def build_constraints(job: GenerationRequest, plan: ReplyPlan | None, grammars: bool) -> ConstraintSpec | None:
+    """The grammar every choice's reply is held to, as a spec the engine compiles (`grammars`:
+    whether it can, with xgrammar); None when no grammar applies (the reply plan's own steering,
+    if any, applies). The engine checks that the spec compiles before the request is admitted."""
     tools, forced = _constrained_tools(job, plan)
     if job.grammar is None and tools is None:
         return None
-    if grammars is None:
+    if not grammars:
         if job.grammar is not None:
             raise grammar_unavailable(job.grammar.param)
         if any(t.strict for t in tools):
             raise grammar_unavailable("tools")
         return None  # a forced call without xgrammar: the reply plan forces opener and name, as before
+    steering = plan.steering(reasoning_only=True) if plan is not None else None
     if job.grammar is not None:
-        compiled = grammars.compile(job.grammar)  # alone first, so its own errors name its own field
-        if tools is not None:
-            calls = _calls_format(plan.fmt.tool_format, tools, forced=True, parallel=plan.fmt.parallel_tool_calls)
-            answer = {"type": "or", "elements": [calls, spec_format(job.grammar)]}
-            compiled = grammars.compile_structural_tag(_structural_tag(answer), job.grammar.param)
+        if tools is None:
+            return ConstraintSpec(steering, job.grammar.kind, job.grammar.text, job.grammar.param)
+        calls = _calls_format(plan.fmt.tool_format, tools, forced=True, parallel=plan.fmt.parallel_tool_calls)
+        tag, param = {"type": "or", "elements": [calls, spec_format(job.grammar)]}, job.grammar.param
     else:
         calls = _calls_format(plan.fmt.tool_format, tools, forced=forced, parallel=plan.fmt.parallel_tool_calls)
-        compiled = grammars.compile_structural_tag(_structural_tag(calls), "tools")
-
-    def make() -> GrammarConstraint:
-        return GrammarConstraint(grammars.matcher(compiled), grammars.vocab_size, token_bytes,
-                                 grammars.stop_token_ids, reply=_reasoning_constraint(plan, token_bytes))
-    return make
+        tag, param = calls, "tools"
+    return ConstraintSpec(steering, STRUCTURAL_TAG, structural_tag_text(_structural_tag(tag)), param,
+                          checks=[(g.kind, g.text, g.param) for g in (job.grammar,) if g is not None])
 
 
 def _constrained_tools(job: GenerationRequest, plan: ReplyPlan | None) -> tuple[list[ToolSpec] | None, bool]:
@@ -72,15 +63,6 @@ def _constrained_tools(job: GenerationRequest, plan: ReplyPlan | None) -> tuple[
     if job.grammar is None and not forced and not any(t.strict for t in options.tools):
         return None, False
     return list(options.tools), forced
-
-
-def _reasoning_constraint(plan: ReplyPlan | None, token_bytes: Any) -> ReplyConstraint | None:
-    """Follows the think block (and forces a budget's close) until the answer, where the grammar starts."""
-    if plan is None or plan.fmt.think is None:
-        return None
-    fmt = plan.fmt
-    return ReplyConstraint(token_bytes, think=fmt.think, in_block=fmt.starts_in_reasoning,
-                           may_open=fmt.may_open_reasoning, budget=plan.budget)
 
 
 # ---- xgrammar structural tags -------------------------------------------------------------------

@@ -16,15 +16,15 @@ import os
 import pathlib
 import shutil
 from collections.abc import Iterator
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from ember.loaders.source import ModelSource, check_architecture
-from ember.loaders.gguf_blocks import read_blocks
 from ember.loaders.gguf_file import GGUFModel, model_name_from_file
 from ember.loaders.hf_folder import read_json, read_safetensors
 from ember.tokenization.tokenizer import Tokenizer, gguf_eos_token_ids
+
+if TYPE_CHECKING:  # torch only where weights are read: a server's front end opens a source without it
+    import torch
 
 logger = logging.getLogger("ember.loaders")
 
@@ -85,7 +85,15 @@ def _source(entry: pathlib.Path, path: pathlib.Path, hf_config: dict[str, Any],
         format="gguf", cache_path=str(entry), from_cache=from_cache, read_blocks=lambda: read_blocks(path, hf_config))
 
 
+def read_blocks(path: pathlib.Path, hf_config: dict[str, Any]):
+    from ember.loaders.gguf_blocks import read_blocks as read
+
+    return read(path, hf_config)
+
+
 def _float32(weights_file: pathlib.Path, skip: frozenset[str]) -> Iterator[tuple[str, torch.Tensor]]:
+    import torch
+
     for name, tensor in read_safetensors([weights_file], skip):
         yield name, tensor if tensor.dtype == torch.float32 else tensor.float()
 
@@ -99,7 +107,7 @@ def _open_entry(entry: pathlib.Path, path: pathlib.Path) -> ModelSource:
     hf_config = read_json(entry / "config.json")
     check_architecture(hf_config.get("model_type"), path.name)
     generation_config = read_json(entry / "generation_config.json")
-    with safe_open(str(entry / _WEIGHTS), framework="pt") as reader:
+    with safe_open(str(entry / _WEIGHTS), framework="numpy") as reader:  # the header only
         if len(list(reader.keys())) != marker.get("num_tensors"):
             raise ValueError("the weights file lacks tensors")
     tokenizer = Tokenizer.from_pretrained_folder(

@@ -8,10 +8,12 @@ import math
 import pathlib
 import re
 from collections.abc import Iterator, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
+
+if TYPE_CHECKING:  # imported where tensors are made: reading a file's metadata needs no torch
+    import torch
 
 from ember.errors import ModelLoadError
 from ember.loaders.source import check_architecture, supported_architectures
@@ -78,7 +80,7 @@ _EXTRA_REQUIRED = {
     "gemma3": _DENSE_FFN + ("attn_q_norm.weight", "attn_k_norm.weight", "post_attention_norm.weight",
                             "post_ffw_norm.weight"),
 }
-_HALF_TYPES = {"F16": torch.float16, "BF16": torch.bfloat16}
+_HALF_TYPES = {"F16": "float16", "BF16": "bfloat16"}  # torch dtype names
 _NOT_WEIGHTS = {"rope_freqs.weight"}  # folded into the config's rope_scaling
 _QUANT_SUFFIX = re.compile(r"[.\-_](?:(?:UD-)?I?Q\d\w*|F16|F32|BF16|FP16|FP32)$", re.IGNORECASE)
 _SAMPLING_KEYS = {
@@ -323,6 +325,7 @@ class GGUFModel:
     def dequantize(self, name: str) -> torch.Tensor:
         """The named GGUF tensor as float32, in torch's shape and GGUF's row order."""
         import gguf
+        import torch
 
         tensor = self.tensors[name]
         try:
@@ -340,6 +343,8 @@ class GGUFModel:
                 skip: frozenset[str] = frozenset()) -> Iterator[tuple[str, torch.Tensor]]:
         """(HF name, float32 tensor) for every weight not named in skip, Q/K rows back in HF order.
         With keep_half, F16 and BF16 tensors stay in their own (exact) dtype instead."""
+        import torch
+
         num_layers = hf_config["num_hidden_layers"]
         heads = hf_config["num_attention_heads"]
         kv_heads = hf_config["num_key_value_heads"]
@@ -354,7 +359,7 @@ class GGUFModel:
             if norm_shift is not None and name.endswith("norm.weight"):
                 tensor = tensor - norm_shift
             if keep_half and self.tensor_type(name) in _HALF_TYPES:
-                tensor = tensor.to(_HALF_TYPES[self.tensor_type(name)])
+                tensor = tensor.to(getattr(torch, _HALF_TYPES[self.tensor_type(name)]))
             if self.arch in _PERMUTED_QK:
                 if ".attn_q." in name:
                     tensor = unpermute_qk_rows(tensor, heads, name)

@@ -11,7 +11,8 @@ from typing import Any
 
 from ember.errors import InvalidRequest
 from ember.protocols.fields import Fields, json_type
-from ember.parsers.constraint import ForcedCall, ReplyConstraint
+from ember.constraint_spec import ConstraintSpec, SteeringSpec
+from ember.parsers.constraint import ForcedCall
 from ember.parsers.events import ThinkMarkers, ToolSpec
 from ember.parsers.reply import ReplyFormat, ReplyParser
 from ember.parsers.tool_format import ToolFormat
@@ -134,13 +135,20 @@ class ReplyPlan:
     def parser(self) -> ReplyParser:
         return ReplyParser(self.fmt, self.token_bytes)
 
-    def constraint(self) -> ReplyConstraint | None:
-        """A fresh constraint per choice (it follows that choice's tokens), or None."""
-        if self.budget is None and self.forced_call is None:
+    def steering(self, reasoning_only: bool = False) -> SteeringSpec | None:
+        """How each choice's tokens are steered, as data the engine turns into a live constraint of
+        that choice's own; None when nothing is. `reasoning_only`: the think block alone (a
+        grammar shapes the rest)."""
+        think, forced = self.fmt.think, None if reasoning_only else self.forced_call
+        if think is None if reasoning_only else (self.budget is None and forced is None):
             return None
-        return ReplyConstraint(self.token_bytes, think=self.fmt.think, in_block=self.fmt.starts_in_reasoning,
-                               may_open=self.fmt.may_open_reasoning, budget=self.budget,
-                               forced_call=self.forced_call)
+        return SteeringSpec(think.start if think else None, think.end if think else None,
+                            self.fmt.starts_in_reasoning, self.fmt.may_open_reasoning, self.budget,
+                            forced.tool_format.name if forced else None, list(forced.names) if forced else [])
+
+    def constraint(self) -> ConstraintSpec | None:
+        steering = self.steering()
+        return ConstraintSpec(steering) if steering is not None else None
 
 
 def plan_reply(options: ChatOptions, features: ChatFeatures, prompt_tail: str, token_bytes) -> ReplyPlan | None:

@@ -84,6 +84,8 @@ def _add_routes(app: FastAPI, state: ServerState, observability: Observability) 
     async def health() -> JSONResponse:
         status_code, status = state.health()
         body: dict = {"status": status}
+        if state.loaded is not None:
+            body.update(state.loaded.engine.health())  # worker_pid, worker_restarts
         if status == "ok":
             body.update(health_counters(state, observability, await state.engine_stats()))
         elif state.failure:
@@ -132,7 +134,8 @@ def _add_routes(app: FastAPI, state: ServerState, observability: Observability) 
 
     @app.get("/metrics", summary="Prometheus metrics", response_class=Response)
     async def prometheus() -> Response:
-        body = observability.metrics.render(state.admission, await state.engine_stats())
+        worker = state.loaded.engine.health() if state.loaded is not None else {}
+        body = observability.metrics.render(state.admission, await state.engine_stats(), worker)
         return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.get("/debug/requests", summary="The last 100 generation requests in numbers (no text)")

@@ -18,6 +18,7 @@ import sys
 import time
 
 from ember.config import EngineConfig
+from ember.engine.faults import ENV_VAR as FAULT_ENV_VAR, FaultPlan
 from ember.parsers import REASONING_PARSERS, TOOL_PARSERS
 from ember.server.config import ServerConfig, is_loopback
 from ember.server.keys import read_key_file
@@ -161,6 +162,15 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                                           f"{_ENGINE_DEFAULTS.background_wait_steps})")
     engine.add_argument("--default-max-tokens", type=int, default=None,
                         help="output limit for requests that set no max_tokens (default: the rest of the window)")
+    engine.add_argument("--no-engine-worker", action="store_true",
+                        help="run the engine in a thread of the server process instead of a supervised worker "
+                             "process (for profiling; a fault then leaves the server unavailable)")
+    engine.add_argument("--drain-timeout", type=float, default=30.0, metavar="SECONDS",
+                        help="on SIGTERM or Ctrl-C, seconds running requests may take to finish before they are "
+                             "cancelled with an error (default 30; a second Ctrl-C stops at once)")
+    engine.add_argument("--stalled-client-timeout", type=float, default=30.0, metavar="SECONDS",
+                        help="end a stream whose client has read nothing for this long, freeing its batch slot "
+                             "and KV blocks (default 30; 0: never)")
     other = p.add_argument_group("other")
     other.add_argument("--sse-keepalive", type=float, default=5.0,
                        help="seconds without an event before a stream sends a ': keep-alive' comment (default 5)")
@@ -216,6 +226,9 @@ def build_config(args: argparse.Namespace, environ=os.environ) -> ServerConfig:
                           background_wait_steps=args.background_wait_steps)
     if args.max_request_mb <= 0:
         raise ValueError("--max-request-mb must be positive")
+    fault = environ.get(FAULT_ENV_VAR) or None
+    if fault:
+        FaultPlan.parse(fault)  # refused at start, with the reason
     sampling_flags = read_sampling_flags(args)
     check_override(args.override_generation_config)
     if args.no_thinking and args.reasoning_effort not in (None, "none"):
@@ -237,7 +250,8 @@ def build_config(args: argparse.Namespace, environ=os.environ) -> ServerConfig:
         response_store_max_mb=args.response_store_max_mb, reasoning_key_file=args.reasoning_key_file, ui=args.ui,
         no_thinking=args.no_thinking, reasoning_effort=args.reasoning_effort, preserve_thinking=args.preserve_thinking,
         sampling_flags=sampling_flags, override_generation_config=args.override_generation_config,
-        strict_fields=args.strict_fields, engine=engine)
+        strict_fields=args.strict_fields, engine_worker=not args.no_engine_worker, drain_timeout=args.drain_timeout,
+        stalled_client_timeout=args.stalled_client_timeout, inject_fault=fault, engine=engine)
 
 
 def read_sampling_flags(args: argparse.Namespace) -> dict:
@@ -299,7 +313,7 @@ def run_serve(args: argparse.Namespace) -> int:
         f"'{state.model.name}' at {url}/v1{page} (Ctrl-C stops)", file=sys.stderr, flush=True))
     print(f"ember: listening on {url}; loading {config.model or 'the default model'} ...", file=sys.stderr, flush=True)
     server = _make_server(uvicorn.Config(app, log_config=None, access_log=False, lifespan="on",
-                                    timeout_graceful_shutdown=5), state)
+                                         timeout_graceful_shutdown=config.drain_timeout + 5), state)
     load_failure: list[str] = []
 
     def stop_on_load_failure(reason: str) -> None:  # a server that can never serve must not look alive
@@ -307,6 +321,9 @@ def run_serve(args: argparse.Namespace) -> int:
         server.should_exit = True
 
     state.load_failed_hooks.append(stop_on_load_failure)
+    # uvicorn handles SIGTERM (a drain) and sends it again once it has stopped; by then the work is
+    # done, so the second one ends the process normally instead of killing it.
+    signal.signal(signal.SIGTERM, lambda *_: None)
     try:
         server.run(sockets=[sock])
     except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C it handled; stopping is what was asked
@@ -339,10 +356,22 @@ def _open_request_log(path: str | None):
         raise ValueError(str(exc)) from None
 
 
+_SEND_BUFFER_BYTES = 256 << 10  # Linux doubles it for its own bookkeeping
+
+
 def _bind(host: str, port: int) -> socket.socket:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    # TCP keepalive, inherited by accepted connections: a peer that vanished without a word (a
+    # laptop closed, a network gone) is noticed in about two minutes and its requests end.
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    for option, value in (("TCP_KEEPIDLE", 60), ("TCP_KEEPINTVL", 10), ("TCP_KEEPCNT", 6)):
+        if hasattr(socket, option):
+            sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, option), value)
+    # A bounded send buffer (the kernel would grow it to 4 MiB): a client that stops reading then
+    # blocks the stream's writes after about half a MiB, and the stalled-client timeout can start.
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, _SEND_BUFFER_BYTES)
     try:
         sock.bind((host.strip("[]"), port))
     except OSError:
@@ -364,13 +393,21 @@ def _make_server(config, state):
     import uvicorn
 
     class Server(uvicorn.Server):
-        """uvicorn's server, which also cancels running requests as soon as Ctrl-C arrives."""
+        """uvicorn's server, which drains on SIGTERM or Ctrl-C: nothing new is admitted, running
+        requests get the drain timeout to finish, then the rest end with an error. A second
+        signal ends them at once."""
 
         def handle_exit(self, sig, frame) -> None:
             loop = getattr(state, "loop", None)
-            if not self.should_exit and loop is not None:
-                print("ember: stopping; running requests are cancelled", file=sys.stderr, flush=True)
-                loop.call_soon_threadsafe(state.begin_shutdown)
+            if loop is not None:
+                if not self.should_exit:
+                    drain = state.config.drain_timeout
+                    print(f"ember: stopping; running requests have {drain:g} s to finish", file=sys.stderr,
+                          flush=True)
+                    loop.call_soon_threadsafe(state.begin_drain, drain)
+                else:
+                    print("ember: stopping now; running requests are cancelled", file=sys.stderr, flush=True)
+                    loop.call_soon_threadsafe(state.begin_shutdown)
             super().handle_exit(sig, frame)
 
     return Server(config)

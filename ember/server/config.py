@@ -43,6 +43,10 @@ class ServerConfig:
     response_store_max_mb: float = 256.0  # MiB the stored Responses may take
     reasoning_key_file: str | None = None  # the key of encrypted reasoning (64 hex digits); None: one per process
     ui: bool = False  # serve the chat page at / (otherwise / answers as /health)
+    engine_worker: bool = True  # the engine in a supervised worker process; False: a thread of this one
+    drain_timeout: float = 30.0  # seconds running requests may finish after SIGTERM / Ctrl-C
+    stalled_client_timeout: float = 30.0  # seconds a stream may wait for its client to read; 0: no limit
+    inject_fault: str | None = None  # tests only: ember.engine.faults (from EMBER_INJECT_FAULT)
     engine: EngineConfig = field(default_factory=EngineConfig)
 
     def __post_init__(self) -> None:
@@ -62,6 +66,11 @@ class ServerConfig:
             raise ValueError(f"--response-store-max-records must be at least 1, got {self.response_store_max_records}")
         if self.response_store_max_mb <= 0:
             raise ValueError(f"--response-store-max-mb must be positive, got {self.response_store_max_mb}")
+        if self.drain_timeout < 0:
+            raise ValueError(f"--drain-timeout must be 0 or more seconds, got {self.drain_timeout}")
+        if self.stalled_client_timeout < 0:
+            raise ValueError(f"--stalled-client-timeout must be 0 (off) or more seconds, got "
+                             f"{self.stalled_client_timeout}")
         if self.log_stats_interval < 0:
             raise ValueError(f"--log-stats-interval must be 0 (off) or more seconds, got {self.log_stats_interval}")
 

@@ -55,6 +55,7 @@ class LiveCollector:
     def __init__(self) -> None:
         self.admission: Any = None
         self.engine_stats: dict[str, Any] | None = None
+        self.worker: dict[str, Any] = {}  # the engine worker's pid and restarts (none in process)
 
     def describe(self) -> list[Metric]:
         return []  # the names depend on whether the engine answered; skip the registry's name check
@@ -65,6 +66,12 @@ class LiveCollector:
                                     value=self.admission.num_running)
             yield GaugeMetricFamily("ember:num_requests_waiting", "HTTP requests waiting for a slot",
                                     value=self.admission.num_waiting)
+        if self.worker.get("worker_pid") is not None:
+            yield GaugeMetricFamily("ember:engine_worker_pid", "Process id of the engine worker",
+                                    value=self.worker["worker_pid"])
+        if "worker_restarts" in self.worker:
+            yield CounterMetricFamily("ember:engine_worker_restarts", "Times the engine worker was started again "
+                                      "after a fault", value=self.worker["worker_restarts"])
         stats = self.engine_stats
         if not stats:
             return
@@ -128,9 +135,9 @@ class Metrics:
             self.tpot.labels(route).observe(max(stamps.finished - stamps.first_token, 0.0)
                                             / (len(choice.token_ids) - 1))
 
-    def render(self, admission, engine_stats: dict[str, Any] | None) -> bytes:
+    def render(self, admission, engine_stats: dict[str, Any] | None, worker: dict[str, Any] | None = None) -> bytes:
         """The text exposition, with the gauges and engine counters as of now."""
-        self.live.admission, self.live.engine_stats = admission, engine_stats
+        self.live.admission, self.live.engine_stats, self.live.worker = admission, engine_stats, worker or {}
         try:
             return generate_latest(self.registry)
         finally:

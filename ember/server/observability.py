@@ -94,17 +94,14 @@ def model_identity(state, loaded) -> dict[str, Any]:
 
 def engine_settings(config, loaded) -> dict[str, Any]:
     settings = asdict(config)
-    core = getattr(loaded.engine, "core", None)
-    if core is not None:  # what the engine resolved from "auto" and None
-        settings.update(max_model_len=core.max_model_len, device=str(core.device),
-                        dtype=str(core.dtype).replace("torch.", ""), max_num_batched_tokens=core.max_num_batched_tokens,
-                        attention_cost_tokens=core.scheduler.config.attention_cost_tokens)
+    info = loaded.engine.info  # what the engine resolved from "auto" and None
+    settings.update(max_model_len=info.max_model_len, device=info.device, dtype=info.dtype,
+                    max_num_batched_tokens=info.max_num_batched_tokens,
+                    attention_cost_tokens=info.attention_cost_tokens)
     return settings
 
 
 def memory_budget(loaded) -> dict[str, Any]:
-    core = getattr(loaded.engine, "core", None)
-    if core is None:
-        return {"kv_capacity_tokens": loaded.kv_capacity_tokens}
-    return {"kv_cache_blocks": core.kv_manager.num_blocks - 1, "block_size": core.kv_manager.block_size,
-            "kv_capacity_tokens": core.kv_capacity_tokens, "kv_cache_bytes": getattr(core, "kv_cache_bytes", None)}
+    info = loaded.engine.info
+    return {"kv_cache_blocks": info.kv_cache_blocks, "block_size": info.block_size,
+            "kv_capacity_tokens": info.kv_capacity_tokens, "kv_cache_bytes": info.kv_cache_bytes}

@@ -178,6 +178,9 @@ HEALTH = {
                    "busy": {"type": "boolean", "description": "A request is running or waiting."},
                    "live_rows": _INTEGER, "waiting": _INTEGER, "requests_total": _TOTAL, "rounds_total": _TOTAL,
                    "context_length": _INTEGER,
+                   "worker_pid": {"type": ["integer", "null"], "description": "The engine worker's process id; "
+                                  "null while it starts again."},
+                   "worker_restarts": {**_INTEGER, "description": "Times the engine worker was started again."},
                    "streams": {"type": "object", "description": "Engine sequences decoding and prefilling, and the "
                                "most that run at once."},
                    "batch_invariant": {"type": "boolean", "description": "Whether a greedy or seeded request gets the "

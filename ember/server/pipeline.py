@@ -16,8 +16,8 @@ from typing import Any, AsyncIterator, Callable
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
+from ember.constraint_spec import ConstraintSpec
 from ember.errors import EmberError
-from ember.protocols.chat_reply import ReplyPlan
 from ember.protocols.errors import GenerationFailed
 from ember.protocols.json_body import parse_body
 from ember.protocols.neutral import Dialect, ResponseMeta, RunResult, choice_seeds, resolve_sampling
@@ -42,34 +42,33 @@ class ChoiceRun:
     """
 
     def __init__(self, engine, prompts: list[list[int]], params: list[SamplingParams], request_id: str,
-                 report_progress: bool = False, plan: ReplyPlan | None = None,
-                 constraints: Callable[[], Any] | None = None) -> None:
+                 report_progress: bool = False, constraint: ConstraintSpec | None = None) -> None:
         self.engine = engine
         self.prompts = prompts  # one per choice: a request's n choices share one list, a batch's differ
         self.params = params
         self.request_id = request_id
         self.report_progress = report_progress
-        self.plan = plan  # each choice gets its own token constraint from it, if the reply is steered
-        self.constraints = constraints  # or from this factory (a grammar), which then replaces the plan's
+        self.constraint = constraint  # the engine builds each choice a live constraint of its own from it
         self.shared_prompt = all(p is prompts[0] for p in prompts)
+        self.delivered = False  # some of the reply reached the client: it can no longer run again
         self._queue: asyncio.Queue = asyncio.Queue()
         self._tasks: list[asyncio.Task] = []
 
     async def _pump(self, index: int) -> None:
         request_id = self.request_id if len(self.params) == 1 else f"{self.request_id}-{index}"
         extra = {"report_progress": True} if self.report_progress and index == 0 else {}
-        if self.constraints is not None:
-            constraint = self.constraints()
-        else:
-            constraint = self.plan.constraint() if self.plan is not None else None
-        if constraint is not None:
-            extra["constraint"] = constraint
+        if self.constraint is not None:
+            extra["constraint"] = self.constraint
         try:
             async for output in self.engine.generate(self.prompts[index], self.params[index], request_id=request_id,
-                                                     **extra):
+                                                     may_retry=self.may_retry, **extra):
                 self._queue.put_nowait((index, output, None))
         except Exception as exc:
             self._queue.put_nowait((index, None, exc))
+
+    def may_retry(self) -> bool:
+        """Whether a choice whose engine worker died may run again from the start."""
+        return not self.delivered
 
     def _start(self, index: int) -> None:
         self._tasks.append(asyncio.get_running_loop().create_task(self._pump(index)))
@@ -106,14 +105,14 @@ async def serve_generation(request: Request, dialect: Dialect) -> Response:
     state: ServerState = request.app.state.ember
     record: RequestRecord = request.scope["ember.record"]
     record.route, record.errors = dialect.name, dialect.errors
-    state.require_ready()
+    await state.require_engine()
     body = await request.body()
     job = dialect.parse(dialect.read_body(body) if dialect.read_body else parse_body(body), state.model)
     runs = job.prompt_runs()
     prompts = [await state.encode(run.prompt) for run in runs]
     prompt_token_ids = prompts[0]
     plan = state.reply_plan(job, prompt_token_ids)
-    constraints = await state.grammar_constraints(job, plan)
+    constraint = await state.constraint(job, plan)
     record.prompt_tokens = sum(len(ids) for ids in prompts)
     fitted = [resolve_sampling(job, len(ids), state.model, run.params, run.prompt_param)
               for run, ids in zip(runs, prompts)]
@@ -133,10 +132,11 @@ async def serve_generation(request: Request, dialect: Dialect) -> Response:
         else:
             choice_prompts, choice_params = [prompt_token_ids] * job.n, choice_seeds(params, job.n)
         run = ChoiceRun(state.engine, choice_prompts, choice_params, record.internal_id,
-                        report_progress=job.stream and job.return_progress, plan=plan, constraints=constraints)
+                        report_progress=job.stream and job.return_progress, constraint=constraint)
         if job.stream:
             frames = stream_frames(renderer, result, run, state, record)
-            response = EventStreamResponse(with_keep_alive(frames, state.config.sse_keepalive), ticket.release)
+            response = EventStreamResponse(with_keep_alive(frames, state.config.sse_keepalive), ticket.release,
+                                           state.config.stalled_client_timeout)
             ticket = None  # the stream releases it when it ends
             return response
         await collect_unless_gone(request, run, result, state)
@@ -208,6 +208,7 @@ async def stream_frames(renderer, result: RunResult, run: ChoiceRun, state: Serv
                 break
             frame = _frames(renderer.stream_output(choice, output))
             if frame:
+                run.delivered = True
                 yield frame
     except EmberError as exc:
         error = exc
@@ -234,19 +235,29 @@ def _frames(events: list[ServerEvent]) -> bytes:
 class EventStreamResponse(StreamingResponse):
     """An SSE response that watches for the client leaving while it streams (whatever the ASGI
     server's version), and always cleans up: its frames are closed, which aborts the engine run,
-    and its admission ticket is released, however the stream ends."""
+    and its admission ticket is released, however the stream ends. A client that reads nothing
+    for `stalled_timeout` seconds (its socket's buffers full) is cut off the same way, so it cannot
+    hold a batch slot and KV blocks forever."""
 
-    def __init__(self, frames: AsyncIterator[bytes], on_close) -> None:
+    def __init__(self, frames: AsyncIterator[bytes], on_close, stalled_timeout: float = 0.0) -> None:
         super().__init__(frames, media_type="text/event-stream", headers=SSE_HEADERS)
         self.frames = frames
         self._on_close = on_close
+        self.stalled_timeout = stalled_timeout or None
 
     async def __call__(self, scope, receive, send) -> None:
+        async def deliver(message) -> None:
+            try:
+                await asyncio.wait_for(send(message), self.stalled_timeout)
+            except asyncio.TimeoutError:
+                logger.warning("a stream's client read nothing for %g s: the stream is cut off", self.stalled_timeout)
+                raise ClientGone() from None
+
         async def stream() -> None:
-            await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+            await deliver({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
             async for frame in self.frames:
-                await send({"type": "http.response.body", "body": frame, "more_body": True})
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
+                await deliver({"type": "http.response.body", "body": frame, "more_body": True})
+            await deliver({"type": "http.response.body", "body": b"", "more_body": False})
 
         writer = asyncio.ensure_future(stream())
         watcher = asyncio.ensure_future(wait_for_disconnect(receive))
@@ -261,4 +272,6 @@ class EventStreamResponse(StreamingResponse):
             finally:
                 self._on_close()
         if writer.done() and not writer.cancelled() and writer.exception() is not None:
+            if isinstance(writer.exception(), ClientGone):
+                return  # the connection is dropped; the run has been aborted
             raise writer.exception()

@@ -14,11 +14,12 @@ from pathlib import Path
 from typing import Any, Callable
 
 import ember
+from ember.constraint_spec import ConstraintSpec
 from ember.errors import EmberError
 from ember.protocols.errors import ModelLoading, ServerUnavailable
 from ember.protocols.chat_reply import ChatFeatures, ReplyPlan, plan_reply
 from ember.protocols.neutral import GenerationRequest, ModelInfo, Prompt, encode_prompt
-from ember.grammar.compiler import load_grammars
+from ember.grammar.compiler import xgrammar_installed
 from ember.grammar.plan import build_constraints
 from ember.server.admission import Admission
 from ember.server.chat_defaults import chat_features
@@ -33,7 +34,8 @@ _PROMPT_TAIL_TOKENS = 16  # enough to see whether the prompt leaves a think bloc
 
 @dataclass(slots=True)
 class LoadedModel:
-    """A model ready to serve: its engine (an AsyncEngine or anything with the same methods)."""
+    """A model ready to serve: its engine (an EngineClient, supervising a worker process, or an
+    in-process AsyncEngine; both have generate, abort, status, wait_ready, health, info, latest_stats)."""
 
     engine: Any
     tokenizer: Any
@@ -45,14 +47,12 @@ class LoadedModel:
     sampling_defaults: dict[str, Any] = field(default_factory=dict)
     dtype: str = ""
     chat: ChatFeatures = field(default_factory=ChatFeatures)
-    grammars: Any = None  # ember.grammar.compiler.Grammars, None without xgrammar
     batch_invariance: dict[str, Any] = field(default_factory=dict)  # the engine's InvarianceReport.as_dict()
 
 
 def load_model(config: ServerConfig) -> LoadedModel:
-    """Load weights and tokenizer and build the engine (runs in a worker thread)."""
-    from ember.engine.core import EngineCore
-    from ember.engine.engine import AsyncEngine
+    """Open the model's tokenizer and settings here and start its engine: a supervised worker
+    process, or with `engine_worker` off a thread of this process (runs in a loading thread)."""
     from ember.loaders import load_model_source
 
     source = load_model_source(config.model, Path(config.cache_dir) if config.cache_dir else None,
@@ -63,17 +63,35 @@ def load_model(config: ServerConfig) -> LoadedModel:
         tokenizer.chat_template = config.chat_template
     chat = chat_features(config, tokenizer)
     _ = tokenizer.token_bytes, tokenizer.template_traits  # built now rather than on the first request
-    core = EngineCore.from_source(source, config.engine)
-    grammars = load_grammars(tokenizer, core.model_config.vocab_size, core.eos_token_ids)
-    _warm_up(core, tokenizer)
+    engine = _start_engine(config, source)
+    info = engine.info
     defaults = sampling_defaults(getattr(source, "generation_config", None) or {}, config.override_generation_config,
                                  config.sampling_flags)
     return LoadedModel(
-        engine=AsyncEngine(core, tokenizer), tokenizer=tokenizer, name=source.name, path=source.path,
-        max_model_len=core.max_model_len, vocab_size=core.model_config.vocab_size,
-        kv_capacity_tokens=getattr(core, "kv_capacity_tokens", None), sampling_defaults=defaults,
-        dtype=str(getattr(core, "dtype", "")).replace("torch.", ""), chat=chat, grammars=grammars,
-        batch_invariance=core.invariance.as_dict())
+        engine=engine, tokenizer=tokenizer, name=source.name, path=source.path,
+        max_model_len=info.max_model_len, vocab_size=info.vocab_size, kv_capacity_tokens=info.kv_capacity_tokens,
+        sampling_defaults=defaults, dtype=info.dtype, chat=chat,
+        batch_invariance=info.batch_invariance)
+
+
+def _start_engine(config: ServerConfig, source):
+    if config.engine_worker:
+        from ember.engine.client import EngineClient
+        from ember.engine.messages import WorkerSettings
+
+        settings = WorkerSettings(config.model, config.cache_dir, config.revision, config.ollama_models,
+                                  config.chat_template, config.engine, logging.getLogger().getEffectiveLevel(),
+                                  config.inject_fault)
+        engine = EngineClient(settings, source.tokenizer)
+        engine.launch()
+        return engine
+    from ember.engine.core import EngineCore
+    from ember.engine.engine import AsyncEngine
+    from ember.engine.worker import warm_up
+
+    core = EngineCore.from_source(source, config.engine)
+    warm_up(core, source.tokenizer)
+    return AsyncEngine(core, source.tokenizer)
 
 
 def _single_token_id(tokenizer, vocab_size: int, text: str) -> int | None:
@@ -82,18 +100,6 @@ def _single_token_id(tokenizer, vocab_size: int, text: str) -> int | None:
     if len(ids) != 1 or ids[0] >= vocab_size or tokenizer.decode(ids, skip_special_tokens=False) != text:
         return None
     return ids[0]
-
-
-def _warm_up(core, tokenizer) -> None:
-    """One tiny request before the engine thread starts, so the first client does not pay for
-    the kernels' first run."""
-    from ember.types import SamplingParams
-
-    prompt = tokenizer.encode("Hello", add_special_tokens=False) or [0]
-    core.add_request("ember-warm-up", prompt, SamplingParams(max_tokens=2, temperature=0.0))
-    while core.has_unfinished():
-        core.step()
-    core.reset_counters()  # statistics count clients' work only
 
 
 class ServerState:
@@ -162,6 +168,11 @@ class ServerState:
             except Exception:  # an observer's fault must not stop serving
                 logger.exception("a ready hook failed")
 
+    def begin_drain(self, timeout: float) -> None:
+        """Stop admitting; the running requests are cancelled only if they outlast `timeout`."""
+        self.admission.close(ServerUnavailable("the server is shutting down"))
+        self.loop.call_later(timeout, self.begin_shutdown)
+
     def begin_shutdown(self) -> None:
         """Stop taking requests and end the running ones (their KV blocks go back to the pool)."""
         stopping = ServerUnavailable("the server is shutting down")
@@ -180,19 +191,31 @@ class ServerState:
     # ---- readiness ---------------------------------------------------------------------------
 
     def health(self) -> tuple[int, str]:
-        if self.status == "ok" and self.engine_failure():
-            self.status, self.failure = "unavailable", f"the engine stopped after a fault: {self.engine_failure()}"
+        """(status code, status): loading while the model loads or its engine worker starts again."""
+        if self.status == "ok":
+            engine = self.loaded.engine
+            if engine.status == "unavailable":
+                self.status, self.failure = "unavailable", f"the engine stopped after a fault: {engine.failed}"
+            elif engine.status == "loading":
+                return 503, "loading"
         return (200 if self.status == "ok" else 503), self.status
 
-    def engine_failure(self) -> str | None:
-        return getattr(self.loaded.engine, "failed", None) if self.loaded is not None else None
-
     def require_ready(self) -> None:
-        _, status = self.health()
-        if status == "loading":
+        """Raise unless the model is loaded here (routes that only tokenize need no more)."""
+        self.health()
+        if self.status == "loading":
             raise ModelLoading()
-        if status != "ok":
+        if self.status != "ok":
             raise ServerUnavailable(self.failure or "the engine is not running")
+
+    async def require_engine(self) -> None:
+        """Raise unless the engine takes requests. While its worker starts again, a request waits
+        for it (within the pending timeout) rather than failing at once."""
+        self.require_ready()
+        engine = self.loaded.engine
+        if not await engine.wait_ready(self.config.pending_timeout or None):
+            self.require_ready()  # the engine gave up: unavailable
+            raise ModelLoading()
 
     # ---- work --------------------------------------------------------------------------------
 
@@ -214,19 +237,22 @@ class ServerState:
         tail = tokenizer.decode(prompt_token_ids[-_PROMPT_TAIL_TOKENS:], skip_special_tokens=False)
         return plan_reply(job.chat, self.model.chat, tail, tokenizer.token_bytes)
 
-    async def grammar_constraints(self, job: GenerationRequest, plan: ReplyPlan | None):
-        """A factory of each choice's grammar constraint (None: no grammar), compiled off the event loop."""
+    async def constraint(self, job: GenerationRequest, plan: ReplyPlan | None) -> ConstraintSpec | None:
+        """How every choice's tokens are held: a grammar (compiled by the engine, which checks it
+        here first) or the reply plan's steering; None for free text."""
         if job.grammar is None and (job.chat is None or not job.chat.tools):
-            return None
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._prompt_pool, build_constraints, self.loaded.grammars, job, plan,
-                                          self.loaded.tokenizer.token_bytes)
+            return plan.constraint() if plan is not None else None
+        spec = build_constraints(job, plan, xgrammar_installed())
+        if spec is None:
+            return plan.constraint() if plan is not None else None
+        await self.engine.check_constraint(spec)  # a grammar that does not compile is a 400 here
+        return spec
 
     def decode(self, token_ids: list[int]) -> str:
         return self.loaded.tokenizer.decode(token_ids)
 
     async def engine_stats(self) -> dict[str, Any] | None:
         """The engine's counters as of its last step: answered at once, even while a step runs."""
-        if self.status != "ok":
+        if self.status != "ok" or self.engine.latest_stats is None:
             return None
         return asdict(self.engine.latest_stats)

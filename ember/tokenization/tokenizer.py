@@ -66,10 +66,10 @@ class Tokenizer:
     @classmethod
     def from_pretrained_folder(cls, path: str | os.PathLike[str], *,
                                extra_eos_token_ids: Iterable[int] = ()) -> "Tokenizer":
-        """Load with AutoTokenizer from a local folder (never the network)."""
-        from transformers import AutoTokenizer
+        """Load from a local folder (never the network): with PreTrainedTokenizerFast itself when
+        the folder names that class (GGUF cache entries do), which needs no torch, else AutoTokenizer."""
         try:
-            hf = AutoTokenizer.from_pretrained(os.fspath(path), local_files_only=True)
+            hf = _tokenizer_class(path).from_pretrained(os.fspath(path), local_files_only=True)
         except Exception as exc:  # transformers raises many types for a bad or missing tokenizer
             raise ModelLoadError(f"could not load the tokenizer in {path}: {_one_line(exc)}") from None
         if not getattr(hf, "is_fast", False) or not hasattr(hf, "backend_tokenizer"):
@@ -308,3 +308,20 @@ def _template_of(hf: Any) -> str | None:
 def _one_line(exc: BaseException) -> str:
     text = str(exc).strip().splitlines()
     return f"{type(exc).__name__}: {text[0] if text else ''}".rstrip(": ")
+
+
+def _tokenizer_class(path: str | os.PathLike[str]):
+    import json
+
+    try:
+        with open(os.path.join(path, "tokenizer_config.json"), encoding="utf-8") as f:
+            named = json.load(f).get("tokenizer_class")
+    except (OSError, ValueError):
+        named = None
+    if named in ("PreTrainedTokenizerFast", "TokenizersBackend"):  # the generic fast class, by either name
+        from transformers import PreTrainedTokenizerFast
+
+        return PreTrainedTokenizerFast
+    from transformers import AutoTokenizer  # imports torch through transformers' configuration module
+
+    return AutoTokenizer

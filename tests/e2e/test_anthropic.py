@@ -440,7 +440,7 @@ def test_key_size_type_and_overload_refusals(tight):
 # ---- in-process: loading, and a fault after the stream began ------------------------------------------
 
 def test_loading_is_529_overloaded():
-    from tests.e2e.test_faults import with_app
+    from tests.e2e.test_faults import config, with_app
 
     gate = threading.Event()
 
@@ -456,14 +456,14 @@ def test_loading_is_529_overloaded():
             assert reply.json()["request_id"] == reply.headers["request-id"]
         gate.set()
 
-    asyncio.run(with_app(never_loads, scenario))
+    asyncio.run(with_app(scenario, config(), never_loads))
 
 
 def test_a_fault_mid_stream_is_an_error_event():
-    from tests.e2e.test_faults import faulty_loader, wait_ready, with_app
+    from tests.e2e.test_faults import config, wait_for, with_app
 
     async def scenario(client):
-        await wait_ready(client)
+        await wait_for(client, "ok")
         body = {"model": "m", "max_tokens": 50, "temperature": 0, "messages": HI, "stream": True}
         reply = await client.post("/v1/messages", json=body)
         assert reply.status_code == 200
@@ -472,11 +472,11 @@ def test_a_fault_mid_stream_is_an_error_event():
         assert names == [e["type"] for e in events]
         assert names[:2] == ["message_start", "ping"] and "content_block_delta" in names
         assert events[-1]["type"] == "error" and events[-1]["error"]["type"] == "api_error"
-        assert "device lost" in events[-1]["error"]["message"]
+        assert "injected device fault" in events[-1]["error"]["message"]
         assert events[-1]["request_id"] == reply.headers["request-id"]
         assert "message_stop" not in names
 
-    asyncio.run(with_app(faulty_loader(fail_at=4), scenario))
+    asyncio.run(with_app(scenario, config("raise@6")))
 
 
 # ---- thinking, on a reasoning template ------------------------------------------------------------------

@@ -205,23 +205,23 @@ def test_healthz_and_the_seeds_health_names(ask, http):
     assert after["busy"] is False and http.head("/healthz").status_code == 200
 
 
-# ---- 13. stream errors (an engine fault injected into the real runner) -------------------------------------
+# ---- 13. stream errors (a device fault injected into the engine worker) -------------------------------------
 
 def test_a_chat_stream_error_carries_the_request_id_and_a_responses_stream_error_is_error_then_failed():
-    from tests.e2e.test_faults import faulty_loader, wait_ready, with_app
+    from tests.e2e.test_faults import config, wait_for, with_app
 
     async def scenario(client):
-        await wait_ready(client)
+        await wait_for(client, "ok")
         body = {"messages": STORY, "max_tokens": 50, "temperature": 0, "stream": True}
         reply = await client.post("/v1/chat/completions", json=body, headers={"x-request-id": "broken-chat-1"})
         events = [json.loads(line[6:]) for line in reply.text.splitlines()
                   if line.startswith("data: ") and line != "data: [DONE]"]
         assert events[-1]["error"]["type"] == "server_error" and events[-1]["request_id"] == "broken-chat-1"
 
-    asyncio.run(with_app(faulty_loader(fail_at=4), scenario))
+    asyncio.run(with_app(scenario, config("raise@6")))
 
     async def responses_scenario(client):
-        await wait_ready(client)
+        await wait_for(client, "ok")
         reply = await client.post("/v1/responses", json={"input": "Tell me about the sea.", "stream": True,
                                                          "temperature": 0, "max_output_tokens": 50})
         frames, name = [], None
@@ -231,11 +231,11 @@ def test_a_chat_stream_error_carries_the_request_id_and_a_responses_stream_error
             elif line.startswith("data: "):
                 frames.append((name, json.loads(line[6:])))
         assert [data["type"] for _, data in frames[-2:]] == ["error", "response.failed"]
-        assert "device lost" in frames[-2][1]["message"]
+        assert "injected device fault" in frames[-2][1]["message"]
         final = check_stream(frames)
         assert final["status"] == "failed"
 
-    asyncio.run(with_app(faulty_loader(fail_at=4), responses_scenario))
+    asyncio.run(with_app(responses_scenario, config("raise@6")))
 
 
 def test_a_responses_stream_that_ends_well_has_no_error_event(http):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 import socket
 import threading
 import time
@@ -161,13 +162,21 @@ def test_full_queue_is_429_and_a_long_wait_is_503(tight, session):
     assert session.post("/v1/chat/completions", json={"messages": HI, "max_tokens": 2}).status_code == 200
 
 
-def test_ctrl_c_cancels_running_requests_and_frees_the_port(tight):
-    """Runs last in this module: it stops the server."""
+def test_a_second_ctrl_c_cancels_running_requests_and_frees_the_port(tight):
+    """Runs last in this module: it stops the server. The first Ctrl-C drains (nothing new is
+    admitted; running requests may finish); the second ends them at once."""
     body = {"messages": HI, "max_tokens": 1000, "ignore_eos": True, "stream": True}
     with httpx.Client(base_url=tight.url, timeout=120, headers=AUTH) as client:
         with client.stream("POST", "/v1/chat/completions", json=body) as stream:
             lines = stream.iter_lines()
             next(line for line in lines if line.startswith("data: "))
+            tight.proc.send_signal(signal.SIGINT)
+            _wait_for(lambda: any("have" in line and "to finish" in line for line in tight.lines))
+            try:  # draining: nothing new is admitted (uvicorn stops listening; a kept connection gets 503)
+                assert httpx.post(tight.url + "/v1/chat/completions", json=body, headers=AUTH,
+                                  timeout=30).status_code == 503
+            except httpx.ConnectError:
+                pass
             code = tight.interrupt()
             rest = list(_safe_lines(lines))
     assert code == 0

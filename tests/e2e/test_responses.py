@@ -331,7 +331,9 @@ def test_encrypted_reasoning_restores_the_history_without_state(thinking, thinki
     import httpx
     with httpx.Client(base_url=thinking_server.url, timeout=120) as http:
         def count(items):
-            reply = http.post("/v1/responses/input_tokens", json={"model": model, "input": items})
+            # earlier turns' reasoning reaches the prompt only when kept (preserve_thinking)
+            reply = http.post("/v1/responses/input_tokens", json={"model": model, "input": items,
+                                                                  "preserve_thinking": True})
             assert reply.status_code == 200, reply.text
             return reply.json()["input_tokens"]
 

@@ -114,7 +114,7 @@ def test_a_grammar_with_a_forced_tool_choice_is_refused():
 def test_without_xgrammar_a_grammar_is_refused_naming_the_install_command():
     job = GenerationRequest(TextPrompt("x"), SamplingParams(), grammar=json_schema_spec(SCHEMA, "guided_json"))
     with pytest.raises(InvalidRequest) as caught:
-        build_constraints(None, job, None, None)
+        build_constraints(job, None, False)
     assert caught.value.param == "guided_json"
     assert "pip install xgrammar" in caught.value.message
     assert "pip install xgrammar" in grammar_unavailable("tools").message
@@ -130,10 +130,10 @@ def test_without_xgrammar_a_strict_tool_is_refused_and_a_forced_call_falls_back(
         plan = plan_reply(options, features, "", None)
         if refused:
             with pytest.raises(InvalidRequest) as caught:
-                build_constraints(None, job, plan, None)
+                build_constraints(job, plan, False)
             assert caught.value.param == "tools"
         else:
-            assert build_constraints(None, job, plan, None) is None
+            assert build_constraints(job, plan, False) is None
 
 
 def test_choices_become_an_ebnf_of_quoted_strings():

@@ -1,0 +1,132 @@
+"""The messages between the front end and an engine worker, and their one encoding.
+
+Every message is a typed msgspec Struct, tagged by its class name, sent as msgpack over ZeroMQ
+sockets (ember.engine.client, ember.engine.worker). Nothing here is a live object: tcp:// reaches
+a worker on another host as well as ipc:// one on this host.
+
+    front end -> worker   Add, Abort, Query, Shutdown
+    worker -> front end   Ready (once loaded), Outputs (after each step, with the statistics),
+                          Answer (to a Query), Fatal (the worker cannot go on; it exits after it)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from ember.config import EngineConfig
+from ember.constraint_spec import ConstraintSpec
+from ember.engine.stats import EngineStats
+from ember.types import SamplingParams, StepOutput
+
+
+class Add(msgspec.Struct, tag=True):
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    priority: int = 0
+    cache_salt: str | None = None
+    arrival_time: float = 0.0
+    constraint: ConstraintSpec | None = None
+    report_progress: bool = False
+
+
+class Abort(msgspec.Struct, tag=True):
+    request_ids: list[str]
+
+
+class Query(msgspec.Struct, tag=True):
+    """A question answered between steps: "stats", "check_invariants" (an error on leaked blocks)
+    or "check_constraint" (whether `constraint` compiles; the error names the field if not)."""
+
+    query_id: int
+    name: str
+    constraint: ConstraintSpec | None = None
+
+
+class Shutdown(msgspec.Struct, tag=True):
+    pass
+
+
+class EngineInfo(msgspec.Struct):
+    """What the loaded engine resolved, for health, model cards and the log."""
+
+    max_model_len: int
+    vocab_size: int
+    kv_capacity_tokens: int
+    dtype: str
+    device: str
+    max_num_batched_tokens: int
+    attention_cost_tokens: int | None
+    kv_cache_blocks: int
+    block_size: int
+    kv_cache_bytes: int
+    eos_token_ids: list[int]
+    batch_invariance: dict[str, Any]
+
+
+class Ready(msgspec.Struct, tag=True):
+    pid: int
+    info: EngineInfo
+    stats: EngineStats
+
+
+class Outputs(msgspec.Struct, tag=True):
+    outputs: list[StepOutput]
+    stats: EngineStats
+
+
+class Answer(msgspec.Struct, tag=True):
+    query_id: int
+    value: Any = None
+    error: str | None = None
+    param: str | None = None  # a refused constraint's field, and the refusal's code
+    code: str | None = None
+
+
+class Fatal(msgspec.Struct, tag=True):
+    """The worker cannot go on: loading failed (`loading`), or a step raised. It exits next."""
+
+    message: str
+    loading: bool = False
+    code: str | None = None
+    param: str | None = None
+
+
+class WorkerSettings(msgspec.Struct):
+    """Everything a worker needs to load the model: sent once, as its first message."""
+
+    model: str | None
+    cache_dir: str | None
+    revision: str | None
+    ollama_models: str | None
+    chat_template: str | None
+    engine: EngineConfig
+    log_level: int = 20  # the front end's (logging.INFO)
+    fault: str | None = None  # fault injection for tests (ember.engine.faults)
+
+
+ToWorker = Add | Abort | Query | Shutdown
+FromWorker = Ready | Outputs | Answer | Fatal
+
+_encoder = msgspec.msgpack.Encoder()
+to_worker = msgspec.msgpack.Decoder(ToWorker)
+from_worker = msgspec.msgpack.Decoder(FromWorker)
+settings_decoder = msgspec.msgpack.Decoder(WorkerSettings)
+
+
+def encode(message: msgspec.Struct) -> bytes:
+    return _encoder.encode(message)
+
+
+def engine_info(core) -> EngineInfo:
+    """The EngineInfo of a built EngineCore."""
+    kv = core.kv_manager
+    return EngineInfo(
+        max_model_len=core.max_model_len, vocab_size=core.model_config.vocab_size,
+        kv_capacity_tokens=core.kv_capacity_tokens, dtype=str(core.dtype).replace("torch.", ""),
+        device=str(core.device), max_num_batched_tokens=core.max_num_batched_tokens,
+        attention_cost_tokens=core.scheduler.config.attention_cost_tokens, kv_cache_blocks=kv.num_blocks - 1,
+        block_size=kv.block_size, kv_cache_bytes=core.kv_cache_bytes, eos_token_ids=sorted(core.eos_token_ids),
+        batch_invariance=core.invariance.as_dict())

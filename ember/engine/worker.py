@@ -1,0 +1,186 @@
+"""The engine worker: one process that owns the model and runs the engine loop.
+
+Started by ember.engine.client as `python -m ember.engine.worker IN OUT`: it connects a PULL socket
+to IN and a PUSH socket to OUT (the front end binds both), reads its WorkerSettings, loads the
+model, says Ready, then runs: take every waiting message, run one step when work is live, send
+the step's outputs with the engine's statistics. A fault in a step is Fatal: the worker reports it
+and exits, and the front end starts a fresh one (a device in an unknown state is not reused).
+The worker exits with its parent, never orphaned.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import signal
+import sys
+import time
+
+import zmq
+
+from ember.engine import messages
+from ember.engine.messages import Abort, Add, Answer, Fatal, Outputs, Query, Ready, Shutdown, WorkerSettings
+from ember.errors import EmberError
+from ember.types import FinishReason, SamplingParams, StepOutput
+
+logger = logging.getLogger("ember.worker")
+
+_IDLE_POLL_MS = 500  # how often an idle worker checks that its parent is alive
+_PR_SET_PDEATHSIG = 1
+
+
+def load_engine(settings: WorkerSettings):
+    """(EngineCore, ConstraintBuilder) for the settings: the model built, warmed up, counters zeroed."""
+    from pathlib import Path
+
+    from ember.engine.core import EngineCore
+    from ember.grammar.realize import load_constraint_builder
+    from ember.loaders import load_model_source
+
+    source = load_model_source(settings.model, Path(settings.cache_dir) if settings.cache_dir else None,
+                               revision=settings.revision,
+                               ollama_models=Path(settings.ollama_models) if settings.ollama_models else None)
+    if settings.chat_template is not None:
+        source.tokenizer.chat_template = settings.chat_template
+    core = EngineCore.from_source(source, settings.engine)
+    builder = load_constraint_builder(source.tokenizer, core.model_config.vocab_size, core.eos_token_ids)
+    warm_up(core, source.tokenizer)
+    return core, builder
+
+
+def warm_up(core, tokenizer) -> None:
+    """One tiny request before serving, so the first client does not pay for the kernels' first run."""
+    prompt = tokenizer.encode("Hello", add_special_tokens=False) or [0]
+    core.add_request("ember-warm-up", prompt, SamplingParams(max_tokens=2, temperature=0.0))
+    while core.has_unfinished():
+        core.step()
+    core.reset_counters()  # statistics count clients' work only
+
+
+class Worker:
+    def __init__(self, core, builder, inbox: zmq.Socket, outbox: zmq.Socket, fault=None) -> None:
+        self.core = core
+        self.builder = builder
+        self.inbox = inbox
+        self.outbox = outbox
+        self.fault = fault
+        self.num_model_steps = 0
+        self.parent = os.getppid()
+
+    def serve(self) -> None:
+        core = self.core
+        while True:
+            if not core.has_unfinished():
+                while not self.inbox.poll(_IDLE_POLL_MS):
+                    if os.getppid() != self.parent:
+                        return  # the front end is gone
+            outputs: list[StepOutput] = []
+            while True:
+                try:
+                    message = messages.to_worker.decode(self.inbox.recv(zmq.NOBLOCK))
+                except zmq.Again:
+                    break
+                if isinstance(message, Shutdown):
+                    self._send(core.abort(list(core.scheduler.requests)))
+                    return
+                outputs += self._handle(message)
+            if core.has_unfinished():
+                self.num_model_steps += 1
+                if self.fault is not None:
+                    self.fault.at_step(self.num_model_steps)
+                outputs += core.step()
+            self._send(outputs)
+
+    def _handle(self, message) -> list[StepOutput]:
+        if isinstance(message, Add):
+            try:
+                constraint = self.builder.build(message.constraint)
+                self.core.add_request(message.request_id, message.prompt_token_ids, message.params,
+                                      message.priority, message.cache_salt, message.arrival_time or None,
+                                      constraint, message.report_progress)
+            except EmberError as exc:
+                return [StepOutput(message.request_id, [], None, FinishReason.ERROR, len(message.prompt_token_ids),
+                                   0, error=exc.message)]
+            return []
+        if isinstance(message, Abort):
+            return self.core.abort(message.request_ids)
+        if isinstance(message, Query):
+            self.outbox.send(messages.encode(self._answer(message)))
+        return []
+
+    def _answer(self, query: Query) -> Answer:
+        try:
+            if query.name == "stats":
+                return Answer(query.query_id, self.core.stats())
+            if query.name == "check_invariants":
+                self.core.check_invariants()
+                return Answer(query.query_id, True)
+            if query.name == "check_constraint":
+                self.builder.compile(query.constraint)
+                return Answer(query.query_id, True)
+            return Answer(query.query_id, error=f"unknown query {query.name!r}")
+        except AssertionError as exc:
+            return Answer(query.query_id, error=f"AssertionError: {exc}")
+        except EmberError as exc:
+            return Answer(query.query_id, error=exc.message, param=exc.param, code=exc.code)
+
+    def _send(self, outputs: list[StepOutput]) -> None:
+        self.outbox.send(messages.encode(Outputs(outputs, self.core.stats())))
+
+
+def main(argv: list[str]) -> int:
+    inbox_address, outbox_address = argv[0], argv[1]
+    _die_with_parent()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the front end decides
+    context = zmq.Context()
+    inbox, outbox = context.socket(zmq.PULL), context.socket(zmq.PUSH)
+    for socket in (inbox, outbox):
+        socket.setsockopt(zmq.LINGER, 2000)
+    inbox.connect(inbox_address)
+    outbox.connect(outbox_address)
+    settings = messages.settings_decoder.decode(inbox.recv())
+    logging.basicConfig(level=settings.log_level,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    fault = None
+    if settings.fault:
+        from ember.engine.faults import FaultPlan
+
+        fault = FaultPlan.parse(settings.fault)
+        fault.at_load()
+    began = time.monotonic()
+    try:
+        core, builder = load_engine(settings)
+    except Exception as exc:
+        logger.error("loading the model failed: %s", exc, exc_info=not isinstance(exc, EmberError))
+        error = exc if isinstance(exc, EmberError) else None
+        outbox.send(messages.encode(Fatal(str(exc), loading=True, code=error.code if error else None,
+                                          param=error.param if error else None)))
+        return 1
+    logger.info("engine worker %d ready in %.1f s", os.getpid(), time.monotonic() - began)
+    outbox.send(messages.encode(Ready(os.getpid(), messages.engine_info(core), core.stats())))
+    worker = Worker(core, builder, inbox, outbox, fault)
+    try:
+        worker.serve()
+    except Exception as exc:  # a fault in the model or sampler: report it and let the front end restart us
+        logger.exception("engine step failed")
+        outbox.send(messages.encode(Fatal(f"{type(exc).__name__}: {exc}")))
+        return 1
+    finally:
+        inbox.close(0)
+        outbox.close()
+        context.term()
+    return 0
+
+
+def _die_with_parent() -> None:
+    """Linux: the kernel sends SIGKILL to this process when the front end dies, however it dies."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):
+        pass  # elsewhere the idle poll notices the parent is gone
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
