@@ -116,7 +116,7 @@ class EngineClient:
         self.info: EngineInfo | None = None
         self.worker_pid: int | None = None
         self.worker_restarts = 0
-        self.latest_stats: EngineStats | None = None
+        self._stats: EngineStats | None = None  # the live worker's, as of its last step
         self._base = dict.fromkeys(_COUNTERS, 0)  # the totals of workers that died, so totals never go back
         self._context = zmq.Context()
         self._folder = tempfile.mkdtemp(prefix="ember-engine-")
@@ -181,7 +181,7 @@ class EngineClient:
         return self.status == "ok"
 
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams, *,
-                       request_id: str | None = None, priority: int = 0, cache_salt: str | None = None,
+                       request_id: str | None = None, cache_salt: str | None = None,
                        constraint: ConstraintSpec | None = None, report_progress: bool = False,
                        may_retry: Callable[[], bool] | None = None) -> AsyncIterator[GenerationOutput]:
         """Submit a request and yield its outputs until it finishes (see AsyncEngine.generate).
@@ -193,8 +193,7 @@ class EngineClient:
         fit_output(window, len(prompt_token_ids), params.max_tokens, over_room="refuse")
         request_id = request_id or f"req-{next(self._ids)}"
         stream, tracker = open_stream(self._streams, request_id, prompt_token_ids, params, self.tokenizer)
-        add = Add(request_id, prompt_token_ids, params, priority, cache_salt, tracker.timings.arrival, constraint,
-                  report_progress)
+        add = Add(request_id, prompt_token_ids, params, cache_salt, tracker.timings.arrival, constraint, report_progress)
         self._send(add)
         replay: _Replay | None = None
         finished = False
@@ -258,7 +257,7 @@ class EngineClient:
     def _deliver(self, batch: list) -> None:
         for message in batch:
             if isinstance(message, Outputs):
-                self.latest_stats = self._with_base(message.stats)
+                self._stats = message.stats
                 for step in message.outputs:
                     stream = self._streams.get(step.request_id)
                     if stream is not None:
@@ -277,7 +276,7 @@ class EngineClient:
         ready = worker.ready
         self._push = worker.push
         self.info, self.worker_pid = ready.info, ready.pid
-        self.latest_stats = self._with_base(ready.stats)
+        self._stats = ready.stats
         self.status = "ok"
         if self._ready is not None:
             self._ready.set()
@@ -286,7 +285,7 @@ class EngineClient:
         if self._push is not None:
             self._push.close(0)
             self._push = None
-        if self.latest_stats is not None:
+        if self._stats is not None:
             self._base = {name: getattr(self.latest_stats, name) for name in _COUNTERS}
         self.worker_pid = None
         self.status = "unavailable" if gave_up else "loading"
@@ -302,9 +301,14 @@ class EngineClient:
             if not future.done():
                 future.set_exception(EngineUnavailable(f"the engine worker stopped: {reason}"))
 
-    def _with_base(self, stats: EngineStats) -> EngineStats:
-        totals = {name: self._base[name] + getattr(stats, name) for name in _COUNTERS}
-        return dataclasses.replace(stats, **totals)
+    @property
+    def latest_stats(self) -> EngineStats | None:
+        """The engine's statistics as of the worker's last step, totals counted across restarts
+        (built when read, by health and metrics, not at every step)."""
+        stats = self._stats
+        if stats is None:
+            return None
+        return dataclasses.replace(stats, **{name: self._base[name] + getattr(stats, name) for name in _COUNTERS})
 
     def _call(self, fn, *args) -> None:
         """Run fn on the event loop; before one is attached (the first start), here and now."""

@@ -143,7 +143,7 @@ class EngineCore:
         return fit_output(window, num_prompt_tokens, max_tokens, over_room="refuse").max_tokens
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    priority: int = 0, cache_salt: str | None = None, arrival_time: float | None = None,
+                    cache_salt: str | None = None, arrival_time: float | None = None,
                     constraint: TokenConstraint | None = None,
                     report_progress: bool = False) -> None:
         if self.scheduler.get_request(request_id) is not None:
@@ -153,12 +153,9 @@ class EngineCore:
             raise InvalidRequest(f"the prompt holds a token id outside the vocabulary (0..{vocab - 1})",
                                  param="prompt")
         max_tokens = self.resolve_max_tokens(len(prompt_token_ids), params.max_tokens)
-        if priority and params.priority and priority != params.priority:
-            raise InvalidRequest(f"priority {priority} contradicts SamplingParams.priority {params.priority}",
-                                 param="priority")
         request = Request(request_id, list(prompt_token_ids), params, max_tokens=max_tokens,
                           eos_token_ids=self.eos_token_ids, arrival_time=arrival_time or time.time(),
-                          priority=priority or params.priority, cache_salt=cache_salt, constraint=constraint)
+                          priority=params.priority, cache_salt=cache_salt, constraint=constraint)
         self.scheduler.add_request(request)
         if report_progress:  # opt-in: an empty output after each prefill chunk, with num_computed_prompt_tokens
             self._progress_ids.add(request_id)

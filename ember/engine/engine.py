@@ -34,7 +34,6 @@ class AddRequest:
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
-    priority: int = 0
     cache_salt: str | None = None
     arrival_time: float = field(default_factory=time.time)
     constraint: ConstraintSpec | None = None
@@ -119,7 +118,7 @@ class AsyncEngine:
         self._thread.start()
 
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams, *,
-                       request_id: str | None = None, priority: int = 0,
+                       request_id: str | None = None,
                        cache_salt: str | None = None,
                        constraint: ConstraintSpec | None = None,
                        report_progress: bool = False,
@@ -137,7 +136,7 @@ class AsyncEngine:
         self.core.resolve_max_tokens(len(prompt_token_ids), params.max_tokens)
         request_id = request_id or f"req-{next(self._ids)}"
         stream, tracker = open_stream(self._streams, request_id, prompt_token_ids, params, self.tokenizer)
-        self._inbox.put(AddRequest(request_id, prompt_token_ids, params, priority, cache_salt,
+        self._inbox.put(AddRequest(request_id, prompt_token_ids, params, cache_salt,
                                    tracker.timings.arrival, constraint, report_progress))
         finished = False
         try:
@@ -240,7 +239,7 @@ class AsyncEngine:
         try:
             constraint = self._constraint_builder().build(message.constraint) if message.constraint else None
             self.core.add_request(message.request_id, message.prompt_token_ids, message.params,
-                                  message.priority, message.cache_salt, message.arrival_time,
+                                  message.cache_salt, message.arrival_time,
                                   constraint, message.report_progress)
         except EmberError as exc:
             self._reject(message, exc.message)

@@ -24,8 +24,7 @@ from ember.types import SamplingParams, StepOutput
 class Add(msgspec.Struct, tag=True):
     request_id: str
     prompt_token_ids: list[int]
-    params: SamplingParams
-    priority: int = 0
+    params: SamplingParams  # its priority included
     cache_salt: str | None = None
     arrival_time: float = 0.0
     constraint: ConstraintSpec | None = None

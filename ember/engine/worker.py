@@ -97,7 +97,7 @@ class Worker:
             try:
                 constraint = self.builder.build(message.constraint)
                 self.core.add_request(message.request_id, message.prompt_token_ids, message.params,
-                                      message.priority, message.cache_salt, message.arrival_time or None,
+                                      message.cache_salt, message.arrival_time or None,
                                       constraint, message.report_progress)
             except EmberError as exc:
                 return [StepOutput(message.request_id, [], None, FinishReason.ERROR, len(message.prompt_token_ids),

@@ -24,12 +24,12 @@ def stats() -> EngineStats:
 
 
 def test_an_add_with_every_kind_of_field_comes_back_equal():
-    params = SamplingParams(max_tokens=5, temperature=0.7, seed=42, stop=["\n\n"], stop_token_ids=[2],
+    params = SamplingParams(max_tokens=5, temperature=0.7, seed=42, stop=["\n\n"], stop_token_ids=[2], priority=1,
                             logit_bias={17: -5.0}, logprobs=2, logprob_token_ids=[3, 4])
     spec = ConstraintSpec(SteeringSpec("<think>", "</think>", in_block=True, budget=8, forced_tool_format="hermes",
                                        forced_names=["get_weather"]), STRUCTURAL_TAG, '{"type": "structural_tag"}',
                           "tools")
-    add = Add("req-1", [1, 2, 3], params, priority=1, cache_salt="s", arrival_time=12.5, constraint=spec,
+    add = Add("req-1", [1, 2, 3], params, cache_salt="s", arrival_time=12.5, constraint=spec,
               report_progress=True)
     back = messages.to_worker.decode(messages.encode(add))
     assert back == add and back.params.logit_bias == {17: -5.0} and back.constraint.steering.budget == 8
