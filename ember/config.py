@@ -169,7 +169,13 @@ class EngineConfig:
     dtype: str = "auto"  # auto: bfloat16 (batch-invariant and fastest on CPU and GPU)
     device: str = "auto"  # auto: cuda when available, else cpu
     seed: int = 0
-    num_threads: int | None = None  # torch CPU threads; None: leave torch's choice
+    num_threads: int | None = None  # torch CPU threads; None: leave torch's choice (split between a launch's ranks)
+    # Tensor parallelism (engine.parallel): the model split over this many ranks, which run as
+    # processes of `nnodes` launches (nodes), tensor_parallel_size / nnodes each, meeting at
+    # dist_init_addr ("HOST:PORT" of rank 0; a free localhost port when one launch holds them all).
+    tensor_parallel_size: int = 1
+    nnodes: int = 1
+    dist_init_addr: str | None = None
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.max_pinned_kv_share <= 1.0:
@@ -195,6 +201,21 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
         if self.rope_scaling is not None:
             _check_rope_scaling(self.rope_scaling)
+        _check_parallel(self.tensor_parallel_size, self.nnodes, self.dist_init_addr)
+
+
+def _check_parallel(size: int, nnodes: int, address: str | None) -> None:
+    for name, value in (("tensor_parallel_size", size), ("nnodes", nnodes)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    if size % nnodes:
+        raise ValueError(f"tensor_parallel_size {size} must be a multiple of nnodes {nnodes} (ranks per node)")
+    if nnodes > 1 and address is None:
+        raise ValueError("several nodes need dist_init_addr (HOST:PORT of rank 0) to meet at")
+    if address is not None:
+        host, _, port = address.rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError(f"dist_init_addr must be HOST:PORT, got {address!r}")
 
 
 def _check_rope_scaling(scaling: Any) -> None:

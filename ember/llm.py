@@ -23,7 +23,8 @@ class LLM:
     `model` is a Hugging Face folder, a GGUF file, a Hugging Face repo id (`org/name[@revision][:QUANT]`,
     through the Hugging Face cache), `ollama:NAME[:TAG]` (Ollama's store at `ollama_models`, default
     ~/.ollama/models), or None for the default model. Other keyword arguments are EngineConfig fields
-    (max_model_len, dtype, block_size, ...).
+    (max_model_len, dtype, block_size, ...). With tensor_parallel_size N above 1, this process is
+    rank 0 and starts N - 1 more on this host (engine.ranks); `close()` stops them.
     """
 
     def __init__(self, model: str | None = None, *, cache_dir: str | Path | None = None, revision: str | None = None,
@@ -31,8 +32,22 @@ class LLM:
         self.source = load_model_source(model, Path(cache_dir) if cache_dir else None, revision=revision,
                                         ollama_models=Path(ollama_models) if ollama_models else None)
         self.tokenizer = self.source.tokenizer
-        self.engine = EngineCore.from_source(self.source, EngineConfig(**engine_kwargs))
+        config = EngineConfig(**engine_kwargs)
+        group = None
+        if config.tensor_parallel_size > 1:
+            from ember.engine.messages import WorkerSettings
+            from ember.engine.ranks import start_leader
+
+            group = start_leader(WorkerSettings(model, str(cache_dir) if cache_dir else None, revision,
+                                                str(ollama_models) if ollama_models else None, None, config))
+        self.engine = EngineCore.from_source(self.source, config, group)
         self._ids = itertools.count()
+
+    def close(self) -> None:
+        """Stop a tensor-parallel group's other ranks (nothing to do on one rank)."""
+        if self.engine.group is not None:
+            self.engine.group.close()
+            self.engine.group = None
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None

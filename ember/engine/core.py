@@ -38,8 +38,11 @@ class EngineCore:
     """Synchronous engine. Not thread-safe: one thread calls everything (see AsyncEngine)."""
 
     def __init__(self, model: torch.nn.Module, model_config: ModelConfig, config: EngineConfig,
-                 eos_token_ids: set[int], device: torch.device, dtype: torch.dtype) -> None:
+                 eos_token_ids: set[int], device: torch.device, dtype: torch.dtype, group=None) -> None:
         self.model_config = model_config
+        self.group = group  # engine.parallel.TensorGroup of a tensor-parallel rank, else None
+        # KV heads this process caches: its shard's under tensor parallelism
+        self.num_kv_heads = group.plan.num_kv_heads if group is not None else model_config.num_key_value_heads
         self.config = config
         self.device = device
         self.dtype = dtype
@@ -51,6 +54,8 @@ class EngineCore:
         self.max_num_batched_tokens = config.max_num_batched_tokens or (_CPU_STEP_TOKENS if device.type == "cpu"
                                                                         else _GPU_STEP_TOKENS)
         num_blocks = self._num_kv_blocks()
+        if group is not None:  # rank 0 hands out the block ids: every rank must hold them all
+            num_blocks = group.agree_min(num_blocks)
         self.kv_manager = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching,
                                          config.max_pinned_kv_share)
         self.scheduler = Scheduler(
@@ -63,10 +68,12 @@ class EngineCore:
                                  and dtype in (torch.bfloat16, torch.float32) and model_config.head_dim % 16 == 0
                                  and kernels.available())
         cache = KVCache(model_config.num_hidden_layers, num_blocks, config.block_size,
-                        model_config.num_key_value_heads, model_config.head_dim, dtype, device,
+                        self.num_kv_heads, model_config.head_dim, dtype, device,
                         kernel_layout=self.uses_cpu_kernels, layer_windows=model_config.layer_windows)
         sampler = Sampler(model_config.vocab_size, device, config.seed)
         self.runner = ModelRunner(model, cache, sampler, device, exact=config.batch_invariant and device.type == "cpu")
+        if group is not None:
+            self.runner = group.wrap_runner(self.runner)
         self.kv_capacity_tokens = (num_blocks - 1) * config.block_size
         self._scheduled_at: dict[str, float] = {}
         self._progress_ids: set[str] = set()  # requests that asked for prefill progress outputs
@@ -82,6 +89,8 @@ class EngineCore:
         is built with whole-batch linears; only the check gives it another row plan."""
         if not self.config.batch_invariant:
             return invariance.not_promised("turned off (--no-batch-invariant)")
+        if self.group is not None:
+            return invariance.not_promised("not checked under tensor parallelism (sums over ranks)")
         if self.device.type != "cpu":
             return invariance.not_promised(f"not promised on {self.device.type} devices")
         report = invariance.check(self)
@@ -93,18 +102,28 @@ class EngineCore:
         return report
 
     @classmethod
-    def from_source(cls, source, config: EngineConfig) -> "EngineCore":
-        """Build the model described by a loaders.ModelSource and wrap it in an engine."""
+    def from_source(cls, source, config: EngineConfig, group=None) -> "EngineCore":
+        """Build the model described by a loaders.ModelSource and wrap it in an engine; with a
+        tensor-parallel `group` (engine.parallel), this rank's shard of it."""
+        if config.tensor_parallel_size > 1 and group is None:
+            raise InvalidRequest("tensor parallelism needs its group of ranks: serve with the engine worker "
+                                 "(ember serve) or use ember.llm.LLM", param="tensor_parallel_size")
         device = resolve_device(config.device)
+        if group is not None:
+            device = group.device(device)
         dtype = resolve_dtype(config.dtype)
         if config.num_threads and device.type == "cpu":
             torch.set_num_threads(config.num_threads)
         model_config = ModelConfig.from_hf(source.hf_config)
         if config.rope_scaling:
             model_config = model_config.with_rope_scaling(config.rope_scaling)
-        model = build_model(model_config, dtype, device, config.max_model_len)
+        model = build_model(group.local_config(model_config) if group is not None else model_config,
+                            dtype, device, config.max_model_len)
         block_kernels = device.type == "cpu" and config.cpu_kernels and kernels.available()
-        model.load_weights(source.weights(blocks=block_kernels and config.quantization != "none"))
+        model.load_weights(source.weights(blocks=block_kernels and config.quantization != "none",
+                                          cut=group.cut if group is not None else None))
+        if group is not None:
+            group.attach(model)
         formats = prepare_linears(model, config.quantization, block_kernels)
         if block_kernels and dtype in (torch.bfloat16, torch.float32):
             use_fused_ops(model)
@@ -113,7 +132,7 @@ class EngineCore:
         generation_eos = source.generation_config.get("eos_token_id")
         if generation_eos is not None:
             eos |= {generation_eos} if isinstance(generation_eos, int) else set(generation_eos)
-        return cls(model, model_config, config, eos, device, dtype)
+        return cls(model, model_config, config, eos, device, dtype, group)
 
     def _num_kv_blocks(self) -> int:
         cfg, mc = self.config, self.model_config
@@ -121,7 +140,7 @@ class EngineCore:
             return cfg.num_kv_blocks + 1
         if cfg.kv_cache_tokens is not None:
             return -(-cfg.kv_cache_tokens // cfg.block_size) + 1
-        per_block = KVCache.bytes_per_block(mc.num_hidden_layers, cfg.block_size, mc.num_key_value_heads,
+        per_block = KVCache.bytes_per_block(mc.num_hidden_layers, cfg.block_size, self.num_kv_heads,
                                             mc.head_dim, self.dtype)
         if cfg.kv_cache_memory_gb is not None:
             budget = cfg.kv_cache_memory_gb * 2**30

@@ -43,7 +43,12 @@ def load_engine(settings: WorkerSettings):
                                ollama_models=Path(settings.ollama_models) if settings.ollama_models else None)
     if settings.chat_template is not None:
         source.tokenizer.chat_template = settings.chat_template
-    core = EngineCore.from_source(source, settings.engine)
+    group = None
+    if settings.engine.tensor_parallel_size > 1:  # this worker is rank 0 (torch.distributed is imported only then)
+        from ember.engine.ranks import start_leader
+
+        group = start_leader(settings)
+    core = EngineCore.from_source(source, settings.engine, group)
     builder = load_constraint_builder(source.tokenizer, core.model_config.vocab_size, core.eos_token_ids)
     warm_up(core, source.tokenizer)
     return core, builder
@@ -75,6 +80,8 @@ class Worker:
                 while not self.inbox.poll(_IDLE_POLL_MS):
                     if os.getppid() != self.parent:
                         return  # the front end is gone
+                    if core.group is not None:
+                        core.group.heartbeat()  # raises when a rank is gone: the group restarts
             outputs: list[StepOutput] = []
             while True:
                 try:
@@ -131,7 +138,7 @@ class Worker:
 
 def main(argv: list[str]) -> int:
     inbox_address, outbox_address = argv[0], argv[1]
-    _die_with_parent()
+    die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the front end decides
     context = zmq.Context()
     inbox, outbox = context.socket(zmq.PULL), context.socket(zmq.PUSH)
@@ -162,6 +169,8 @@ def main(argv: list[str]) -> int:
     worker = Worker(core, builder, inbox, outbox, fault)
     try:
         worker.serve()
+        if core.group is not None:
+            core.group.close()
     except Exception as exc:  # a fault in the model or sampler: report it and let the front end restart us
         logger.exception("engine step failed")
         outbox.send(messages.encode(Fatal(f"{type(exc).__name__}: {exc}")))
@@ -173,7 +182,7 @@ def main(argv: list[str]) -> int:
     return 0
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
     """Linux: the kernel sends SIGKILL to this process when the front end dies, however it dies."""
     try:
         libc = ctypes.CDLL(None, use_errno=True)

@@ -18,7 +18,7 @@ import shutil
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
-from ember.loaders.source import ModelSource, check_architecture
+from ember.loaders.source import ModelSource, check_architecture, cut_each
 from ember.loaders.gguf_file import GGUFModel, model_name_from_file
 from ember.loaders.hf_folder import read_json, read_safetensors
 from ember.tokenization.tokenizer import Tokenizer, gguf_eos_token_ids
@@ -69,7 +69,7 @@ def load_or_convert(path: pathlib.Path, cache_dir: pathlib.Path) -> ModelSource:
         return ModelSource(
             name=model_name_from_file(path), path=str(path), hf_config=hf_config,
             tokenizer=tokenizer, generation_config=generation_config,
-            read_weights=lambda skip: model.weights(hf_config, skip=skip), format="gguf",
+            read_weights=lambda skip, cut=None: cut_each(model.weights(hf_config, skip=skip), cut), format="gguf",
             read_blocks=lambda: read_blocks(path, hf_config))
     _remove_older_entries(entry, path)
     return _source(entry, path, hf_config, generation_config, tokenizer, from_cache=False)
@@ -81,7 +81,7 @@ def _source(entry: pathlib.Path, path: pathlib.Path, hf_config: dict[str, Any],
     weights_file = entry / _WEIGHTS
     return ModelSource(
         name=model_name_from_file(path), path=str(path), hf_config=hf_config, tokenizer=tokenizer,
-        generation_config=generation_config, read_weights=lambda skip: _float32(weights_file, skip),
+        generation_config=generation_config, read_weights=lambda skip, cut=None: _float32(weights_file, skip, cut),
         format="gguf", cache_path=str(entry), from_cache=from_cache, read_blocks=lambda: read_blocks(path, hf_config))
 
 
@@ -91,10 +91,10 @@ def read_blocks(path: pathlib.Path, hf_config: dict[str, Any]):
     return read(path, hf_config)
 
 
-def _float32(weights_file: pathlib.Path, skip: frozenset[str]) -> Iterator[tuple[str, torch.Tensor]]:
+def _float32(weights_file: pathlib.Path, skip: frozenset[str], cut=None) -> Iterator[tuple[str, torch.Tensor]]:
     import torch
 
-    for name, tensor in read_safetensors([weights_file], skip):
+    for name, tensor in read_safetensors([weights_file], skip, cut):
         yield name, tensor if tensor.dtype == torch.float32 else tensor.float()
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import pathlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from ember.errors import ModelLoadError
@@ -51,7 +51,7 @@ def load_hf_folder(folder: pathlib.Path) -> ModelSource:
     return ModelSource(
         name=folder.name, path=str(folder), hf_config=hf_config, tokenizer=tokenizer,
         generation_config=generation_config,
-        read_weights=lambda skip: read_safetensors(weight_files, skip), format="hf")
+        read_weights=lambda skip, cut=None: read_safetensors(weight_files, skip, cut), format="hf")
 
 
 def safetensors_files(folder: pathlib.Path) -> list[pathlib.Path]:
@@ -76,13 +76,21 @@ def safetensors_files(folder: pathlib.Path) -> list[pathlib.Path]:
     return files
 
 
-def read_safetensors(files: list[pathlib.Path], skip: frozenset[str] = frozenset()) -> Iterator[tuple[str, Any]]:
+def read_safetensors(files: list[pathlib.Path], skip: frozenset[str] = frozenset(),
+                     cut: Callable[[str], Any] | None = None) -> Iterator[tuple[str, Any]]:
+    """Every tensor not in skip; with `cut`, only the slice cut(name) of each is read (models.sharding.Cut)."""
     from safetensors import safe_open
     for file in files:
         with safe_open(str(file), framework="pt") as reader:
             for name in reader.keys():
-                if name not in skip:
+                if name in skip:
+                    continue
+                part = cut(name) if cut is not None else None
+                if part is None:
                     yield name, reader.get_tensor(name)
+                else:
+                    index = (slice(None),) * part.dim + (slice(part.start, part.stop),)
+                    yield name, reader.get_slice(name)[index]
 
 
 def _check_safetensors(file: pathlib.Path) -> None:

@@ -11,6 +11,7 @@ from ember.errors import ModelLoadError
 if TYPE_CHECKING:
     import torch
 
+    from ember.models.sharding import Cut
     from ember.models.weights import QuantBlocks
     from ember.tokenization.tokenizer import Tokenizer
 
@@ -24,27 +25,42 @@ class ModelSource:
     hf_config: dict[str, Any]  # config.json shaped
     tokenizer: "Tokenizer"
     generation_config: dict[str, Any]  # eos_token_id (list) and any default sampling values
-    # read_weights(skip): the float tensors, those named in skip left unread
-    read_weights: Callable[[frozenset[str]], Iterator[tuple[str, "torch.Tensor"]]] = field(repr=False)
+    # read_weights(skip, cut): the float tensors, those named in skip left unread, each cut to
+    # cut(name) when `cut` is given (models.sharding: a tensor-parallel rank's slice)
+    read_weights: Callable[..., Iterator[tuple[str, "torch.Tensor"]]] = field(repr=False)
     format: str = "hf"  # "hf" or "gguf"
     cache_path: str | None = None  # a GGUF's converted cache entry, when there is one
     from_cache: bool = False  # True when a GGUF was served from its cache (no parse, no dequantize)
     read_blocks: Callable[[], Iterator[tuple[str, "QuantBlocks"]]] | None = field(default=None, repr=False)
 
-    def weights(self, blocks: bool = False) -> Iterator[tuple[str, "torch.Tensor | QuantBlocks"]]:
+    def weights(self, blocks: bool = False, cut: Callable[[str], "Cut | None"] | None = None
+                ) -> Iterator[tuple[str, "torch.Tensor | QuantBlocks"]]:
         """(HF checkpoint name, tensor) pairs, read lazily: HF folders yield the stored dtype, GGUF
         files float32. With `blocks`, a GGUF's quantized weights come as QuantBlocks instead
-        (models.weights), read from the file without a float round trip where the formats map."""
+        (models.weights), read from the file without a float round trip where the formats map.
+        With `cut`, each tensor is only its slice cut(name): safetensors files read just that
+        slice, GGUF tensors are cut once read."""
         if not blocks or self.read_blocks is None:
-            yield from self.read_weights(frozenset())
+            yield from self.read_weights(frozenset(), cut)
             return
-        quantized = dict(self.read_blocks())
-        yield from self.read_weights(frozenset(quantized))
+        quantized = dict(cut_each(self.read_blocks(), cut))
+        yield from self.read_weights(frozenset(quantized), cut)
         yield from quantized.items()
 
     @property
     def model_type(self) -> str:
         return self.hf_config["model_type"]
+
+
+def cut_each(pairs: Iterator[tuple[str, Any]], cut: Callable[[str], "Cut | None"] | None) -> Iterator[tuple[str, Any]]:
+    """The pairs, each tensor cut to cut(name) once read (None: as they are)."""
+    if cut is None:
+        yield from pairs
+        return
+    from ember.models.sharding import cut_tensor
+
+    for name, tensor in pairs:
+        yield name, cut_tensor(name, tensor, cut(name))
 
 
 def supported_architectures() -> tuple[str, ...]:

@@ -4,6 +4,8 @@ ember/cli.py wires this in with `add_serve_parser(subcommands)` and `run_serve(a
 Environment variables read here: EMBER_API_KEY (the key, when --api-key is not given),
 EMBER_CACHE_DIR (where converted GGUF models are cached) and OLLAMA_MODELS (Ollama's store, for
 `ollama:` names). huggingface_hub reads its own (HF_HOME, HF_HUB_CACHE, HF_HUB_OFFLINE, HF_TOKEN).
+Under torchrun, its RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT and LOCAL_RANK stand for the
+tensor-parallel flags (each torchrun process one launch of one rank; see docs/distributed.md).
 """
 
 from __future__ import annotations
@@ -160,6 +162,19 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                         metavar="N", help="a background request (priority: background) that has waited N engine "
                                           "steps in all is served as a foreground one from then on (default "
                                           f"{_ENGINE_DEFAULTS.background_wait_steps})")
+    parallel = p.add_argument_group("tensor parallelism (docs/distributed.md)")
+    parallel.add_argument("--tensor-parallel-size", type=int, default=None, metavar="N",
+                          help="split the model over N ranks (processes; one GPU each on CUDA), by attention KV "
+                               "group, MLP channel and vocabulary (default 1)")
+    parallel.add_argument("--nnodes", type=int, default=None, metavar="N",
+                          help="the ranks run on N nodes, N-th of them each; every node runs `ember serve` "
+                               "with the same flags and its own --node-rank (default 1)")
+    parallel.add_argument("--node-rank", type=int, default=None, metavar="K",
+                          help="this node's place among --nnodes: 0 serves HTTP and holds rank 0, the others "
+                               "run their ranks only and exit when the group goes down (default 0)")
+    parallel.add_argument("--dist-init-addr", default=None, metavar="HOST:PORT",
+                          help="where the ranks meet (rank 0's host and a free port; needed with --nnodes "
+                               "above 1; default a free localhost port)")
     engine.add_argument("--default-max-tokens", type=int, default=None,
                         help="output limit for requests that set no max_tokens (default: the rest of the window)")
     engine.add_argument("--no-engine-worker", action="store_true",
@@ -216,7 +231,12 @@ def build_config(args: argparse.Namespace, environ=os.environ) -> ServerConfig:
         except OSError as exc:
             raise ValueError(f"cannot read the chat template {args.chat_template}: {exc.strerror}") from None
     origins = _split(args.cors_origins)
-    engine = EngineConfig(max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+    parallel = parallel_flags(args, environ)
+    if parallel["tensor_parallel_size"] > 1 and args.no_engine_worker:
+        raise ValueError("--tensor-parallel-size above 1 needs the engine worker (drop --no-engine-worker)")
+    engine = EngineConfig(tensor_parallel_size=parallel["tensor_parallel_size"], nnodes=parallel["nnodes"],
+                          dist_init_addr=parallel["dist_init_addr"],
+                          max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                           max_num_batched_tokens=args.max_num_batched_tokens,
                           enable_prefix_caching=not args.no_prefix_caching,
                           batch_invariant=not args.no_batch_invariant, dtype=args.dtype, device=args.device,
@@ -254,6 +274,28 @@ def build_config(args: argparse.Namespace, environ=os.environ) -> ServerConfig:
         stalled_client_timeout=args.stalled_client_timeout, inject_fault=fault, engine=engine)
 
 
+def parallel_flags(args: argparse.Namespace, environ=os.environ) -> dict:
+    """tensor_parallel_size, nnodes, node_rank, dist_init_addr and local_rank (the first local GPU)
+    from the flags, or from torchrun's environment when it launched this process and no flag says
+    otherwise: then each torchrun process is one launch holding one rank."""
+    given = {"tensor_parallel_size": args.tensor_parallel_size, "nnodes": args.nnodes, "node_rank": args.node_rank,
+             "dist_init_addr": args.dist_init_addr}
+    world = environ.get("WORLD_SIZE")
+    if world and int(world) > 1 and given["nnodes"] is None and given["dist_init_addr"] is None:
+        if given["tensor_parallel_size"] not in (None, int(world)):
+            raise ValueError(f"--tensor-parallel-size {given['tensor_parallel_size']} differs from torchrun's "
+                             f"WORLD_SIZE {world}")
+        return {"tensor_parallel_size": int(world), "nnodes": int(world), "node_rank": int(environ["RANK"]),
+                "dist_init_addr": f"{environ['MASTER_ADDR']}:{environ['MASTER_PORT']}",
+                "local_rank": int(environ.get("LOCAL_RANK", "0"))}
+    flags = {"tensor_parallel_size": given["tensor_parallel_size"] or 1, "nnodes": given["nnodes"] or 1,
+             "node_rank": given["node_rank"] or 0, "dist_init_addr": given["dist_init_addr"], "local_rank": 0}
+    if not 0 <= flags["node_rank"] < flags["nnodes"]:
+        raise ValueError(f"--node-rank must be between 0 and --nnodes - 1 ({flags['nnodes'] - 1}), "
+                         f"got {flags['node_rank']}")
+    return flags
+
+
 def read_sampling_flags(args: argparse.Namespace) -> dict:
     """The sampling defaults given as single flags (--greedy is temperature 0)."""
     flags = {name: getattr(args, name) for name in FLAGS if getattr(args, name) is not None}
@@ -286,6 +328,11 @@ def run_serve(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"ember serve: {exc}", file=sys.stderr)
         return 2
+    parallel = parallel_flags(args)
+    if parallel["node_rank"] > 0:  # ranks only: no HTTP, no model of its own (rank 0 sends the settings)
+        from ember.engine.ranks import run_node
+
+        return run_node(config.engine, parallel["node_rank"], parallel["local_rank"])
     try:
         request_log = _open_request_log(config.request_log)
     except ValueError as exc:

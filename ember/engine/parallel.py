@@ -1,0 +1,248 @@
+"""Tensor parallelism over torch.distributed: a rank's group, the collectives its model runs, and
+the step plan that rank 0 broadcasts. Imported only when tensor_parallel_size is above 1.
+
+Every rank holds a shard of the model (models.sharding) and runs the same forward over the same
+tokens. The scheduler runs on rank 0 only: before each forward, rank 0 broadcasts the step's plan
+(the scheduled tokens, their positions and blocks, which rows are sampled) as msgpack bytes; the
+other ranks (`follow`) run it and take part in the collectives. Per layer there is one all-reduce
+of (T, hidden) after attention's o_proj and one after the MLP's down_proj, plus one after the
+vocabulary-split embedding; the LM head's vocabulary slices are gathered on rank 0, which alone
+samples. Each rank's KV cache holds its KV heads only; block ids are rank 0's, so every rank
+sizes its pool to the smallest any of them can hold.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import msgspec
+import torch
+import torch.distributed as dist
+
+from ember.config import ModelConfig
+from ember.models.sharding import Cut, ShardPlan, comm_bytes_per_token, cut_for, local_config, plan_shards
+
+logger = logging.getLogger("ember.engine")
+
+
+class StepItem(msgspec.Struct, array_like=True):
+    token_ids: list[int]  # the tokens this step computes: positions [start, start + len)
+    start: int
+    block_ids: list[int]  # the blocks holding positions [0, start + len)
+    samples: bool
+
+
+class StepPlan(msgspec.Struct, array_like=True):
+    items: list[StepItem]
+    stop: bool = False  # the group is closing: followers return
+
+
+_plan_decoder = msgspec.msgpack.Decoder(StepPlan)
+_encoder = msgspec.msgpack.Encoder()
+
+
+class GroupDown(Exception):
+    """A follower's wait for the next plan failed: rank 0 is gone."""
+
+
+class TensorGroup:
+    """This process's rank in the tensor-parallel group (the default torch.distributed group)."""
+
+    def __init__(self, rank: int, world: int, local_rank: int) -> None:
+        self.rank, self.world, self.local_rank = rank, world, local_rank
+        self.model_config: ModelConfig | None = None
+        self.plans: list[ShardPlan] = []
+        self.on_close = None  # rank 0: reaps the ranks it started (engine.ranks)
+
+    @property
+    def plan(self) -> ShardPlan:
+        return self.plans[self.rank]
+
+    @property
+    def is_leader(self) -> bool:
+        return self.rank == 0
+
+    def device(self, device: torch.device) -> torch.device:
+        """A CUDA rank uses the GPU of its local rank."""
+        return torch.device("cuda", self.local_rank) if device.type == "cuda" else device
+
+    # ---- the model's shard ----------------------------------------------------------------------
+
+    def local_config(self, config: ModelConfig) -> ModelConfig:
+        """The config this rank builds its model from (and remember every rank's shard)."""
+        self.model_config = config
+        self.plans = plan_shards(config, self.world)
+        if self.is_leader:
+            volume = comm_bytes_per_token(config, 4)
+            logger.info("tensor parallel over %d ranks: query heads %s, KV heads %s; per token and step each rank "
+                        "all-reduces %d float32 bytes, and rank 0 gathers %d bytes of logits per sampled token",
+                        self.world, [p.num_heads for p in self.plans], [p.num_kv_heads for p in self.plans],
+                        volume["all_reduce"], volume["logits_gather"])
+        return local_config(config, self.plan)
+
+    def cut(self, name: str) -> Cut | None:
+        return cut_for(name, self.model_config, self.plan)
+
+    def attach(self, model: torch.nn.Module) -> None:
+        """Give a loaded shard its collectives: an all-reduce after each row-parallel layer, the
+        embedding's lookup of this rank's vocabulary rows, and logits gathered on rank 0."""
+        decoder = model.model
+        for layer in decoder.layers:
+            for row_parallel in (layer.self_attn.o_proj, layer.mlp.down_proj):
+                if row_parallel.bias is not None and not self.is_leader:
+                    row_parallel.bias.data.zero_()  # the sum over ranks adds the bias once
+                row_parallel.register_forward_hook(self._all_reduce_output)
+        _split_lookup(decoder.embed_tokens, self.plan.vocab_start, self)
+        local_logits = model.compute_logits
+        model.compute_logits = lambda hidden: self.gather_logits(local_logits(hidden))
+
+    def _all_reduce_output(self, module, args, output: torch.Tensor) -> None:
+        dist.all_reduce(output)  # in place: the hook's output is the sum over ranks
+
+    # ---- collectives ------------------------------------------------------------------------------
+
+    def all_reduce(self, tensor: torch.Tensor) -> None:
+        dist.all_reduce(tensor)
+
+    def agree_min(self, value: int) -> int:
+        """The smallest of every rank's `value`."""
+        tensor = torch.tensor([value], dtype=torch.int64)
+        dist.all_reduce(tensor, op=dist.ReduceOp.MIN)
+        return int(tensor.item())
+
+    def gather_logits(self, local: torch.Tensor) -> torch.Tensor | None:
+        """(N, this rank's vocabulary rows) float32 -> (N, vocab) on rank 0, None elsewhere."""
+        widths = [p.vocab_stop - p.vocab_start for p in self.plans]
+        padded = torch.nn.functional.pad(local, (0, max(widths) - local.shape[1])).contiguous()
+        parts = [torch.empty_like(padded) for _ in widths] if self.is_leader else None
+        dist.gather(padded, parts, dst=0)
+        if not self.is_leader:
+            return None
+        return torch.cat([part[:, :width] for part, width in zip(parts, widths)], dim=1)
+
+    def broadcast_bytes(self, data: bytes | None) -> bytes:
+        """Rank 0's `data` on every rank (its length first, then the bytes, as CPU tensors)."""
+        length = torch.tensor([len(data) if data is not None else 0], dtype=torch.int64)
+        dist.broadcast(length, src=0)
+        if data is not None:
+            buffer = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        else:
+            buffer = torch.empty(int(length.item()), dtype=torch.uint8)
+        dist.broadcast(buffer, src=0)
+        return data if data is not None else buffer.numpy().tobytes()
+
+    def send_plan(self, plan: StepPlan) -> None:
+        self.broadcast_bytes(_encoder.encode(plan))
+
+    def heartbeat(self) -> None:
+        """Rank 0, idle: an empty plan, so a rank that died is noticed (the broadcast fails) before
+        the next request, and no follower waits in a broadcast past the group's timeout."""
+        self.send_plan(StepPlan([]))
+
+    def receive_plan(self) -> StepPlan:
+        return _plan_decoder.decode(self.broadcast_bytes(None))
+
+    def wrap_runner(self, runner):
+        """Rank 0's runner broadcasts each plan before it runs it; the others' run what they receive."""
+        return LeaderRunner(runner, self) if self.is_leader else runner
+
+    def close(self) -> None:
+        """Rank 0: tell the followers to stop; every rank: leave the group."""
+        if self.is_leader:
+            try:
+                self.send_plan(StepPlan([], stop=True))
+            except RuntimeError as exc:  # a follower already gone
+                logger.warning("tensor-parallel group: %s", exc)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        if self.on_close is not None:
+            self.on_close()
+
+
+def _split_lookup(embedding: torch.nn.Module, start: int, group: TensorGroup) -> None:
+    """The embedding holds vocabulary rows [start, start + rows): ids outside look up zeros, and
+    the all-reduce sums every rank's rows into the full lookup."""
+    count = embedding.out_features
+    lookup = embedding.forward
+
+    def forward(ids: torch.Tensor) -> torch.Tensor:
+        local = ids - start
+        outside = (local < 0) | (local >= count)
+        out = lookup(local.masked_fill(outside, 0))  # (T, hidden)
+        out.masked_fill_(outside[:, None], 0)
+        group.all_reduce(out)
+        return out
+
+    embedding.forward = forward
+
+
+class LeaderRunner:
+    """Rank 0's ModelRunner: each step's plan goes to the other ranks, then runs here too."""
+
+    def __init__(self, runner, group: TensorGroup) -> None:
+        self.runner = runner
+        self.group = group
+
+    def __getattr__(self, name: str):
+        return getattr(self.runner, name)
+
+    def execute(self, scheduled):
+        block_size = self.runner.block_size
+        items = []
+        for item in scheduled:
+            request, start, count = item.request, item.start, item.num_new_tokens
+            items.append(StepItem(request.token_ids[start:start + count], start,
+                                  request.block_ids[:-(-(start + count) // block_size)], item.samples))
+        self.group.send_plan(StepPlan(items))
+        return self.runner.execute(scheduled)
+
+
+class _Tail:
+    """A request's token ids from `start` on: all that a follower's runner reads of them."""
+
+    __slots__ = ("start", "tokens")
+
+    def __init__(self, start: int, tokens: list[int]) -> None:
+        self.start, self.tokens = start, tokens
+
+    def __getitem__(self, index: slice) -> list[int]:
+        return self.tokens[index.start - self.start:index.stop - self.start]
+
+
+@dataclass(slots=True)
+class _FollowerItem:
+    """One scheduled request as a follower's runner reads it (ScheduledRequest and Request in one)."""
+
+    token_ids: _Tail
+    block_ids: list[int]
+    start: int
+    num_new_tokens: int
+    samples: bool
+
+    @property
+    def request(self) -> "_FollowerItem":
+        return self
+
+
+def follow(core, group: TensorGroup) -> None:
+    """A follower's loop: run every plan rank 0 broadcasts, until it says stop. A collective
+    that fails (a rank died) raises (GroupDown while waiting for a plan), and this rank's process ends."""
+    runner = core.runner
+    while True:
+        try:
+            plan = group.receive_plan()
+        except RuntimeError as exc:
+            raise GroupDown(str(exc).splitlines()[0] if str(exc) else type(exc).__name__) from None
+        if plan.stop:
+            return
+        if not plan.items:  # a heartbeat
+            continue
+        items = [_FollowerItem(_Tail(i.start, i.token_ids), i.block_ids, i.start, len(i.token_ids), i.samples)
+                 for i in plan.items]
+        with torch.inference_mode():
+            # the same tensors rank 0's ModelRunner.execute builds for the same plan
+            input_ids, positions, sample_rows, attn = runner._prepare(items)
+            hidden = runner.model(input_ids, positions, attn)
+            if sample_rows:
+                runner.model.compute_logits(hidden[torch.tensor(sample_rows, device=runner.device)])
