@@ -178,14 +178,14 @@ def _split_lookup(embedding: torch.nn.Module, start: int, group: TensorGroup) ->
 
 
 class LeaderRunner:
-    """Rank 0's ModelRunner: each step's plan goes to the other ranks, then runs here too."""
+    """Rank 0's ModelRunner: each step's plan goes to the other ranks, then runs here too. Only
+    `execute` is offered: another way into the model would run it on rank 0 alone, and the
+    followers would wait in the collectives for a forward they never got."""
 
     def __init__(self, runner, group: TensorGroup) -> None:
         self.runner = runner
         self.group = group
-
-    def __getattr__(self, name: str):
-        return getattr(self.runner, name)
+        self.model, self.cache, self.device = runner.model, runner.cache, runner.device
 
     def execute(self, scheduled):
         block_size = self.runner.block_size

@@ -140,8 +140,9 @@ def cut_tensor(name: str, tensor, cut: Cut | None):
                              f"cuts through a block of {QBLOCK}; serve it with --quantization none",
                              param="tensor_parallel_size")
     lo, hi = cut.start // QBLOCK, cut.stop // QBLOCK
-    return QuantBlocks(tensor.bits, tensor.codes[:, cut.start:cut.stop], tensor.scales[:, lo:hi],
-                       None if tensor.mins is None else tensor.mins[:, lo:hi])
+    return QuantBlocks(tensor.bits, tensor.codes[:, cut.start:cut.stop].contiguous(),
+                       tensor.scales[:, lo:hi].contiguous(),
+                       None if tensor.mins is None else tensor.mins[:, lo:hi].contiguous())
 
 
 def comm_bytes_per_token(config: ModelConfig, element_bytes: int) -> dict[str, int]:

@@ -13,7 +13,8 @@ from ember.server.cli import add_serve_parser, build_config
 FLAGS = ["--host", "--port", "--served-model-name", "--api-key", "--max-model-len", "--max-num-seqs",
          "--max-num-batched-tokens", "--max-pending", "--pending-timeout", "--max-request-mb", "--cors-origins",
          "--no-prefix-caching", "--dtype", "--seed", "--chat-template", "--default-max-tokens", "--log-level",
-         "--request-log", "--log-stats-interval", "--rope-scaling", "--revision", "ollama:NAME"]
+         "--request-log", "--log-stats-interval", "--rope-scaling", "--revision", "ollama:NAME",
+         "--tensor-parallel-size", "--nnodes", "--node-rank", "--dist-init-addr"]
 
 
 def parse(*argv: str) -> argparse.Namespace:
