@@ -221,7 +221,7 @@ class _FollowerItem:
     samples: bool
 
     @property
-    def request(self) -> "_FollowerItem":
+    def request(self) -> _FollowerItem:
         return self
 
 

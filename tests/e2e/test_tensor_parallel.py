@@ -12,13 +12,11 @@ from __future__ import annotations
 import os
 import socket
 import subprocess
-import sys
 import time
 
 import httpx
 import openai
 import pytest
-
 from conftest import ServerProcess, serve_command
 
 FLAGS = ["--dtype", "float32", "--quantization", "none", "--max-model-len", "512"]
