@@ -5,6 +5,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+from collections.abc import Callable
+from typing import Any
 from dataclasses import replace
 
 import torch
@@ -17,7 +19,7 @@ from ember.engine.request import Request, RequestStatus
 from ember.engine.runner import ModelRunner
 from ember.engine.sampler import Sampler
 from ember.engine.scheduler import Scheduler, SchedulerConfig
-from ember.engine.spec.speculator import build_speculator
+from ember.engine.spec.speculator import Proposer, build_speculator
 from ember.engine.stats import EngineCounters, EngineStats
 from ember.context_window import ContextWindow, fit_output
 from ember.errors import InvalidRequest
@@ -39,7 +41,8 @@ class EngineCore:
     """Synchronous engine. Not thread-safe: one thread calls everything (see AsyncEngine)."""
 
     def __init__(self, model: torch.nn.Module, model_config: ModelConfig, config: EngineConfig,
-                 eos_token_ids: set[int], device: torch.device, dtype: torch.dtype) -> None:
+                 eos_token_ids: set[int], device: torch.device, dtype: torch.dtype,
+                 draft_proposer: Proposer | None = None) -> None:
         self.model_config = model_config
         self.config = config
         self.device = device
@@ -78,7 +81,7 @@ class EngineCore:
                     self.kv_cache_bytes / 2**30, dtype)
         self.speculator = None  # the startup check below probes plain decoding
         self.invariance = self._check_invariance()
-        self.speculator = build_speculator(config.speculative, self.max_model_len)
+        self.speculator = build_speculator(config.speculative, self.max_model_len, draft_proposer)
         if self.speculator is not None:
             logger.info("speculative decoding: %s, %s tokens per round", self.speculator.method,
                         config.speculative.draft_tokens or "tuned")
@@ -99,8 +102,9 @@ class EngineCore:
         return report
 
     @classmethod
-    def from_source(cls, source, config: EngineConfig) -> "EngineCore":
-        """Build the model described by a loaders.ModelSource and wrap it in an engine."""
+    def from_source(cls, source, config: EngineConfig, open_source: Callable[[str], Any] | None = None) -> "EngineCore":
+        """Build the model described by a loaders.ModelSource and wrap it in an engine. `open_source`
+        opens a model by name (a draft model's; default: loaders.load_model_source)."""
         device = resolve_device(config.device)
         dtype = resolve_dtype(config.dtype)
         if config.num_threads and device.type == "cpu":
@@ -119,7 +123,13 @@ class EngineCore:
         generation_eos = source.generation_config.get("eos_token_id")
         if generation_eos is not None:
             eos |= {generation_eos} if isinstance(generation_eos, int) else set(generation_eos)
-        return cls(model, model_config, config, eos, device, dtype)
+        draft = None
+        if config.speculative.draft_model:
+            from ember.engine.spec.draft_model import load_draft_proposer
+            from ember.loaders import source_opener
+
+            draft = load_draft_proposer(config, source, open_source or source_opener())
+        return cls(model, model_config, config, eos, device, dtype, draft)
 
     def _num_kv_blocks(self) -> int:
         cfg, mc = self.config, self.model_config

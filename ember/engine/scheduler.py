@@ -29,7 +29,6 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
-from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
