@@ -60,6 +60,7 @@ class Speculator:
         """Set draft_token_ids on each running request that is about to decode and may draft."""
         wants = []
         for request in requests:
+            request.draft_token_ids = []
             if request.num_tokens - request.num_computed_tokens != 1 or not request.sampling_params.draft:
                 continue
             # the step yields up to drafts + 1 tokens: never past max_tokens or the context window
