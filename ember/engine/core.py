@@ -128,7 +128,7 @@ class EngineCore:
             from ember.engine.spec.draft_model import load_draft_proposer
             from ember.loaders import source_opener
 
-            draft = load_draft_proposer(config, source, open_source or source_opener())
+            draft = load_draft_proposer(config, source, open_source or source_opener(), cls.from_source)
         return cls(model, model_config, config, eos, device, dtype, draft)
 
     def _num_kv_blocks(self) -> int:

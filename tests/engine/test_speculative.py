@@ -211,8 +211,8 @@ def test_a_draft_model_with_another_tokenizer_is_refused_by_name_or_given_up_und
     gemma = str(gemma_package.assemble())
     with pytest.raises(ModelLoadError, match="does not share the served model's tokenizer") as caught:
         load_draft_proposer(EngineConfig(speculative=SpeculativeConfig(mode="draft", draft_model=gemma)),
-                            llm.source, source_opener())
+                            llm.source, source_opener(), EngineCore.from_source)
     assert caught.value.param == "draft"
     auto = EngineConfig(speculative=SpeculativeConfig(mode="auto", draft_model=gemma))
-    assert load_draft_proposer(auto, llm.source, source_opener()) is None
+    assert load_draft_proposer(auto, llm.source, source_opener(), EngineCore.from_source) is None
     assert "drafting by n-gram lookup instead" in caplog.text

@@ -51,16 +51,17 @@ class DraftModelProposer:
         pass  # the draft engine keeps nothing per request between rounds but its prefix cache
 
 
-def load_draft_proposer(config: EngineConfig, target_source,
-                        open_source: Callable[[str], object]) -> DraftModelProposer | None:
-    """The draft model's proposer for --speculate draft or auto with --draft; None otherwise. Under
-    auto, a draft model that fails to load gives way to n-gram lookup (None) with a warning; under
-    draft, the failure stops the start."""
+def load_draft_proposer(config: EngineConfig, target_source, open_source: Callable[[str], object],
+                        build_engine: Callable) -> DraftModelProposer | None:
+    """The draft model's proposer for --speculate draft or auto with --draft; None otherwise.
+    `build_engine(source, config)` makes its engine core (EngineCore.from_source). Under auto, a
+    draft model that fails to load gives way to n-gram lookup (None) with a warning; under draft,
+    the failure stops the start."""
     spec: SpeculativeConfig = config.speculative
     if spec.mode not in ("draft", "auto") or not spec.draft_model:
         return None
     try:
-        return _load(config, spec.draft_model, target_source, open_source)
+        return _load(config, spec.draft_model, target_source, open_source, build_engine)
     except (ModelLoadError, OSError, ValueError) as exc:
         if spec.mode == "draft":
             raise
@@ -68,9 +69,7 @@ def load_draft_proposer(config: EngineConfig, target_source,
         return None
 
 
-def _load(config: EngineConfig, name: str, target_source, open_source) -> DraftModelProposer:
-    from ember.engine.core import EngineCore
-
+def _load(config: EngineConfig, name: str, target_source, open_source, build_engine) -> DraftModelProposer:
     source = open_source(name)
     if source.tokenizer.hf.get_vocab() != target_source.tokenizer.hf.get_vocab():
         raise ModelLoadError(f"the draft model {name} does not share the served model's tokenizer; "
@@ -79,6 +78,6 @@ def _load(config: EngineConfig, name: str, target_source, open_source) -> DraftM
     # weights in its own file's format (a quantized copy of the served model is a fair draft), and
     # its bits need not be batch-invariant: a draft only proposes, the served model decides
     draft_config = replace(config, speculative=SpeculativeConfig(), batch_invariant=False, quantization="auto")
-    engine = EngineCore.from_source(source, draft_config)
+    engine = build_engine(source, draft_config)
     logger.info("draft model: %s", name)
     return DraftModelProposer(engine)
