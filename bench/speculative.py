@@ -39,7 +39,7 @@ def engine_like(llm: LLM, speculative: SpeculativeConfig, draft: DraftModelPropo
                       set(base.eos_token_ids), base.device, base.dtype, draft)
 
 
-def run(llm: LLM, engine: EngineCore, prompts: list[list[int]], streams: int, max_tokens: int):
+def run(engine: EngineCore, prompts: list[list[int]], streams: int, max_tokens: int):
     """(output tokens per second, replies' tokens, their speculation counts together)."""
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     engine.kv_manager.reset_prefix_cache()
@@ -70,13 +70,11 @@ def main() -> None:
 
     llm = LLM(**SETTINGS)
     engines = {"plain": llm.engine, "ngram": engine_like(llm, SpeculativeConfig(mode="ngram"))}
-    targets = {"plain": llm, "ngram": llm}
     if not args.no_draft_model:
         dense = LLM(quantization="none", **SETTINGS)
         draft = DraftModelProposer(EngineCore.from_source(llm.source, replace(llm.engine.config, batch_invariant=False)))
         engines["bf16 plain"] = dense.engine
         engines["bf16 + draft"] = engine_like(dense, SpeculativeConfig(mode="draft", draft_model="4-bit copy"), draft)
-        targets.update({"bf16 plain": dense, "bf16 + draft": dense})
     encoded = {name: [llm.encode_prompt([{"role": "user", "content": text}]) for text in texts]
                for name, texts in PROMPTS.items()}
     print(f"output {args.output_len} tokens, greedy, best of {args.rounds} rounds; tok/s (ratio to its plain "
@@ -88,7 +86,7 @@ def main() -> None:
             seen: dict[str, tuple] = {}
             for _ in range(args.rounds):
                 for name, engine in engines.items():
-                    speed, tokens, counts = run(targets[name], engine, batch, streams, args.output_len)
+                    speed, tokens, counts = run(engine, batch, streams, args.output_len)
                     best[name] = max(best.get(name, 0.0), speed)
                     seen[name] = (tokens, counts)
             for name in engines:

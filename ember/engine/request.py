@@ -89,6 +89,15 @@ class Request:
     def output_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens:]
 
+    @property
+    def end_token_ids(self) -> frozenset[int]:
+        """The tokens that end the request when sampled: its stop token ids, and its end-of-sequence
+        tokens unless it ignores them."""
+        params = self.sampling_params
+        if params.ignore_eos:
+            return frozenset(params.stop_token_ids)
+        return self.eos_token_ids.union(params.stop_token_ids)
+
     def append_output_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)
 

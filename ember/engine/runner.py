@@ -185,9 +185,6 @@ def _sampling_row(item: ScheduledRequest, drawn: list[int]) -> SamplingRow:
     params = request.sampling_params
     suppressed: frozenset[int] = frozenset()
     if request.num_output_tokens + len(drawn) < params.min_tokens:
-        ends = set(params.stop_token_ids)
-        if not params.ignore_eos:
-            ends |= request.eos_token_ids
-        suppressed = frozenset(ends)
+        suppressed = request.end_token_ids
     token_ids = request.token_ids + drawn if drawn else request.token_ids
     return SamplingRow(params, token_ids, request.num_prompt_tokens, suppressed, request.constraint)

@@ -89,10 +89,7 @@ class Speculator:
 def _before_end_token(request: Request, drafts: list[int]) -> list[int]:
     """Drafts up to the first token that would end the request: an end token is never worth
     drafting (it can only be the round's last), and nothing after it may be verified."""
-    params = request.sampling_params
-    ends = set(params.stop_token_ids)
-    if not params.ignore_eos:
-        ends |= request.eos_token_ids
+    ends = request.end_token_ids
     for i, token_id in enumerate(drafts):
         if token_id in ends:
             return drafts[:i]
