@@ -10,7 +10,7 @@ from ember.config import EngineConfig
 from ember.engine.core import EngineCore
 from ember.engine.outputs import RequestTracker
 from ember.errors import InvalidRequest
-from ember.loaders import load_model_source
+from ember.loaders import source_opener
 from ember.types import GenerationOutput, SamplingParams
 
 Message = dict[str, Any]
@@ -29,8 +29,8 @@ class LLM:
 
     def __init__(self, model: str | None = None, *, cache_dir: str | Path | None = None, revision: str | None = None,
                  ollama_models: str | Path | None = None, **engine_kwargs) -> None:
-        self.source = load_model_source(model, Path(cache_dir) if cache_dir else None, revision=revision,
-                                        ollama_models=Path(ollama_models) if ollama_models else None)
+        open_source = source_opener(cache_dir, ollama_models)
+        self.source = open_source(model, revision)
         self.tokenizer = self.source.tokenizer
         config = EngineConfig(**engine_kwargs)
         group = None
@@ -40,7 +40,7 @@ class LLM:
 
             group = start_leader(WorkerSettings(model, str(cache_dir) if cache_dir else None, revision,
                                                 str(ollama_models) if ollama_models else None, None, config))
-        self.engine = EngineCore.from_source(self.source, config, group)
+        self.engine = EngineCore.from_source(self.source, config, open_source, group)
         self._ids = itertools.count()
 
     def close(self) -> None:

@@ -27,10 +27,11 @@ logger = logging.getLogger("ember.engine")
 
 
 class StepItem(msgspec.Struct, array_like=True):
-    token_ids: list[int]  # the tokens this step computes: positions [start, start + len)
+    token_ids: list[int]  # the tokens this step feeds the model: positions [start, start + len)
     start: int
     block_ids: list[int]  # the blocks holding positions [0, start + len)
     samples: bool
+    num_drafted: int = 0  # the last num_drafted of token_ids are drafts (speculative decoding)
 
 
 class StepPlan(msgspec.Struct, array_like=True):
@@ -192,29 +193,18 @@ class LeaderRunner:
         items = []
         for item in scheduled:
             request, start, count = item.request, item.start, item.num_new_tokens
-            items.append(StepItem(request.token_ids[start:start + count], start,
-                                  request.block_ids[:-(-(start + count) // block_size)], item.samples))
+            items.append(StepItem(item.input_token_ids, start, request.block_ids[:-(-(start + count) // block_size)],
+                                  item.samples, len(item.draft_token_ids)))
         self.group.send_plan(StepPlan(items))
         return self.runner.execute(scheduled)
-
-
-class _Tail:
-    """A request's token ids from `start` on: all that a follower's runner reads of them."""
-
-    __slots__ = ("start", "tokens")
-
-    def __init__(self, start: int, tokens: list[int]) -> None:
-        self.start, self.tokens = start, tokens
-
-    def __getitem__(self, index: slice) -> list[int]:
-        return self.tokens[index.start - self.start:index.stop - self.start]
 
 
 @dataclass(slots=True)
 class _FollowerItem:
     """One scheduled request as a follower's runner reads it (ScheduledRequest and Request in one)."""
 
-    token_ids: _Tail
+    input_token_ids: list[int]
+    draft_token_ids: list[int]
     block_ids: list[int]
     start: int
     num_new_tokens: int
@@ -238,8 +228,8 @@ def follow(core, group: TensorGroup) -> None:
             return
         if not plan.items:  # a heartbeat
             continue
-        items = [_FollowerItem(_Tail(i.start, i.token_ids), i.block_ids, i.start, len(i.token_ids), i.samples)
-                 for i in plan.items]
+        items = [_FollowerItem(i.token_ids, i.token_ids[len(i.token_ids) - i.num_drafted:], i.block_ids, i.start,
+                               len(i.token_ids), i.samples) for i in plan.items]
         with torch.inference_mode():
             # the same tensors rank 0's ModelRunner.execute builds for the same plan
             input_ids, positions, sample_rows, attn = runner._prepare(items)

@@ -138,8 +138,10 @@ def _free_port() -> int:
 
 def rank_main(argv: list[str]) -> int:
     """A follower rank: join, receive the settings, load this rank's shard, follow rank 0's plans."""
+    from dataclasses import replace
     from pathlib import Path
 
+    from ember.config import SpeculativeConfig
     from ember.engine.core import EngineCore
     from ember.engine.parallel import GroupDown, follow
     from ember.engine.worker import die_with_parent
@@ -157,7 +159,8 @@ def rank_main(argv: list[str]) -> int:
                                    revision=settings.revision,
                                    ollama_models=Path(settings.ollama_models) if settings.ollama_models else None)
         share_cores(settings.engine)
-        core = EngineCore.from_source(source, settings.engine, group)
+        # drafting happens on rank 0 alone: a follower only runs the verify steps it is sent
+        core = EngineCore.from_source(source, replace(settings.engine, speculative=SpeculativeConfig()), group=group)
         follow(core, group)
     except GroupDown as exc:
         logger.warning("rank %d stops: rank 0 is gone (%s)", rank, exc)
