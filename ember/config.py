@@ -129,6 +129,42 @@ def sliding_windows(hf: dict[str, Any], max_positions: int) -> list[int | None]:
 
 
 @dataclass(slots=True)
+class SpeculativeConfig:
+    """Speculative decoding (ember.engine.spec): who drafts tokens for the model to verify.
+
+    mode: off; ngram (prompt lookup: the tokens that followed the last earlier occurrence of the
+    sequence's suffix); draft (a smaller model sharing the target's tokenizer, `draft_model`);
+    auto (the draft model when one is named and loads, else n-gram).
+    """
+
+    mode: str = "off"
+    draft_model: str | None = None
+    draft_tokens: int | None = None  # tokens drafted per round, 1 to 8; None: tuned live per request
+    ngram_min: int = 2  # the shortest and longest suffixes n-gram lookup matches
+    ngram_max: int = 4
+
+    def __post_init__(self) -> None:
+        if self.mode not in SPECULATION_MODES:
+            raise ValueError(f"speculate must be one of {', '.join(SPECULATION_MODES)}, got {self.mode!r}")
+        if self.draft_tokens is not None and (not isinstance(self.draft_tokens, int)
+                                              or not 1 <= self.draft_tokens <= MAX_DRAFT_TOKENS):
+            raise ValueError(f"draft_tokens must be 1 to {MAX_DRAFT_TOKENS}, got {self.draft_tokens!r}")
+        if not (isinstance(self.ngram_min, int) and isinstance(self.ngram_max, int)
+                and 1 <= self.ngram_min <= self.ngram_max <= 16):
+            raise ValueError(f"ngram lengths must satisfy 1 <= min <= max <= 16, got {self.ngram_min}:{self.ngram_max}")
+        if self.mode == "draft" and not self.draft_model:
+            raise ValueError("speculate draft needs a draft model (--draft MODEL)")
+
+    @property
+    def enabled(self) -> bool:
+        return self.mode != "off"
+
+
+SPECULATION_MODES = ("off", "ngram", "draft", "auto")
+MAX_DRAFT_TOKENS = 8
+
+
+@dataclass(slots=True)
 class EngineConfig:
     """How the engine runs: memory, batch limits, caching, dtype and device."""
 
@@ -170,6 +206,7 @@ class EngineConfig:
     device: str = "auto"  # auto: cuda when available, else cpu
     seed: int = 0
     num_threads: int | None = None  # torch CPU threads; None: leave torch's choice
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.max_pinned_kv_share <= 1.0:

@@ -10,7 +10,7 @@ from ember.config import EngineConfig
 from ember.engine.core import EngineCore
 from ember.engine.outputs import RequestTracker
 from ember.errors import InvalidRequest
-from ember.loaders import load_model_source
+from ember.loaders import source_opener
 from ember.types import GenerationOutput, SamplingParams
 
 Message = dict[str, Any]
@@ -28,10 +28,10 @@ class LLM:
 
     def __init__(self, model: str | None = None, *, cache_dir: str | Path | None = None, revision: str | None = None,
                  ollama_models: str | Path | None = None, **engine_kwargs) -> None:
-        self.source = load_model_source(model, Path(cache_dir) if cache_dir else None, revision=revision,
-                                        ollama_models=Path(ollama_models) if ollama_models else None)
+        open_source = source_opener(cache_dir, ollama_models)
+        self.source = open_source(model, revision)
         self.tokenizer = self.source.tokenizer
-        self.engine = EngineCore.from_source(self.source, EngineConfig(**engine_kwargs))
+        self.engine = EngineCore.from_source(self.source, EngineConfig(**engine_kwargs), open_source)
         self._ids = itertools.count()
 
     def generate(self, prompts: Prompt | Sequence[Prompt],

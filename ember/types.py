@@ -56,6 +56,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     priority: int = 0  # 0: foreground; above 0: background work that yields to lower values (engine.scheduler)
     cache_pins: list[CachePin] = field(default_factory=list)
+    draft: bool = True  # False: never speculated (the serial reference a drafted reply must equal)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -88,6 +89,8 @@ class SamplingParams:
             if self.logprobs is None:
                 raise InvalidRequest("logprob_token_ids needs logprobs (0 or more)", param="logprob_token_ids")
         _check_int("priority", self.priority, low=0)
+        if not isinstance(self.draft, bool):
+            raise InvalidRequest("draft must be true or false", param="draft")
         _check_cache_pins(self.cache_pins)
         if self.logit_bias is not None:
             if not isinstance(self.logit_bias, dict):
@@ -158,6 +161,43 @@ class StepOutput:
     # set only on prefill progress outputs (no new tokens), for requests that asked for them
     num_computed_prompt_tokens: int | None = None
     num_pinned_tokens: int = 0  # leading prompt tokens kept pinned by the request's cache_pins
+    # speculative decoding this step: tokens drafted for the request, and how many of them it kept
+    num_drafted_tokens: int = 0
+    num_accepted_tokens: int = 0
+
+
+@dataclass(slots=True)
+class SpeculationCounts:
+    """One request's speculative decoding: rounds verified, tokens drafted and accepted."""
+
+    rounds: int = 0
+    proposed: int = 0
+    accepted: int = 0
+    histogram: list[int] = field(default_factory=list)  # histogram[n]: rounds that kept n drafted tokens
+
+    def add(self, proposed: int, accepted: int) -> None:
+        """One verified round."""
+        self.rounds += 1
+        self.proposed += proposed
+        self.accepted += accepted
+        self._count_rounds(accepted, 1)
+
+    def merge(self, other: "SpeculationCounts") -> None:
+        self.rounds += other.rounds
+        self.proposed += other.proposed
+        self.accepted += other.accepted
+        for accepted, rounds in enumerate(other.histogram):
+            self._count_rounds(accepted, rounds)
+
+    def _count_rounds(self, accepted: int, rounds: int) -> None:
+        if len(self.histogram) <= accepted:
+            self.histogram.extend([0] * (accepted + 1 - len(self.histogram)))
+        self.histogram[accepted] += rounds
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens gained per verified round: the kept drafts plus the token the model adds."""
+        return (self.accepted + self.rounds) / self.rounds if self.rounds else 0.0
 
 
 @dataclass(slots=True)
@@ -193,6 +233,7 @@ class GenerationOutput:
     error: str | None = None
     num_computed_prompt_tokens: int | None = None  # prefill progress outputs only (see StepOutput)
     num_pinned_tokens: int = 0  # see StepOutput
+    speculation: SpeculationCounts | None = None  # set once a round of drafted tokens was verified
 
     @property
     def finished(self) -> bool:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+from collections.abc import Callable
+from typing import Any
 from dataclasses import replace
 
 import torch
@@ -17,6 +19,7 @@ from ember.engine.request import Request, RequestStatus
 from ember.engine.runner import ModelRunner
 from ember.engine.sampler import Sampler
 from ember.engine.scheduler import Scheduler, SchedulerConfig
+from ember.engine.spec.speculator import Proposer, build_speculator
 from ember.engine.stats import EngineCounters, EngineStats
 from ember.context_window import ContextWindow, fit_output
 from ember.errors import InvalidRequest
@@ -38,7 +41,8 @@ class EngineCore:
     """Synchronous engine. Not thread-safe: one thread calls everything (see AsyncEngine)."""
 
     def __init__(self, model: torch.nn.Module, model_config: ModelConfig, config: EngineConfig,
-                 eos_token_ids: set[int], device: torch.device, dtype: torch.dtype) -> None:
+                 eos_token_ids: set[int], device: torch.device, dtype: torch.dtype,
+                 draft_proposer: Proposer | None = None) -> None:
         self.model_config = model_config
         self.config = config
         self.device = device
@@ -75,7 +79,12 @@ class EngineCore:
         logger.info("KV cache: %d blocks of %d tokens (%d tokens, %.2f GiB, %s)", num_blocks - 1,
                     config.block_size, self.kv_capacity_tokens,
                     self.kv_cache_bytes / 2**30, dtype)
+        self.speculator = None  # the startup check below probes plain decoding
         self.invariance = self._check_invariance()
+        self.speculator = build_speculator(config.speculative, self.max_model_len, draft_proposer)
+        if self.speculator is not None:
+            logger.info("speculative decoding: %s, %s tokens per round", self.speculator.method,
+                        config.speculative.draft_tokens or "tuned")
 
     def _check_invariance(self) -> invariance.InvarianceReport:
         """Batch invariance: checked on this processor (engine.invariance), or not promised. A model
@@ -93,8 +102,9 @@ class EngineCore:
         return report
 
     @classmethod
-    def from_source(cls, source, config: EngineConfig) -> "EngineCore":
-        """Build the model described by a loaders.ModelSource and wrap it in an engine."""
+    def from_source(cls, source, config: EngineConfig, open_source: Callable[[str], Any] | None = None) -> "EngineCore":
+        """Build the model described by a loaders.ModelSource and wrap it in an engine. `open_source`
+        opens a model by name (a draft model's; default: loaders.load_model_source)."""
         device = resolve_device(config.device)
         dtype = resolve_dtype(config.dtype)
         if config.num_threads and device.type == "cpu":
@@ -113,7 +123,13 @@ class EngineCore:
         generation_eos = source.generation_config.get("eos_token_id")
         if generation_eos is not None:
             eos |= {generation_eos} if isinstance(generation_eos, int) else set(generation_eos)
-        return cls(model, model_config, config, eos, device, dtype)
+        draft = None
+        if config.speculative.draft_model:
+            from ember.engine.spec.draft_model import load_draft_proposer
+            from ember.loaders import source_opener
+
+            draft = load_draft_proposer(config, source, open_source or source_opener(), cls.from_source)
+        return cls(model, model_config, config, eos, device, dtype, draft)
 
     def _num_kv_blocks(self) -> int:
         cfg, mc = self.config, self.model_config
@@ -172,6 +188,8 @@ class EngineCore:
     def step(self) -> list[StepOutput]:
         began = time.perf_counter()
         counters = self.counters
+        if self.speculator is not None:
+            self.speculator.propose(self.scheduler.running)
         plan = self.scheduler.schedule()
         counters.num_preemptions += len(plan.preempted)
         if not plan.scheduled:
@@ -184,15 +202,22 @@ class EngineCore:
                 counters.admitted_prompt_tokens += request.num_prompt_tokens
                 counters.cached_prompt_tokens += max(request.num_cached_tokens, 0)
         result = self.runner.execute(plan.scheduled)
-        self.scheduler.update_from_output(plan, result.sampled)
+        self.scheduler.update_from_output(plan, result.sampled, result.accepted)
         outputs = []
         num_decode_tokens = 0
         for item in plan.scheduled:
             request = item.request
             counters.prompt_tokens += max(0, min(item.start + item.num_new_tokens, request.num_prompt_tokens)
                                           - item.start)
-            if item.num_new_tokens == 1 and item.start >= request.num_prompt_tokens:
-                num_decode_tokens += 1
+            num_drafted = len(item.draft_token_ids)
+            num_accepted = result.accepted.get(request.request_id, 0)
+            if item.num_new_tokens - num_drafted == 1 and item.start >= request.num_prompt_tokens:
+                num_decode_tokens += item.num_new_tokens
+            if num_drafted:
+                self.speculator.record(request.request_id, num_drafted, num_accepted)
+                counters.spec_rounds += 1
+                counters.spec_proposed_tokens += num_drafted
+                counters.spec_accepted_tokens += num_accepted
             new_tokens = result.sampled.get(request.request_id, [])
             finished = request.status.is_finished  # with no new token: a prompt-only request (max_tokens 0)
             if not new_tokens and not finished:
@@ -210,10 +235,11 @@ class EngineCore:
                 scheduled_time=self._scheduled_at[request.request_id],
                 stop_token_id=request.stop_reason if finished else None,
                 num_pinned_tokens=request.num_pinned_tokens,
+                num_drafted_tokens=num_drafted,
+                num_accepted_tokens=num_accepted,
             ))
             if finished:
-                del self._scheduled_at[request.request_id]
-                self._progress_ids.discard(request.request_id)
+                self._forget(request.request_id)
         for request_id, reason in result.failed.items():  # a constraint gave up: that request alone ends
             outputs += self._finish_all([request_id], FinishReason.ERROR, reason)
         counters.add_step(time.perf_counter() - began, plan.num_scheduled_tokens - num_decode_tokens,
@@ -232,10 +258,19 @@ class EngineCore:
 
     def _finish_all(self, request_ids: list[str], reason: FinishReason, error: str | None = None) -> list[StepOutput]:
         finished = self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
-        self._progress_ids.difference_update(r.request_id for r in finished)
-        return [StepOutput(r.request_id, [], None, reason, r.num_prompt_tokens, max(r.num_cached_tokens, 0),
-                           scheduled_time=self._scheduled_at.pop(r.request_id, None), error=error)
-                for r in finished]
+        outputs = [StepOutput(r.request_id, [], None, reason, r.num_prompt_tokens, max(r.num_cached_tokens, 0),
+                              scheduled_time=self._scheduled_at.get(r.request_id), error=error)
+                   for r in finished]
+        for request in finished:
+            self._forget(request.request_id)
+        return outputs
+
+    def _forget(self, request_id: str) -> None:
+        """Drop what the core keeps of a request that ended."""
+        self._scheduled_at.pop(request_id, None)
+        self._progress_ids.discard(request_id)
+        if self.speculator is not None:
+            self.speculator.forget(request_id)
 
     def stats(self) -> EngineStats:
         kv = self.kv_manager

@@ -222,6 +222,15 @@ class KVCacheManager:
         request.block_hashes = []
         self._holders.pop(request.request_id, None)
 
+    def trim_blocks(self, request: Request, num_tokens: int) -> None:
+        """Give back the request's blocks past those its first `num_tokens` tokens need (the tail a
+        rejected speculative draft was written into; such blocks were never hashed)."""
+        keep = -(-num_tokens // self.block_size)
+        while len(request.block_ids) > max(keep, len(request.block_hashes), 1):
+            block_id = request.block_ids.pop()
+            if block_id:
+                self._release(block_id)
+
     def release_blocks_before(self, request: Request, position: int) -> None:
         """Give back the request's blocks that hold only tokens before `position`, which no layer
         reads again (a model whose every layer has a sliding window); their entries in

@@ -6,7 +6,8 @@ import asyncio
 import time
 
 from ember.tokenization.detokenizer import IncrementalDetokenizer, StopStringMatcher
-from ember.types import FinishReason, GenerationOutput, RequestTimings, SamplingParams, StepOutput, TokenLogprob
+from ember.types import (FinishReason, GenerationOutput, RequestTimings, SamplingParams, SpeculationCounts, StepOutput,
+                         TokenLogprob)
 
 
 class RequestTracker:
@@ -30,6 +31,7 @@ class RequestTracker:
         self.finish_reason: FinishReason | None = None
         self.stop_reason: str | int | None = None
         self.stopped_by_string = False
+        self.speculation: SpeculationCounts | None = None
 
     def update(self, step: StepOutput) -> GenerationOutput:
         now = time.time()
@@ -37,8 +39,16 @@ class RequestTracker:
             self.timings.scheduled = step.scheduled_time or now
         if step.new_token_ids and self.timings.first_token is None:
             self.timings.first_token = now
-        new_ids = step.new_token_ids
-        delta, stop = self.stops.push(self.detokenizer.add(new_ids))
+        new_ids, step_logprobs = step.new_token_ids, step.logprobs
+        if len(new_ids) > 1 and self.params.stop:
+            new_ids, delta, stop = self._through_stop(new_ids)
+            step_logprobs = step_logprobs[:len(new_ids)] if step_logprobs else step_logprobs
+        else:
+            delta, stop = self.stops.push(self.detokenizer.add(new_ids))
+        if step.num_drafted_tokens:
+            if self.speculation is None:
+                self.speculation = SpeculationCounts()
+            self.speculation.add(step.num_drafted_tokens, step.num_accepted_tokens)
         finish = step.finish_reason
         if stop is not None:
             finish, self.stop_reason, self.stopped_by_string = FinishReason.STOP, stop, True
@@ -47,8 +57,8 @@ class RequestTracker:
             if step.stop_token_id is not None:
                 self.stop_reason = step.stop_token_id
         self.token_ids.extend(new_ids)
-        if self.logprobs is not None and step.logprobs:
-            self.logprobs.extend(step.logprobs)
+        if self.logprobs is not None and step_logprobs:
+            self.logprobs.extend(step_logprobs)
         if delta:
             self.text_parts.append(delta)
         if finish is not None:
@@ -62,7 +72,7 @@ class RequestTracker:
             new_token_ids=new_ids,
             text_delta=delta,
             logprobs=self.logprobs,
-            new_logprobs=step.logprobs if self.logprobs is not None else None,
+            new_logprobs=step_logprobs if self.logprobs is not None else None,
             finish_reason=finish,
             num_cached_tokens=max(step.num_cached_tokens, 0),
             timings=self.timings,
@@ -70,7 +80,19 @@ class RequestTracker:
             error=step.error,
             num_computed_prompt_tokens=step.num_computed_prompt_tokens,
             num_pinned_tokens=step.num_pinned_tokens,
+            speculation=self.speculation,
         )
+
+    def _through_stop(self, new_ids: list[int]) -> tuple[list[int], str, str | None]:
+        """Several tokens in one step (a drafted round): fed one at a time, so that the reply ends
+        at the token that completes a stop string, as it would have decoding one token per step."""
+        delta = ""
+        for count, token_id in enumerate(new_ids, 1):
+            piece, stop = self.stops.push(self.detokenizer.add([token_id]))
+            delta += piece
+            if stop is not None:
+                return new_ids[:count], delta, stop
+        return new_ids, delta, None
 
 
 def open_stream(streams: dict[str, asyncio.Queue], request_id: str, prompt_token_ids: list[int],

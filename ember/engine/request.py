@@ -44,7 +44,7 @@ class Request:
         "eos_token_ids", "arrival_time", "priority", "cache_salt", "num_computed_tokens",
         "num_cached_tokens", "block_ids", "block_hashes", "status", "finish_reason",
         "stop_reason", "num_preemptions", "constraint", "num_waiting_steps", "waiting_since_step", "promoted",
-        "num_pinned_tokens",
+        "num_pinned_tokens", "draft_token_ids",
     )
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams, *,
@@ -74,6 +74,8 @@ class Request:
         self.waiting_since_step = 0
         self.promoted = False
         self.num_pinned_tokens = 0  # leading prompt tokens its cache pins keep (set by the KV manager)
+        # speculative decoding: tokens proposed to follow token_ids, verified by the next step (engine.spec)
+        self.draft_token_ids: list[int] = []
 
     @property
     def num_tokens(self) -> int:
@@ -86,6 +88,15 @@ class Request:
     @property
     def output_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def end_token_ids(self) -> frozenset[int]:
+        """The tokens that end the request when sampled: its stop token ids, and its end-of-sequence
+        tokens unless it ignores them."""
+        params = self.sampling_params
+        if params.ignore_eos:
+            return frozenset(params.stop_token_ids)
+        return self.eos_token_ids.union(params.stop_token_ids)
 
     def append_output_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 
 import torch
@@ -23,6 +24,7 @@ class RunnerOutput:
     sampled: dict[str, list[int]]  # request id -> tokens sampled this step
     logprobs: dict[str, list[TokenLogprob]]
     failed: dict[str, str] = field(default_factory=dict)  # request id -> why its constraint failed (no token)
+    accepted: dict[str, int] = field(default_factory=dict)  # request id -> drafted tokens kept (drafted rows only)
 
 
 class ModelRunner:
@@ -47,14 +49,45 @@ class ModelRunner:
         if not sampling:
             return RunnerOutput({}, {})
         logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=self.device)])
-        rows = [_sampling_row(s) for s in sampling]
-        result = self.sampler(logits, rows)
-        failed = {sampling[i].request.request_id: reason for i, reason in result.failed.items()}
-        sampled = {s.request.request_id: [t] for s, t in zip(sampling, result.token_ids)
-                   if s.request.request_id not in failed}
-        logprobs = {s.request.request_id: [lp] for s, lp in zip(sampling, result.logprobs)
-                    if lp is not None and s.request.request_id not in failed}
-        return RunnerOutput(sampled, logprobs, failed)
+        return self._sample(logits, sampling)
+
+    def _sample(self, logits: torch.Tensor, sampling: list[ScheduledRequest]) -> RunnerOutput:
+        """Sample position by position. A drafted request has one logits row per drafted token plus
+        one: at each position its token is drawn exactly as plain decoding would draw it there (its
+        own keyed noise, penalties and constraint, given the tokens before it), and the round goes on
+        only while the drawn token equals the draft. So drafting changes how many tokens a step
+        yields, never which ones, and a constraint only ever sees tokens that are kept."""
+        first_rows = list(itertools.accumulate((len(s.draft_token_ids) + 1 for s in sampling), initial=0))[:-1]
+        drawn: list[list[int]] = [[] for _ in sampling]
+        drawn_logprobs: list[list[TokenLogprob]] = [[] for _ in sampling]
+        failed: dict[str, str] = {}
+        accepted: dict[str, int] = {s.request.request_id: 0 for s in sampling if s.draft_token_ids}
+        alive = list(range(len(sampling)))
+        for position in range(max(len(s.draft_token_ids) for s in sampling) + 1):
+            rows = [_sampling_row(sampling[i], drawn[i]) for i in alive]
+            at = logits if position == 0 and len(logits) == len(alive) else \
+                logits[torch.tensor([first_rows[i] + position for i in alive], device=logits.device)]
+            result = self.sampler(at, rows)
+            still = []
+            for slot, i in enumerate(alive):
+                request_id = sampling[i].request.request_id
+                if slot in result.failed:
+                    failed[request_id] = result.failed[slot]
+                    continue
+                token_id = result.token_ids[slot]
+                drawn[i].append(token_id)
+                if result.logprobs[slot] is not None:
+                    drawn_logprobs[i].append(result.logprobs[slot])
+                drafts = sampling[i].draft_token_ids
+                if position < len(drafts) and token_id == drafts[position]:
+                    accepted[request_id] += 1
+                    still.append(i)
+            alive = still
+            if not alive:
+                break
+        sampled = {s.request.request_id: tokens for s, tokens in zip(sampling, drawn) if tokens}
+        logprobs = {s.request.request_id: lps for s, lps in zip(sampling, drawn_logprobs) if lps}
+        return RunnerOutput(sampled, logprobs, failed, accepted)
 
     def _prepare(self, scheduled: list[ScheduledRequest]):
         if self.cache.kernel_layout:
@@ -75,7 +108,7 @@ class ModelRunner:
         for item in scheduled:
             request, start, count = item.request, item.start, item.num_new_tokens
             begin = len(token_ids)
-            token_ids.extend(request.token_ids[start:start + count])
+            token_ids.extend(item.input_token_ids)
             positions.extend(range(start, start + count))
             if count > 1:
                 seq_slots = _slots_of(request.block_ids, start + count, block_size)
@@ -91,7 +124,7 @@ class ModelRunner:
                     decode_tables.append(request.block_ids[: start // block_size + 1])
                     decode_lengths.append(start + 1)
             if item.samples:
-                sample_rows.append(begin + count - 1)
+                sample_rows.extend(range(begin + count - 1 - len(item.draft_token_ids), begin + count))
         to_device = lambda values: torch.tensor(values, dtype=torch.long).to(self.device, non_blocking=True)
         decodes = self._decode_groups(decode_rows, decode_tables, decode_lengths)
         attn = PagedAttention(self.cache, to_device(slots), decodes, prefills, long_decodes)
@@ -105,12 +138,12 @@ class ModelRunner:
         sample_rows: list[int] = []
         for item in scheduled:
             request, start, count = item.request, item.start, item.num_new_tokens
-            token_ids.extend(request.token_ids[start:start + count])
+            token_ids.extend(item.input_token_ids)
             positions.extend(range(start, start + count))
             slots.extend(request.block_ids[p // block_size] * block_size + p % block_size
                          for p in range(start, start + count))
             if item.samples:
-                sample_rows.append(len(token_ids) - 1)
+                sample_rows.extend(range(len(token_ids) - 1 - len(item.draft_token_ids), len(token_ids)))
         rows = [(item.request.block_ids, item.start, item.num_new_tokens) for item in scheduled]
         as_long = lambda values: torch.tensor(values, dtype=torch.long)
         return as_long(token_ids), as_long(positions), sample_rows, kernel_attention(self.cache, rows, as_long(slots))
@@ -146,13 +179,12 @@ def _slots_of(block_ids: list[int], num_tokens: int, block_size: int) -> torch.T
     return (blocks[:, None] * block_size + torch.arange(block_size)).flatten()[:num_tokens]
 
 
-def _sampling_row(item: ScheduledRequest) -> SamplingRow:
+def _sampling_row(item: ScheduledRequest, drawn: list[int]) -> SamplingRow:
+    """The row for the next token after the request's tokens and `drawn` (this step's tokens before it)."""
     request = item.request
     params = request.sampling_params
     suppressed: frozenset[int] = frozenset()
-    if request.num_output_tokens < params.min_tokens:
-        ends = set(params.stop_token_ids)
-        if not params.ignore_eos:
-            ends |= request.eos_token_ids
-        suppressed = frozenset(ends)
-    return SamplingRow(params, request.token_ids, request.num_prompt_tokens, suppressed, request.constraint)
+    if request.num_output_tokens + len(drawn) < params.min_tokens:
+        suppressed = request.end_token_ids
+    token_ids = request.token_ids + drawn if drawn else request.token_ids
+    return SamplingRow(params, token_ids, request.num_prompt_tokens, suppressed, request.constraint)

@@ -29,7 +29,6 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
-from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -84,15 +83,25 @@ def tokens_within(start: int, wanted: int, budget: float, attention_cost_tokens:
 
 @dataclass(slots=True)
 class ScheduledRequest:
+    """num_new_tokens tokens from position `start`: the request's own, then its drafted tokens
+    (speculative decoding), whose KV is kept only as far as the model accepts them."""
+
     request: Request
     num_new_tokens: int
     start: int  # request.num_computed_tokens when scheduled
+    draft_token_ids: list[int] = field(default_factory=list)
     # this chunk reaches the last token, so the runner samples one; fixed here, as the request grows
     samples: bool = field(init=False)
 
     def __post_init__(self) -> None:
-        reaches_end = self.start + self.num_new_tokens == self.request.num_tokens
+        reaches_end = self.start + self.num_new_tokens - len(self.draft_token_ids) == self.request.num_tokens
         self.samples = reaches_end and self.request.max_tokens > 0  # max_tokens 0: the prompt only
+
+    @property
+    def input_token_ids(self) -> list[int]:
+        """The tokens this step feeds the model: (num_new_tokens,)."""
+        own = self.request.token_ids[self.start:self.start + self.num_new_tokens - len(self.draft_token_ids)]
+        return own + self.draft_token_ids if self.draft_token_ids else own
 
 
 @dataclass(slots=True)
@@ -231,6 +240,13 @@ class Scheduler:
             num_new_tokens = 1 if owed == 1 else self._tokens_within(start, owed, budget)
             if num_new_tokens == 0:  # only if the runner failed to sample for it; never schedule nothing
                 continue
+            drafts, request.draft_token_ids = request.draft_token_ids, []
+            if owed == 1 and drafts:
+                drafts = self._affordable_drafts(request, drafts, budget - self._cost(start, 1))
+                if drafts:
+                    scheduled.append(ScheduledRequest(request, 1 + len(drafts), start, drafts))
+                    budget -= self._cost(start, 1 + len(drafts))
+                    continue
             while not self.kv_cache.allocate_slots(request, num_new_tokens):
                 victim = max(self.running, key=_importance_rank)
                 budget += self._preempt(victim, scheduled)  # a victim already paid this step is refunded
@@ -241,6 +257,14 @@ class Scheduler:
                 scheduled.append(ScheduledRequest(request, num_new_tokens, start))
                 budget -= self._cost(start, num_new_tokens)
         return budget
+
+    def _affordable_drafts(self, request: Request, drafts: list[int], budget: float) -> list[int]:
+        """The drafted tokens the budget left after the request's own token pays for, if the pool
+        has room for them without preempting anyone (a draft is never worth a preemption)."""
+        if budget <= 0:
+            return []
+        drafts = drafts[:self._tokens_within(request.num_computed_tokens + 1, len(drafts), budget)]
+        return drafts if self.kv_cache.allocate_slots(request, 1 + len(drafts)) else []
 
     def _admit_waiting(self, budget: float, scheduled: list[ScheduledRequest], preempted: list[Request], *,
                        foreground_only: bool) -> float:
@@ -297,30 +321,41 @@ class Scheduler:
                 request.promoted = True
                 self.waiting.reorder(request)
 
-    def update_from_output(self, output: SchedulerOutput, sampled: dict[str, list[int]]) -> list[Request]:
-        """Advance each scheduled request and append its sampled tokens; returns those that finished (freed)."""
+    def update_from_output(self, output: SchedulerOutput, sampled: dict[str, list[int]],
+                           accepted: dict[str, int] | None = None) -> list[Request]:
+        """Advance each scheduled request and append its sampled tokens; returns those that finished (freed).
+
+        `accepted`: how many of a request's drafted tokens the model kept (they lead its sampled
+        tokens). Only those keep their KV: the rejected ones' slots are written again later and their
+        blocks, if they hold nothing else, go back to the pool; prefix hashes cover accepted tokens only.
+        """
         finished: list[Request] = []
         for entry in output.scheduled:
             request = entry.request
             if request.status is not RequestStatus.RUNNING:
                 continue  # finished or aborted since schedule()
-            request.num_computed_tokens += entry.num_new_tokens
+            status = None
+            if entry.samples:
+                for token_id in sampled.get(request.request_id, ()):
+                    request.append_output_token(token_id)
+                    status = self._stop_status(request, token_id)
+                    if status is not None:
+                        break
+            num_kept = entry.num_new_tokens
+            if entry.draft_token_ids:
+                num_kept -= len(entry.draft_token_ids) - (accepted or {}).get(request.request_id, 0)
+            # a stop inside a drafted round drops the tokens after it, and their KV
+            request.num_computed_tokens = min(request.num_computed_tokens + num_kept, request.num_tokens)
             self.kv_cache.cache_full_blocks(request)
+            if entry.draft_token_ids:
+                self.kv_cache.trim_blocks(request, request.num_computed_tokens)
             if self.config.release_window:  # the next token's window starts here
                 self.kv_cache.release_blocks_before(request, request.num_computed_tokens + 1 - self.config.release_window)
             if request.max_tokens == 0 and request.num_computed_tokens == request.num_tokens:
-                self._finish(request, RequestStatus.FINISHED_LENGTH)  # prefilled, its full blocks cached
+                status = RequestStatus.FINISHED_LENGTH  # prefilled, its full blocks cached
+            if status is not None:
+                self._finish(request, status)
                 finished.append(request)
-                continue
-            if not entry.samples:
-                continue
-            for token_id in sampled.get(request.request_id, ()):
-                request.append_output_token(token_id)
-                status = self._stop_status(request, token_id)
-                if status is not None:
-                    self._finish(request, status)
-                    finished.append(request)
-                    break
         if finished:
             self.running = [r for r in self.running if not r.status.is_finished]
         return finished

@@ -17,6 +17,9 @@ class EngineCounters:
     generation_tokens: int = 0  # tokens sampled
     prefill_seconds: float = 0.0  # step time apportioned to prefill tokens
     decode_seconds: float = 0.0  # step time apportioned to decode tokens
+    spec_rounds: int = 0  # speculative decoding: drafted rounds verified
+    spec_proposed_tokens: int = 0  # tokens drafted
+    spec_accepted_tokens: int = 0  # of those, kept
 
     def add_step(self, seconds: float, num_prefill_tokens: int, num_decode_tokens: int) -> None:
         """A step's wall time, split between prefill and decode in proportion to their tokens."""
@@ -48,6 +51,9 @@ class EngineStats:
     generation_tokens: int
     prefill_seconds: float
     decode_seconds: float
+    spec_rounds: int
+    spec_proposed_tokens: int
+    spec_accepted_tokens: int
 
     @classmethod
     def build(cls, counters: EngineCounters, **gauges) -> "EngineStats":

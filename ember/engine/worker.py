@@ -32,18 +32,16 @@ _PR_SET_PDEATHSIG = 1
 
 def load_engine(settings: WorkerSettings):
     """(EngineCore, ConstraintBuilder) for the settings: the model built, warmed up, counters zeroed."""
-    from pathlib import Path
 
     from ember.engine.core import EngineCore
     from ember.grammar.realize import load_constraint_builder
-    from ember.loaders import load_model_source
+    from ember.loaders import source_opener
 
-    source = load_model_source(settings.model, Path(settings.cache_dir) if settings.cache_dir else None,
-                               revision=settings.revision,
-                               ollama_models=Path(settings.ollama_models) if settings.ollama_models else None)
+    open_source = source_opener(settings.cache_dir, settings.ollama_models)
+    source = open_source(settings.model, settings.revision)
     if settings.chat_template is not None:
         source.tokenizer.chat_template = settings.chat_template
-    core = EngineCore.from_source(source, settings.engine)
+    core = EngineCore.from_source(source, settings.engine, open_source)
     builder = load_constraint_builder(source.tokenizer, core.model_config.vocab_size, core.eos_token_ids)
     warm_up(core, source.tokenizer)
     return core, builder

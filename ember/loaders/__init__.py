@@ -46,3 +46,11 @@ def load_model_source(model: str | None = None, cache_dir: pathlib.Path | None =
 
 
 __all__ = ["DEFAULT_CACHE_DIR", "ModelSource", "check_architecture", "load_model_source", "supported_architectures"]
+
+
+def source_opener(cache_dir: str | pathlib.Path | None = None, ollama_models: str | pathlib.Path | None = None):
+    """load_model_source with the stores fixed: `open(name, revision=None)` (the served model's, a draft model's)."""
+    def open_source(model: str | None, revision: str | None = None) -> ModelSource:
+        return load_model_source(model, pathlib.Path(cache_dir) if cache_dir else None, revision=revision,
+                                 ollama_models=pathlib.Path(ollama_models) if ollama_models else None)
+    return open_source

@@ -158,6 +158,7 @@ class MessagesRenderer:
         thinking = self.result.num_reasoning_tokens
         if thinking is not None and output_tokens:
             usage["output_tokens_details"] = {"thinking_tokens": thinking}
+        usage.update(self.result.speculative_usage())
         return usage
 
     def stop(self, choice: ChoiceResult) -> tuple[str, str | None]:

@@ -22,7 +22,7 @@ from ember.protocols.neutral import (
 from ember.protocols.openai_common import MAX_TOP_LOGPROBS, read_logit_bias, read_shared_sampling, read_token_ids
 from ember.protocols.sse import DONE, ServerEvent
 from ember.protocols.structured import grammar_spec, json_schema_spec, regex_spec
-from ember.types import FinishReason, GenerationOutput, SamplingParams, TokenLogprob
+from ember.types import FinishReason, GenerationOutput, SamplingParams, SpeculationCounts, TokenLogprob
 from ember.protocols.unknown_fields import reads_fields
 
 MAX_BATCH = 64
@@ -35,7 +35,7 @@ _RENAMED = {"max_tokens": "max_new_tokens", "min_tokens": "min_new_tokens",
 _SAMPLING_KEYS = {"max_new_tokens", "min_new_tokens", "temperature", "top_p", "top_k", "min_p",
                   "frequency_penalty", "presence_penalty", "repetition_penalty", "stop", "stop_token_ids",
                   "ignore_eos", "skip_special_tokens", "no_stop_trim", "seed", "logit_bias",
-                  "json_schema", "regex", "ebnf", "n", "spaces_between_special_tokens", "stream_interval"}
+                  "json_schema", "regex", "ebnf", "n", "spaces_between_special_tokens", "stream_interval", "draft"}
 _GRAMMAR_KEYS = (("json_schema", json_schema_spec), ("regex", regex_spec), ("ebnf", grammar_spec))
 # top-level fields of SGLang's request that ember understands and cannot honour (when set)
 _REFUSED = {
@@ -280,6 +280,8 @@ class GenerateRenderer:
         }
         if choice.finish_reason is not None:
             info["token_sha"] = choice.token_sha
+        if choice.speculation is not None:
+            info.update(speculation_meta(choice.speculation))
         if self.options.return_logprob:
             info.update(self.logprobs(choice.logprobs))
         return info
@@ -328,3 +330,16 @@ def _finite(value: float) -> float | None:
 
 GENERATE = Dialect(name="generate", id_prefix="", parse=parse_generate, renderer=GenerateRenderer,
                    errors=OPENAI_ERRORS)
+
+
+def speculation_meta(counts: SpeculationCounts) -> dict[str, Any]:
+    """SGLang's speculative counters for one reply: rounds verified, tokens drafted and kept, the
+    share kept, tokens gained per round, and how many rounds kept 0, 1, 2 ... drafted tokens."""
+    return {
+        "spec_verify_ct": counts.rounds,
+        "spec_num_proposed_drafts": counts.proposed,
+        "spec_num_correct_drafts": counts.accepted,
+        "spec_accept_rate": counts.accepted / counts.proposed if counts.proposed else 0.0,
+        "spec_accept_length": counts.mean_accepted_length,
+        "spec_correct_drafts_histogram": list(counts.histogram),
+    }

@@ -24,7 +24,8 @@ from ember.protocols.errors import ErrorShape
 from ember.protocols.sse import ServerEvent
 from ember.protocols.structured import GrammarSpec
 from ember.tokenization.chat_prompt import drop_closed_reasoning, prepare_conversation
-from ember.types import CachePin, FinishReason, GenerationOutput, RequestTimings, SamplingParams, TokenLogprob
+from ember.types import (CachePin, FinishReason, GenerationOutput, RequestTimings, SamplingParams, SpeculationCounts,
+                         TokenLogprob)
 
 
 @dataclass(slots=True)
@@ -234,6 +235,7 @@ class ChoiceResult:
     num_pinned_tokens: int = 0  # leading prompt tokens the request's cache pins keep
     timings: RequestTimings | None = None
     error: str | None = None
+    speculation: SpeculationCounts | None = None  # its drafted rounds, when it had any
     parser: ReplyParser | None = None  # chat replies with reasoning or tools
     events: list[ReplyEvent] = field(default_factory=list)  # what the latest output added
 
@@ -288,6 +290,7 @@ class RunResult:
         choice.num_cached_tokens = output.num_cached_tokens
         choice.num_pinned_tokens = max(choice.num_pinned_tokens, output.num_pinned_tokens)
         choice.timings = output.timings
+        choice.speculation = output.speculation
         if output.logprobs is not None:
             choice.logprobs = output.logprobs
         if choice.parser is not None:
@@ -349,6 +352,22 @@ class RunResult:
         """Leading prompt tokens the first choice's cache pins keep (its breakpoints, as honoured)."""
         return self.choices[0].num_pinned_tokens
 
+    @property
+    def speculation(self) -> SpeculationCounts | None:
+        """Every choice's drafted rounds together; None when none was drafted."""
+        counted = [c.speculation for c in self.choices if c.speculation is not None]
+        if not counted:
+            return None
+        total = SpeculationCounts()
+        for counts in counted:
+            total.merge(counts)
+        return total
+
+    def speculative_usage(self) -> dict[str, Any]:
+        """usage's `speculative` entry (drafted and kept tokens) when the reply was drafted."""
+        counts = self.speculation
+        return {} if counts is None else {"speculative": {"proposed": counts.proposed, "accepted": counts.accepted}}
+
     def first_token_time(self) -> float | None:
         times = [c.timings.first_token for c in self.choices if c.timings and c.timings.first_token]
         return min(times) if times else None
@@ -367,6 +386,8 @@ class RunResult:
         predicted_s = _span(first, finished)
         # The first token of each choice belongs to the prompt's time; decode speed counts the rest.
         decoded = max(predicted_n - sum(1 for c in self.choices if c.token_ids), 0)
+        drafted = self.speculation
+        drafts = {} if drafted is None else {"draft_n": drafted.proposed, "draft_n_accepted": drafted.accepted}
         return {
             "cache_n": cache_n,
             "prompt_n": prompt_n,
@@ -376,6 +397,7 @@ class RunResult:
             "predicted_ms": predicted_s * 1000.0,
             "predicted_per_second": decoded / predicted_s if predicted_s > 0 else 0.0,
             "queue_ms": _span(self.received, scheduled) * 1000.0,
+            **drafts,
         }
 
 

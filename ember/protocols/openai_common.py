@@ -100,6 +100,7 @@ def usage_body(result: RunResult) -> dict[str, Any]:
     if reasoning is not None:
         body["completion_tokens_details"] = {"reasoning_tokens": reasoning}
     body["reasoning_tokens"] = reasoning or 0  # the flat spelling some clients read
+    body.update(result.speculative_usage())
     return body
 
 

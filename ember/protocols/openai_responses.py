@@ -430,7 +430,7 @@ class ResponsesRenderer:
                 "input_tokens_details": {"cached_tokens": cached, "cache_write_tokens": max(prompt - cached, 0)},
                 "output_tokens": completion,
                 "output_tokens_details": {"reasoning_tokens": result.num_reasoning_tokens or 0},
-                "total_tokens": prompt + completion}
+                "total_tokens": prompt + completion, **result.speculative_usage()}
 
     def finish(self, status: str, error: dict[str, Any] | None = None) -> dict[str, Any]:
         """The final object; stored (before the client sees it) when the request asked for it."""

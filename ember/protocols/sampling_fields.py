@@ -79,7 +79,7 @@ def read_priority(f: Fields) -> int:
 
 def read_sampling_fields(f: Fields, values: dict[str, Any], *, stop_names: Sequence[str],
                          stop_limit: int) -> dict[str, str]:
-    """temperature, top_p, top_k, min_p, the penalties, seed and stop into `values` (only those
+    """temperature, top_p, top_k, min_p, the penalties, seed, stop and draft into `values` (only those
     given, so the model's defaults stay otherwise). Returns SamplingParams' names -> the wire's
     names, for refusals SamplingParams raises itself."""
     for name in NUMBER_FIELDS:
@@ -89,6 +89,7 @@ def read_sampling_fields(f: Fields, values: dict[str, Any], *, stop_names: Seque
         values["top_k"] = f.integer("top_k")
     values["seed"] = read_seed(f)
     values["stop"], stop_name = read_stop(f, stop_names, stop_limit)
+    values["draft"] = f.boolean("draft", True)  # false: no speculative decoding for this request
     return {"stop": stop_name}
 
 

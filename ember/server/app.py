@@ -168,6 +168,8 @@ def health_counters(state: ServerState, observability: Observability, stats: dic
                     prefill_seconds_total=stats.get("prefill_seconds"),
                     decode_seconds_total=stats.get("decode_seconds"),
                     rounds_total=stats.get("num_steps"),
+                    draft_tokens_total=stats.get("spec_proposed_tokens"),
+                    draft_tokens_accepted_total=stats.get("spec_accepted_tokens"),
                     streams={"decoding": stats.get("num_running", 0) - prefilling, "prefilling": prefilling,
                              "max": state.config.max_running},
                     engine=stats)

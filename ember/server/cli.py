@@ -17,7 +17,7 @@ import socket
 import sys
 import time
 
-from ember.config import EngineConfig
+from ember.config import MAX_DRAFT_TOKENS, SPECULATION_MODES, EngineConfig, SpeculativeConfig
 from ember.engine.faults import ENV_VAR as FAULT_ENV_VAR, FaultPlan
 from ember.parsers import REASONING_PARSERS, TOOL_PARSERS
 from ember.server.config import ServerConfig, is_loopback
@@ -118,6 +118,18 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     sampling.add_argument("--override-generation-config", type=_json_object, default={}, metavar="JSON",
                           help="a JSON object merged over the model's generation config, e.g. "
                                "'{\"temperature\": 0.6, \"top_p\": 0.95}'; the single flags above win over it")
+    spec = p.add_argument_group("speculative decoding (the same tokens as plain decoding, sooner)")
+    spec.add_argument("--speculate", default="off", choices=SPECULATION_MODES,
+                      help="draft tokens for the model to verify: ngram looks them up in the request's own text "
+                           "(repetitive work: editing code, quoting the input); draft asks a smaller model (--draft); "
+                           "auto takes the draft model when --draft names one that loads, else ngram (default off)")
+    spec.add_argument("--draft", default=None, metavar="MODEL",
+                      help="the draft model (any model ember loads that shares the served model's tokenizer)")
+    spec.add_argument("--draft-tokens", type=int, default=None, metavar="N",
+                      help=f"tokens drafted per round, 1 to {MAX_DRAFT_TOKENS} (default: tuned per request from what "
+                           "it accepts)")
+    spec.add_argument("--ngram", default="2:4", metavar="MIN:MAX",
+                      help="the suffix lengths n-gram lookup matches, shortest and longest (default 2:4)")
     engine = p.add_argument_group("engine and limits")
     engine.add_argument("--max-model-len", type=int, default=None,
                         help="context window in tokens, prompt and output together (default: the model's "
@@ -223,7 +235,8 @@ def build_config(args: argparse.Namespace, environ=os.environ) -> ServerConfig:
                           seed=args.seed, rope_scaling=args.rope_scaling, num_threads=args.threads,
                           cpu_kernels=not args.no_cpu_kernels, quantization=args.quantization,
                           attention_cost_tokens=args.attention_cost_tokens, max_pinned_kv_share=args.kv_pin_share,
-                          background_wait_steps=args.background_wait_steps)
+                          background_wait_steps=args.background_wait_steps,
+                          speculative=speculative_config(args))
     if args.max_request_mb <= 0:
         raise ValueError("--max-request-mb must be positive")
     fault = environ.get(FAULT_ENV_VAR) or None
@@ -252,6 +265,17 @@ def build_config(args: argparse.Namespace, environ=os.environ) -> ServerConfig:
         sampling_flags=sampling_flags, override_generation_config=args.override_generation_config,
         strict_fields=args.strict_fields, engine_worker=not args.no_engine_worker, drain_timeout=args.drain_timeout,
         stalled_client_timeout=args.stalled_client_timeout, inject_fault=fault, engine=engine)
+
+
+def speculative_config(args: argparse.Namespace) -> SpeculativeConfig:
+    low, sep, high = args.ngram.partition(":")
+    if not sep or not low.strip().isdigit() or not high.strip().isdigit():
+        raise ValueError(f"--ngram takes MIN:MAX, two whole numbers such as 2:4, not {args.ngram!r}")
+    if args.draft and args.speculate not in ("draft", "auto"):
+        raise ValueError(f"--draft names a draft model, which only --speculate draft or auto uses "
+                         f"(--speculate is {args.speculate})")
+    return SpeculativeConfig(mode=args.speculate, draft_model=args.draft, draft_tokens=args.draft_tokens,
+                             ngram_min=int(low), ngram_max=int(high))
 
 
 def read_sampling_flags(args: argparse.Namespace) -> dict:

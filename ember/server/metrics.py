@@ -46,6 +46,9 @@ ENGINE_COUNTERS = {
     "ember:engine_steps": ("num_steps", "Engine steps run"),
     "ember:prefill_seconds": ("prefill_seconds", "Engine step time spent on prefill tokens"),
     "ember:decode_seconds": ("decode_seconds", "Engine step time spent on decode tokens"),
+    "ember:spec_decode_rounds": ("spec_rounds", "Speculative decoding: rounds of drafted tokens verified"),
+    "ember:spec_decode_draft_tokens": ("spec_proposed_tokens", "Speculative decoding: tokens drafted"),
+    "ember:spec_decode_accepted_tokens": ("spec_accepted_tokens", "Speculative decoding: drafted tokens accepted"),
 }
 
 

@@ -104,6 +104,7 @@ def telemetry(record: RequestRecord) -> dict[str, Any]:
         "cached_tokens": result.num_cached_tokens if result is not None else 0,
         "completion_tokens": result.num_completion_tokens if result is not None else 0,
         "reasoning_tokens": getattr(result, "num_reasoning_tokens", None),
+        **_speculation_fields(result),
         "seconds": {
             "admission_wait": _span(record.received, record.admitted),
             "queue": timings.get("queue_ms", 0.0) / 1000.0,
@@ -173,3 +174,12 @@ def _span(start: float | None, end: float | None) -> float | None:
     if start is None or end is None:
         return None
     return max(end - start, 0.0)
+
+
+def _speculation_fields(result) -> dict:
+    """A drafted request's speculative counters (rounds, drafted and accepted tokens, rounds by tokens kept)."""
+    counts = result.speculation if result is not None else None
+    if counts is None:
+        return {}
+    return {"speculative": {"rounds": counts.rounds, "proposed": counts.proposed, "accepted": counts.accepted,
+                            "accepted_per_round": list(counts.histogram)}}

@@ -10,7 +10,6 @@ import logging
 import threading
 import time
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any, Callable
 
 import ember
@@ -53,11 +52,9 @@ class LoadedModel:
 def load_model(config: ServerConfig) -> LoadedModel:
     """Open the model's tokenizer and settings here and start its engine: a supervised worker
     process, or with `engine_worker` off a thread of this process (runs in a loading thread)."""
-    from ember.loaders import load_model_source
+    from ember.loaders import source_opener
 
-    source = load_model_source(config.model, Path(config.cache_dir) if config.cache_dir else None,
-                               revision=config.revision,
-                               ollama_models=Path(config.ollama_models) if config.ollama_models else None)
+    source = source_opener(config.cache_dir, config.ollama_models)(config.model, config.revision)
     tokenizer = source.tokenizer
     if config.chat_template is not None:
         tokenizer.chat_template = config.chat_template
@@ -89,7 +86,9 @@ def _start_engine(config: ServerConfig, source):
     from ember.engine.engine import AsyncEngine
     from ember.engine.worker import warm_up
 
-    core = EngineCore.from_source(source, config.engine)
+    from ember.loaders import source_opener
+
+    core = EngineCore.from_source(source, config.engine, source_opener(config.cache_dir, config.ollama_models))
     warm_up(core, source.tokenizer)
     return AsyncEngine(core, source.tokenizer)
 

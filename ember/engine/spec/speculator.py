@@ -1,0 +1,106 @@
+"""Drafts for the requests about to decode: from which proposer, how many, and what they taught."""
+
+from __future__ import annotations
+
+import logging
+from typing import Protocol
+
+from ember.config import SpeculativeConfig
+from ember.engine.request import Request
+from ember.engine.spec.ngram import NgramIndex
+from ember.engine.spec.tuning import DraftLength
+
+logger = logging.getLogger("ember.engine")
+
+
+class Proposer(Protocol):
+    def propose(self, wants: list[tuple[Request, int]]) -> list[list[int]]:
+        """Up to n drafted tokens to follow each request's tokens, for each (request, n)."""
+        ...
+
+    def forget(self, request_id: str) -> None:
+        ...
+
+
+class NgramProposer:
+    name = "ngram"
+
+    def __init__(self, min_n: int, max_n: int) -> None:
+        self.min_n, self.max_n = min_n, max_n
+        self._indexes: dict[str, NgramIndex] = {}
+
+    def propose(self, wants: list[tuple[Request, int]]) -> list[list[int]]:
+        drafts = []
+        for request, num_tokens in wants:
+            index = self._indexes.get(request.request_id)
+            if index is None:
+                index = self._indexes[request.request_id] = NgramIndex(self.min_n, self.max_n)
+            drafts.append(index.propose(request.token_ids, num_tokens))
+        return drafts
+
+    def forget(self, request_id: str) -> None:
+        self._indexes.pop(request_id, None)
+
+
+class Speculator:
+    """Owned by the engine core, called from its one thread: `propose` before each schedule,
+    `record` after each verified round, `forget` when a request ends."""
+
+    def __init__(self, config: SpeculativeConfig, proposer: Proposer, max_model_len: int) -> None:
+        self.config = config
+        self.proposer = proposer
+        self.max_model_len = max_model_len
+        self._lengths: dict[str, DraftLength] = {}
+
+    @property
+    def method(self) -> str:
+        return self.proposer.name
+
+    def propose(self, requests: list[Request]) -> None:
+        """Set draft_token_ids on each running request that is about to decode and may draft."""
+        wants = []
+        for request in requests:
+            request.draft_token_ids = []
+            if request.num_tokens - request.num_computed_tokens != 1 or not request.sampling_params.draft:
+                continue
+            # the step yields up to drafts + 1 tokens: never past max_tokens or the context window
+            room = min(request.max_tokens - request.num_output_tokens, self.max_model_len - request.num_tokens) - 1
+            length = self._lengths.get(request.request_id)
+            if length is None:
+                length = self._lengths[request.request_id] = DraftLength(self.config.draft_tokens)
+            wanted = min(length.next(), room)
+            if wanted > 0:
+                wants.append((request, wanted))
+        if not wants:
+            return
+        for (request, _), drafts in zip(wants, self.proposer.propose(wants)):
+            request.draft_token_ids = _before_end_token(request, drafts)
+
+    def record(self, request_id: str, proposed: int, accepted: int) -> None:
+        length = self._lengths.get(request_id)
+        if length is not None:
+            length.record(proposed, accepted)
+
+    def forget(self, request_id: str) -> None:
+        self._lengths.pop(request_id, None)
+        self.proposer.forget(request_id)
+
+
+def _before_end_token(request: Request, drafts: list[int]) -> list[int]:
+    """Drafts up to the first token that would end the request: an end token is never worth
+    drafting (it can only be the round's last), and nothing after it may be verified."""
+    ends = request.end_token_ids
+    for i, token_id in enumerate(drafts):
+        if token_id in ends:
+            return drafts[:i]
+    return drafts
+
+
+def build_speculator(config: SpeculativeConfig, max_model_len: int, draft_proposer: Proposer | None = None
+                     ) -> Speculator | None:
+    """The engine's speculator for its config (None when off). `draft_proposer`: a loaded draft
+    model's, for the draft and auto modes."""
+    if not config.enabled:
+        return None
+    proposer = draft_proposer or NgramProposer(config.ngram_min, config.ngram_max)
+    return Speculator(config, proposer, max_model_len)

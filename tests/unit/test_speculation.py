@@ -1,0 +1,121 @@
+"""Speculative decoding's logic at toy sizes: n-gram lookup, draft lengths, and how the scheduler
+pays for drafts and rolls back the ones the model rejects (block_size 4, no torch)."""
+
+from __future__ import annotations
+
+import pytest
+
+from ember.config import SpeculativeConfig
+from ember.engine.spec.ngram import NgramIndex
+from ember.engine.spec.speculator import NgramProposer, Speculator
+from ember.engine.spec.tuning import DraftLength
+from ember.engine.request import RequestStatus
+from tests.unit.test_scheduler import make_request, make_scheduler  # noqa: F401 (fixture)
+
+
+def test_ngram_lookup_follows_the_latest_earlier_occurrence_of_the_longest_suffix():
+    index = NgramIndex(2, 4)
+    tokens = [1, 2, 3, 9, 9, 1, 2, 3, 4, 5, 6, 1, 2, 3]
+    # the suffix 1 2 3 last occurred at 5..7, followed by 4 5 6
+    assert index.propose(tokens, 3) == [4, 5, 6]
+    assert index.propose(tokens + [4], 2) == [5, 6]  # the index grows with the sequence
+    assert NgramIndex(2, 4).propose([5, 6, 7, 8], 3) == []  # no earlier occurrence
+    assert NgramIndex(2, 2).propose([7, 8, 1, 7, 8], 4) == [1, 7, 8]  # what exists up to the end
+    # a longer suffix wins over a more recent shorter one
+    assert NgramIndex(1, 3).propose([4, 1, 2, 10, 11, 2, 12, 4, 1, 2], 1) == [10]
+
+
+def test_a_tuned_draft_grows_with_what_is_accepted_and_pauses_when_nothing_is():
+    length = DraftLength(None)
+    first = length.next()
+    for _ in range(4):
+        length.record(length.next(), length.next())
+    assert length.next() > first
+    for _ in range(3):
+        length.record(length.next(), 0)
+    assert length.next() == 0  # paused
+    fixed = DraftLength(3)
+    fixed.record(3, 0)
+    assert fixed.next() == 3
+
+
+def _verify(scheduler, drafts: dict[str, list[int]], sampled: dict[str, list[int]]):
+    """One step in which the requests carry drafts; `sampled` are the tokens the model drew."""
+    for request in scheduler.running:
+        request.draft_token_ids = list(drafts.get(request.request_id, []))
+    output = scheduler.schedule()
+    accepted = {}
+    for entry in output.scheduled:
+        tokens, draft = sampled[entry.request.request_id], entry.draft_token_ids
+        accepted[entry.request.request_id] = next((i for i, (t, d) in enumerate(zip(tokens, draft)) if t != d),
+                                                  min(len(tokens), len(draft)))
+    scheduler.update_from_output(output, sampled, accepted)
+    return output
+
+
+def test_rejected_drafts_roll_back_their_kv_and_only_accepted_tokens_are_hashed(make_scheduler):
+    scheduler = make_scheduler(num_blocks=16)
+    request = make_request("r", [1, 2, 3], max_tokens=20)
+    scheduler.add_request(request)
+    _verify(scheduler, {}, {"r": [4]})  # the prompt; the first token
+    assert (request.num_tokens, request.num_computed_tokens, len(request.block_ids)) == (4, 3, 1)
+    # six drafts (positions 4..9, three blocks' worth), the model keeps two and draws its own third
+    output = _verify(scheduler, {"r": [5, 6, 7, 8, 9, 10]}, {"r": [5, 6, 70]})
+    assert output.scheduled[0].num_new_tokens == 7 and output.num_scheduled_tokens == 7
+    assert request.token_ids == [1, 2, 3, 4, 5, 6, 70]
+    assert request.num_computed_tokens == 6  # 4's KV and the kept drafts' (5, 6); 70 is next
+    assert len(request.block_ids) == 2  # the block only the rejected drafts reached went back
+    assert len(request.block_hashes) == 1  # block 0 (1 2 3 4) full and final; block 1 not yet full
+    scheduler.kv_cache.check_invariants()
+    # all drafts kept: the model's extra token is the bonus
+    _verify(scheduler, {"r": [71, 72]}, {"r": [71, 72, 73]})
+    assert request.token_ids[-4:] == [70, 71, 72, 73] and request.num_computed_tokens == request.num_tokens - 1
+    assert len(request.block_hashes) == 2
+
+
+def test_a_stop_inside_a_round_drops_the_tokens_after_it(make_scheduler):
+    scheduler = make_scheduler()
+    request = make_request("r", [1, 2, 3], max_tokens=20, eos=(99,))
+    scheduler.add_request(request)
+    _verify(scheduler, {}, {"r": [4]})
+    _verify(scheduler, {"r": [5, 6, 7]}, {"r": [5, 99]})  # the model ends where the draft said 6
+    assert request.status is RequestStatus.FINISHED_STOPPED and request.output_token_ids == [4, 5, 99]
+
+
+def test_drafts_are_paid_from_the_budget_and_never_preempt(make_scheduler):
+    scheduler = make_scheduler(num_blocks=4, max_num_batched_tokens=4)  # 3 usable blocks of 4
+    request = make_request("r", [1, 2, 3], max_tokens=20)
+    scheduler.add_request(request)
+    _verify(scheduler, {}, {"r": [4]})
+    output = _verify(scheduler, {"r": [5, 6, 7, 8, 9, 10]}, {"r": [5, 6, 7, 8]})
+    assert output.scheduled[0].num_new_tokens == 4  # the budget paid for the own token and three drafts
+    other = make_request("o", [1, 1, 1, 1, 1], max_tokens=2)
+    scheduler.add_request(other)
+    _verify(scheduler, {}, {"r": [9], "o": [2]})
+    # 2 blocks for r and 2 for o's prompt would need 4: r's drafts are dropped rather than preempting o
+    output = _verify(scheduler, {"r": [10, 11, 12, 13]}, {"r": [10], "o": [3]})
+    assert all(not entry.draft_token_ids for entry in output.scheduled)
+    assert {r.request_id for r in scheduler.running} <= {"r", "o"}
+    scheduler.finish_requests(["r", "o"], RequestStatus.FINISHED_ABORTED)
+
+
+def test_the_speculator_drafts_within_the_reply_limit_and_before_end_tokens():
+    speculator = Speculator(SpeculativeConfig(mode="ngram", draft_tokens=8), NgramProposer(1, 2), max_model_len=64)
+    request = make_request("r", [5, 6, 7, 99, 8, 5, 6], max_tokens=4, eos=(99,))
+    request.num_computed_tokens = request.num_tokens - 1
+    speculator.propose([request])
+    assert request.draft_token_ids == [7]  # 7 99 8 follows "5 6": cut before the end token 99
+    request.token_ids += [1, 5, 6]  # three of four output tokens written
+    request.num_computed_tokens = request.num_tokens - 1
+    speculator.propose([request])
+    assert request.draft_token_ids == []  # one token left: nothing to draft
+    serial = make_request("s", [5, 6, 7, 8, 5, 6], max_tokens=9, draft=False)
+    serial.num_computed_tokens = serial.num_tokens - 1
+    speculator.propose([serial])
+    assert serial.draft_token_ids == []
+
+
+@pytest.mark.parametrize("mode, draft_tokens", [("fast", None), ("ngram", 9), ("ngram", 0)])
+def test_bad_speculative_settings_are_refused(mode, draft_tokens):
+    with pytest.raises(ValueError):
+        SpeculativeConfig(mode=mode, draft_tokens=draft_tokens)
