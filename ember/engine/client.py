@@ -1,13 +1,16 @@
 """The front end's engine: a supervised worker process (ember.engine.worker) behind ZeroMQ.
 
     event loop  --Add/Abort/Query-->  PUSH ipc://.../wN-in   --> worker (PULL)
-    supervisor thread  <--Ready/Outputs/Answer/Fatal--  PULL ipc://.../wN-out <-- worker (PUSH)
+    event loop  <--Outputs/Answer/Fatal--  PULL ipc://.../wN-out <-- worker (PUSH)
 
-The supervisor thread launches the worker, reads everything it sends and hands it to the event
-loop; it notices a worker that dies (a crash, SIGKILL, running out of memory, a fatal step) within
-a poll interval and starts a fresh one with the same settings, on fresh sockets so nothing queued
-for the dead one reaches the new one. Three deaths within a minute is a fault loop: the engine is
-then unavailable, with the reason, instead of restarting forever.
+The supervisor thread launches the worker, reads what it sends while it loads (Ready or Fatal),
+then hands both sockets to the event loop, which reads the worker's messages itself (a reader on
+the socket's file descriptor: no thread between a step and its stream). The thread then only
+waits for the process to end (a crash, SIGKILL, running out of memory, a fatal step), has the
+event loop take the dead worker's last messages and close its sockets, and starts a fresh worker
+with the same settings, on fresh sockets so nothing queued for the dead one reaches the new one.
+Three deaths within a minute is a fault loop: the engine is then unavailable, with the reason,
+instead of restarting forever.
 
 A request whose worker died is sent again once, from the start, with the same id and seed, when
 its consumer allows (`may_retry`: nothing of it has reached the client yet). The replay's tokens
@@ -48,7 +51,11 @@ from ember.types import GenerationOutput, SamplingParams, StepOutput
 
 logger = logging.getLogger("ember.engine")
 
-_POLL_MS = 100  # a dead worker is noticed within this
+_POLL_MS = 100  # while a worker loads, how often its process is checked
+# What a worker sent just before it died may still be on its way through ZeroMQ's I/O thread
+# when its exit is seen: the event loop keeps reading this long before it closes the socket.
+_LAST_WORDS_S = 0.05
+_FATAL_EXIT_S = 5.0  # a worker that reported a fault and has not exited this long after is killed
 # A worker that dies this soon after it was ready is a quick death; this many in a row (a load
 # that fails counts as one) is a fault loop, and the engine stops restarting. Slow loads do not
 # stretch the window: it runs from ready to death.
@@ -73,10 +80,15 @@ class _Lost:
 
 @dataclass(slots=True)
 class _Worker:
+    """One worker generation: its process and its two sockets (the supervisor thread's while it
+    loads, the event loop's once it is ready)."""
+
     process: subprocess.Popen
     push: zmq.Socket
     pull: zmq.Socket
     ready: Ready | None = None
+    fatal: Fatal | None = None  # its last word, if it reported a fault
+    watched: bool = False  # the event loop has a reader on `pull`
 
 
 class _Replay:
@@ -130,6 +142,9 @@ class EngineClient:
         self._quick_deaths = 0
         self._closing = threading.Event()
         self._first: concurrent.futures.Future = concurrent.futures.Future()
+        # Held while the supervisor thread calls into the front end and while `start` attaches the
+        # event loop: before it, such calls run on the thread; after it, on the loop.
+        self._attach = threading.Lock()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._ready: asyncio.Event | None = None
         self._thread = threading.Thread(target=self._supervise, name="ember-supervisor", daemon=True)
@@ -147,24 +162,26 @@ class EngineClient:
         """Attach to the running event loop (call from inside it, after `launch`)."""
         if self._loop is not None:
             return
-        self._loop = asyncio.get_running_loop()
-        self._ready = asyncio.Event()
-        if self.status == "ok":
-            self._ready.set()
+        with self._attach:
+            self._loop = asyncio.get_running_loop()
+            self._ready = asyncio.Event()
+            if self.status == "ok":
+                self._ready.set()
+                self._watch(self._worker)
 
     def shutdown(self, timeout: float = 10.0) -> None:
         """Stop the worker (live requests are aborted there) and wait for it to exit."""
         self._closing.set()
         worker = self._worker
-        if worker is not None and self._push is not None:
-            try:
-                self._push.send(messages.encode(Shutdown()), zmq.NOBLOCK)
-            except zmq.ZMQError:
-                pass
+        # The sockets are the event loop's: it sends the last message and drops its reader (none
+        # may outlive its socket).
+        self._in_loop(self._send, Shutdown(), wait=timeout)
+        if worker is not None:
+            _stop_process(worker.process, timeout)
         if self._thread.is_alive():
             self._thread.join(timeout)
         if worker is not None:
-            _stop_process(worker.process, timeout)
+            self._in_loop(self._unwatch, worker, wait=timeout)
         self._context.destroy(linger=0)
         shutil.rmtree(self._folder, ignore_errors=True)
 
@@ -250,27 +267,62 @@ class EngineClient:
     def _send(self, message: msgspec.Struct) -> None:
         if self._push is None:
             return  # no worker: an abort has nothing to stop; an add is sent again once one is back
-        self._push.send(messages.encode(message))
+        try:
+            self._push.send(messages.encode(message), zmq.NOBLOCK)
+        except zmq.Again:
+            pass  # the worker has just died (its queue has no bound): the same as no worker
 
-    # ---- the event loop's side of the supervisor ----------------------------------------------
+    # ---- the event loop's side: the worker's messages ------------------------------------------
 
-    def _deliver(self, batch: list) -> None:
-        for message in batch:
-            if isinstance(message, Outputs):
+    def _watch(self, worker: _Worker) -> None:
+        """Read the worker's messages on the event loop from now on."""
+        self._loop.add_reader(worker.pull.getsockopt(zmq.FD), self._read, worker)
+        worker.watched = True
+        self._read(worker)  # the descriptor signals changes only: what came before is read now
+
+    def _unwatch(self, worker: _Worker) -> None:
+        if worker.watched:
+            worker.watched = False
+            self._loop.remove_reader(worker.pull.getsockopt(zmq.FD))
+
+    def _read(self, worker: _Worker) -> None:
+        """Deliver everything the worker has sent (the reader's callback)."""
+        pull, streams = worker.pull, self._streams
+        while True:
+            try:
+                message = messages.from_worker.decode(pull.recv(zmq.NOBLOCK))
+            except zmq.Again:
+                return
+            if type(message) is Outputs:
                 self._stats = message.stats
                 for step in message.outputs:
-                    stream = self._streams.get(step.request_id)
+                    stream = streams.get(step.request_id)
                     if stream is not None:
                         stream.put_nowait(step)
-            elif isinstance(message, Answer):
-                future = self._queries.get(message.query_id)
-                if future is not None and not future.done():
-                    if message.code is not None:
-                        future.set_exception(InvalidRequest(message.error, param=message.param, code=message.code))
-                    elif message.error:
-                        future.set_exception(AssertionError(message.error))
-                    else:
-                        future.set_result(message.value)
+            elif type(message) is Answer:
+                self._answer(message)
+            elif type(message) is Fatal and worker.fatal is None:
+                worker.fatal = message
+                if self._loop is not None:
+                    self._loop.call_later(_FATAL_EXIT_S, _kill_if_running, worker.process)
+
+    def _answer(self, message: Answer) -> None:
+        future = self._queries.get(message.query_id)
+        if future is None or future.done():
+            return
+        if message.code is not None:
+            future.set_exception(InvalidRequest(message.error, param=message.param, code=message.code))
+        elif message.error:
+            future.set_exception(AssertionError(message.error))
+        else:
+            future.set_result(message.value)
+
+    def _retire(self, worker: _Worker) -> str | None:
+        """Take a dead worker's last messages and close its output socket; the fault it reported, if any."""
+        self._read(worker)
+        self._unwatch(worker)
+        worker.pull.close(0)
+        return worker.fatal.message if worker.fatal is not None else None
 
     def _on_ready(self, worker: _Worker) -> None:
         ready = worker.ready
@@ -278,6 +330,8 @@ class EngineClient:
         self.info, self.worker_pid = ready.info, ready.pid
         self._stats = ready.stats
         self.status = "ok"
+        if self._loop is not None and not self._closing.is_set():  # shutdown closes the sockets
+            self._watch(worker)
         if self._ready is not None:
             self._ready.set()
 
@@ -312,13 +366,43 @@ class EngineClient:
 
     def _call(self, fn, *args) -> None:
         """Run fn on the event loop; before one is attached (the first start), here and now."""
-        if self._loop is None:
-            fn(*args)
-            return
-        try:
-            self._loop.call_soon_threadsafe(fn, *args)
-        except RuntimeError:  # the loop has closed: the server is stopping
-            pass
+        with self._attach:
+            if self._loop is None:
+                fn(*args)
+                return
+            try:
+                self._loop.call_soon_threadsafe(fn, *args)
+            except RuntimeError:  # the loop has closed: the server is stopping
+                pass
+
+    def _in_loop(self, fn, *args, wait: float | None = None):
+        """fn(*args) run on the event loop, and its result (before a loop is attached, or on the
+        loop's own thread, here and now). None when it did not run in time: within `wait` seconds,
+        or (None) before the server began to stop, or when the loop has closed."""
+        with self._attach:
+            loop = self._loop
+            if loop is None or _running_loop() is loop:
+                return fn(*args)
+            future: concurrent.futures.Future = concurrent.futures.Future()
+
+            def run() -> None:
+                try:
+                    future.set_result(fn(*args))
+                except BaseException as exc:
+                    future.set_exception(exc)
+
+            try:
+                loop.call_soon_threadsafe(run)
+            except RuntimeError:  # the loop has closed
+                return None
+        deadline = None if wait is None else time.monotonic() + wait
+        while not loop.is_closed():
+            try:
+                return future.result(_POLL_MS / 1000)
+            except concurrent.futures.TimeoutError:
+                if (self._closing.is_set() if deadline is None else time.monotonic() > deadline):
+                    break
+        return None
 
     # ---- the supervisor thread ----------------------------------------------------------------
 
@@ -342,8 +426,11 @@ class EngineClient:
                 first = False
                 self._first.set_result(worker.ready)
             ready_at = time.monotonic()
-            reason = self._pump(worker)
-            worker.pull.close(0)
+            worker.process.wait()
+            if self._closing.is_set():
+                return
+            self._closing.wait(_LAST_WORDS_S)
+            reason = self._in_loop(self._retire, worker) or _describe_exit(worker.process.returncode)
             if self._closing.is_set():
                 return
             logger.error("the engine worker (pid %d) stopped: %s", worker.process.pid, reason)
@@ -370,6 +457,7 @@ class EngineClient:
         outbox = f"ipc://{os.path.join(self._folder, f'w{generation}-out')}"
         push, pull = self._context.socket(zmq.PUSH), self._context.socket(zmq.PULL)
         push.setsockopt(zmq.LINGER, 0)
+        push.setsockopt(zmq.SNDHWM, 0)  # a send waits for no one: it fails only when the worker is gone
         push.bind(inbox)
         pull.bind(outbox)
         process = subprocess.Popen([sys.executable, "-m", "ember.engine.worker", inbox, outbox],
@@ -397,27 +485,6 @@ class EngineClient:
             pull.close(0)
             raise
 
-    def _pump(self, worker: _Worker) -> str:
-        """Hand the worker's messages to the event loop until it dies; returns why it did."""
-        pull, process = worker.pull, worker.process
-        while not self._closing.is_set():
-            if not pull.poll(_POLL_MS):
-                if process.poll() is not None:
-                    return _describe_exit(process.returncode)
-                continue
-            batch = []
-            while True:
-                try:
-                    batch.append(messages.from_worker.decode(pull.recv(zmq.NOBLOCK)))
-                except zmq.Again:
-                    break
-            fatal = next((m for m in batch if isinstance(m, Fatal)), None)
-            self._call(self._deliver, batch)
-            if fatal is not None:
-                _stop_process(process, 5.0)
-                return fatal.message
-        return "the server is stopping"
-
 
 def _stop_process(process: subprocess.Popen, timeout: float) -> None:
     try:
@@ -425,6 +492,18 @@ def _stop_process(process: subprocess.Popen, timeout: float) -> None:
     except subprocess.TimeoutExpired:
         process.kill()
         process.wait()
+
+
+def _running_loop() -> asyncio.AbstractEventLoop | None:
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        return None
+
+
+def _kill_if_running(process: subprocess.Popen) -> None:
+    if process.poll() is None:
+        process.kill()
 
 
 def _describe_exit(code: int) -> str:

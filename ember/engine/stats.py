@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, fields
 
 
 @dataclass(slots=True)
@@ -57,4 +57,8 @@ class EngineStats:
 
     @classmethod
     def build(cls, counters: EngineCounters, **gauges) -> "EngineStats":
-        return cls(**gauges, **asdict(counters))
+        # built at every step: a plain read of each field, not asdict's deep copy
+        return cls(**gauges, **{name: getattr(counters, name) for name in _COUNTER_NAMES})
+
+
+_COUNTER_NAMES = tuple(f.name for f in fields(EngineCounters))

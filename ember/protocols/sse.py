@@ -58,8 +58,9 @@ async def with_keep_alive(frames: AsyncIterator[bytes], interval: float) -> Asyn
                 await pending
             except (asyncio.CancelledError, Exception):  # the source's own cleanup; nothing to report
                 pass
-        else:
-            await _close(source)
+        # Closed in every case: a read that finished as it was cancelled left the source waiting
+        # at its next yield (closing a source that has ended does nothing).
+        await _close(source)
 
 
 async def _close(source) -> None:

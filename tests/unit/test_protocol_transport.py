@@ -60,6 +60,36 @@ def test_closing_the_stream_cleans_up_its_source():
     assert run(scenario())
 
 
+def test_a_stream_cancelled_as_its_next_frame_arrives_still_cleans_up_its_source():
+    """The client leaves in the same turn of the event loop as the source yields: the frame it
+    will never send is dropped, and the source is closed then, not whenever it is collected."""
+
+    async def scenario():
+        closed = []
+        ready = asyncio.Event()
+
+        async def source():
+            try:
+                yield b"one"
+                await ready.wait()
+                yield b"two"
+                await asyncio.sleep(3600)
+            finally:
+                closed.append(True)
+
+        stream = with_keep_alive(source(), interval=60)
+        assert await stream.__anext__() == b"one"
+        reader = asyncio.ensure_future(stream.__anext__())
+        await asyncio.sleep(0)  # the reader now waits for the source
+        ready.set()
+        await asyncio.sleep(0)  # the source has yielded "two"; the reader has not woken yet
+        reader.cancel()
+        await asyncio.gather(reader, return_exceptions=True)
+        return list(closed)  # as of now: the loop's own shutdown would close it later
+
+    assert run(scenario()) == [True]
+
+
 def test_admission_runs_waits_refuses_and_times_out():
     async def scenario():
         admission = Admission(capacity=2, max_pending=1, timeout=0.05)
