@@ -9,6 +9,7 @@ log probabilities are compared to LOGPROB_TOLERANCE, not bit for bit.
 
 import pytest
 
+from ember.config import SpeculativeConfig
 from ember.llm import LLM
 from ember.types import SamplingParams
 
@@ -32,8 +33,10 @@ LONG_PROMPT = " ".join(f"Item {i} is a small red box with a label." for i in ran
 
 @pytest.fixture(scope="module")
 def tp2():
+    # n-gram speculation on, for the one test that asks for drafts: the others set draft=False
+    # (one process holds one group, so a second engine cannot be built beside this one)
     llm = LLM(dtype="float32", quantization="none", max_model_len=2048, kv_cache_tokens=16 * 1024,
-              max_num_batched_tokens=STEP_TOKENS, tensor_parallel_size=2)
+              max_num_batched_tokens=STEP_TOKENS, tensor_parallel_size=2, speculative=SpeculativeConfig(mode="ngram"))
     yield llm
     llm.close()
 
@@ -47,7 +50,7 @@ def _tp2_leak_free(request):
         engine.check_invariants()
 
 
-GREEDY = SamplingParams(max_tokens=16, temperature=0.0, logprobs=5)
+GREEDY = SamplingParams(max_tokens=16, temperature=0.0, logprobs=5, draft=False)
 
 
 def logprob_gap(a, b) -> float:
@@ -88,3 +91,15 @@ def test_chunked_prefill_and_prefix_cache(tp2, llm_fp32):
     assert again.num_cached_tokens >= 3 * STEP_TOKENS  # whole blocks from the cache, on both ranks
     assert again.token_ids == first.token_ids
     assert logprob_gap(first, reference) < LOGPROB_TOLERANCE
+
+
+
+def test_speculative_rounds_reach_every_rank(tp2):
+    """N-gram drafts verified under tensor parallelism: the plan each rank runs carries the drafted
+    tokens, so the group verifies them together, and the reply is the undrafted one."""
+    repetitive = "Copy the list exactly: red, green, blue, red, green, blue, red, green, blue, red, green,"
+    before = tp2.engine.counters.spec_accepted_tokens
+    plain = tp2.generate(repetitive, SamplingParams(max_tokens=24, temperature=0.0, draft=False))[0]
+    drafted = tp2.generate(repetitive, SamplingParams(max_tokens=24, temperature=0.0))[0]
+    assert drafted.token_ids == plain.token_ids
+    assert tp2.engine.counters.spec_accepted_tokens > before
