@@ -120,9 +120,12 @@ class _Replay:
 class EngineClient:
     """What the server calls `engine`: generate, abort, statistics, health; the model runs elsewhere."""
 
-    def __init__(self, settings: WorkerSettings, tokenizer) -> None:
+    def __init__(self, settings: WorkerSettings, tokenizer, env: dict[str, str] | None = None) -> None:
         self.settings = settings
         self.tokenizer = tokenizer
+        self.env = env  # the worker process's environment (None: this one's)
+        # the live worker's cached prefix block hashes, when settings.report_cache_changes
+        self.cached_blocks: set[bytes] = set()
         self.status = "loading"  # loading (first start or a restart) -> ok; unavailable after a fault loop
         self.failed: str | None = None  # why the engine is unavailable
         self.info: EngineInfo | None = None
@@ -295,6 +298,8 @@ class EngineClient:
                 return
             if type(message) is Outputs:
                 self._stats = message.stats
+                if message.cache is not None:
+                    self._apply_cache_changes(message.cache)
                 for step in message.outputs:
                     stream = streams.get(step.request_id)
                     if stream is not None:
@@ -305,6 +310,13 @@ class EngineClient:
                 worker.fatal = message
                 if self._loop is not None:
                     self._loop.call_later(_FATAL_EXIT_S, _kill_if_running, worker.process)
+
+    def _apply_cache_changes(self, changes: messages.CacheChanges) -> None:
+        cached = self.cached_blocks
+        if changes.cleared:
+            cached.clear()
+        cached.difference_update(changes.removed)
+        cached.update(changes.stored)
 
     def _answer(self, message: Answer) -> None:
         future = self._queries.get(message.query_id)
@@ -342,6 +354,7 @@ class EngineClient:
         if self._stats is not None:
             self._base = {name: getattr(self.latest_stats, name) for name in _COUNTERS}
         self.worker_pid = None
+        self.cached_blocks.clear()
         self.status = "unavailable" if gave_up else "loading"
         if gave_up:
             self.failed = reason
@@ -461,7 +474,7 @@ class EngineClient:
         push.bind(inbox)
         pull.bind(outbox)
         process = subprocess.Popen([sys.executable, "-m", "ember.engine.worker", inbox, outbox],
-                                   stdin=subprocess.DEVNULL)
+                                   stdin=subprocess.DEVNULL, env=self.env)
         settings = self.settings
         if not first and settings.fault and not settings.fault.endswith(",always"):
             settings = msgspec.structs.replace(settings, fault=None)  # an injected fault strikes once

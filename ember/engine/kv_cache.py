@@ -88,6 +88,10 @@ class KVCacheManager:
         self._pin_expiries: list[tuple[float, bytes]] = []  # heap; entries no longer in _pins are stale
         self._pinned_idle: set[int] = set()  # pinned blocks no request holds: out of the free queue
         self.num_pins_refused = 0  # blocks a pin could not keep: the pinned share was full
+        # Changes to the set of cached hashes since the last take_cache_changes (hash -> cached now),
+        # kept only once record_cache_changes is called (a data-parallel router reads them)
+        self._changes: dict[bytes, bool] | None = None
+        self._cleared = False
 
     @property
     def num_allocatable_blocks(self) -> int:
@@ -175,6 +179,8 @@ class KVCacheManager:
             block = self.blocks[block_id]
             if block.hash is not None:
                 del self.cached_block_ids[block.hash]
+                if self._changes is not None:
+                    self._changes[block.hash] = False
                 block.hash = None
                 self._num_cached_free -= 1
             block.ref_count = 1
@@ -210,6 +216,8 @@ class KVCacheManager:
             if parent not in self.cached_block_ids:
                 self.cached_block_ids[parent] = block.block_id
                 block.hash = parent
+                if self._changes is not None:
+                    self._changes[parent] = True
         if len(hashes) > first_new:
             self._apply_pins(request, first_new)
 
@@ -264,7 +272,25 @@ class KVCacheManager:
             self.blocks[block_id].hash = None
         self.cached_block_ids.clear()
         self._num_cached_free = 0
+        if self._changes is not None:
+            self._changes.clear()
+            self._cleared = True
         return True
+
+    def record_cache_changes(self) -> None:
+        """Keep the changes to the set of cached block hashes from now on (take_cache_changes)."""
+        if self._changes is None:
+            self._changes = {}
+            self._cleared = True  # a reader starts from an empty set and the hashes cached now
+            self._changes.update(dict.fromkeys(self.cached_block_ids, True))
+
+    def take_cache_changes(self) -> tuple[bool, list[bytes], list[bytes]]:
+        """(cleared, stored, removed) since the last call: a reader that empties its copy when
+        `cleared`, then drops `removed` and adds `stored`, holds this manager's cached hashes."""
+        changes, cleared = self._changes or {}, self._cleared
+        self._changes, self._cleared = ({} if self._changes is not None else None), False
+        return (cleared, [h for h, cached in changes.items() if cached],
+                [h for h, cached in changes.items() if not cached])
 
     def check_invariants(self) -> None:
         """Raise AssertionError naming the first broken invariant of the pool."""

@@ -5,7 +5,8 @@ sockets (ember.engine.client, ember.engine.worker). Nothing here is a live objec
 a worker on another host as well as ipc:// one on this host.
 
     front end -> worker   Add, Abort, Query, Shutdown
-    worker -> front end   Ready (once loaded), Outputs (after each step, with the statistics),
+    worker -> front end   Ready (once loaded), Outputs (after each step, with the statistics
+                          and, for a data-parallel router, the changes to its prefix cache),
                           Answer (to a Query), Fatal (the worker cannot go on; it exits after it)
 """
 
@@ -71,9 +72,19 @@ class Ready(msgspec.Struct, tag=True):
     stats: EngineStats
 
 
+class CacheChanges(msgspec.Struct, array_like=True):
+    """How the worker's set of cached prefix blocks changed since its last Outputs (only when
+    WorkerSettings.report_cache_changes): empty the copy if `cleared`, drop `removed`, add `stored`."""
+
+    cleared: bool
+    stored: list[bytes]
+    removed: list[bytes]
+
+
 class Outputs(msgspec.Struct, tag=True):
     outputs: list[StepOutput]
     stats: EngineStats
+    cache: CacheChanges | None = None
 
 
 class Answer(msgspec.Struct, tag=True):
@@ -104,6 +115,7 @@ class WorkerSettings(msgspec.Struct):
     engine: EngineConfig
     log_level: int = 20  # the front end's (logging.INFO)
     fault: str | None = None  # fault injection for tests (ember.engine.faults)
+    report_cache_changes: bool = False  # send CacheChanges with each Outputs (a data-parallel router)
 
 
 ToWorker = Add | Abort | Query | Shutdown

@@ -20,7 +20,7 @@ import time
 import zmq
 
 from ember.engine import messages
-from ember.engine.messages import Abort, Add, Answer, Fatal, Outputs, Query, Ready, Shutdown, WorkerSettings
+from ember.engine.messages import Abort, Add, Answer, CacheChanges, Fatal, Outputs, Query, Ready, Shutdown, WorkerSettings
 from ember.errors import EmberError
 from ember.types import FinishReason, SamplingParams, StepOutput
 
@@ -62,7 +62,8 @@ def warm_up(core, tokenizer) -> None:
 
 
 class Worker:
-    def __init__(self, core, builder, inbox: zmq.Socket, outbox: zmq.Socket, fault=None) -> None:
+    def __init__(self, core, builder, inbox: zmq.Socket, outbox: zmq.Socket, fault=None,
+                 report_cache_changes: bool = False) -> None:
         self.core = core
         self.builder = builder
         self.inbox = inbox
@@ -70,6 +71,9 @@ class Worker:
         self.fault = fault
         self.num_model_steps = 0
         self.parent = os.getppid()
+        self.report_cache_changes = report_cache_changes
+        if report_cache_changes:
+            core.kv_manager.record_cache_changes()
 
     def serve(self) -> None:
         core = self.core
@@ -131,7 +135,12 @@ class Worker:
             return Answer(query.query_id, error=exc.message, param=exc.param, code=exc.code)
 
     def _send(self, outputs: list[StepOutput]) -> None:
-        self.outbox.send(messages.encode(Outputs(outputs, self.core.stats())))
+        cache = None
+        if self.report_cache_changes:
+            cleared, stored, removed = self.core.kv_manager.take_cache_changes()
+            if cleared or stored or removed:
+                cache = CacheChanges(cleared, stored, removed)
+        self.outbox.send(messages.encode(Outputs(outputs, self.core.stats(), cache)))
 
 
 def main(argv: list[str]) -> int:
@@ -164,7 +173,7 @@ def main(argv: list[str]) -> int:
         return 1
     logger.info("engine worker %d ready in %.1f s", os.getpid(), time.monotonic() - began)
     outbox.send(messages.encode(Ready(os.getpid(), messages.engine_info(core), core.stats())))
-    worker = Worker(core, builder, inbox, outbox, fault)
+    worker = Worker(core, builder, inbox, outbox, fault, settings.report_cache_changes)
     try:
         worker.serve()
         if core.group is not None:

@@ -192,6 +192,10 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     engine.add_argument("--no-engine-worker", action="store_true",
                         help="run the engine in a thread of the server process instead of a supervised worker "
                              "process (for profiling; a fault then leaves the server unavailable)")
+    engine.add_argument("--data-parallel-size", "--dp", type=int, default=1, metavar="N",
+                        help="run N engine workers, each with the whole model and its own KV cache, and send "
+                             "each request to the one whose prefix cache holds most of its prompt (default 1; "
+                             "on the CPU the cores are split between them)")
     engine.add_argument("--drain-timeout", type=float, default=30.0, metavar="SECONDS",
                         help="on SIGTERM or Ctrl-C, seconds running requests may take to finish before they are "
                              "cancelled with an error (default 30; a second Ctrl-C stops at once)")
@@ -284,7 +288,8 @@ def build_config(args: argparse.Namespace, environ=os.environ) -> ServerConfig:
         no_thinking=args.no_thinking, reasoning_effort=args.reasoning_effort, preserve_thinking=args.preserve_thinking,
         sampling_flags=sampling_flags, override_generation_config=args.override_generation_config,
         strict_fields=args.strict_fields, engine_worker=not args.no_engine_worker, drain_timeout=args.drain_timeout,
-        stalled_client_timeout=args.stalled_client_timeout, inject_fault=fault, engine=engine)
+        stalled_client_timeout=args.stalled_client_timeout, inject_fault=fault,
+        data_parallel_size=args.data_parallel_size, engine=engine)
 
 
 def parallel_flags(args: argparse.Namespace, environ=os.environ) -> dict:

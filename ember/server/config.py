@@ -47,9 +47,14 @@ class ServerConfig:
     drain_timeout: float = 30.0  # seconds running requests may finish after SIGTERM / Ctrl-C
     stalled_client_timeout: float = 30.0  # seconds a stream may wait for its client to read; 0: no limit
     inject_fault: str | None = None  # tests only: ember.engine.faults (from EMBER_INJECT_FAULT)
+    data_parallel_size: int = 1  # engine workers behind a prefix-aware router (ember.engine.router)
     engine: EngineConfig = field(default_factory=EngineConfig)
 
     def __post_init__(self) -> None:
+        if not isinstance(self.data_parallel_size, int) or self.data_parallel_size < 1:
+            raise ValueError(f"--data-parallel-size must be 1 or more, got {self.data_parallel_size!r}")
+        if self.data_parallel_size > 1 and not self.engine_worker:
+            raise ValueError("--data-parallel-size needs engine worker processes: drop --no-engine-worker")
         if self.max_pending < 0:
             raise ValueError(f"max_pending must be 0 or more, got {self.max_pending}")
         if self.pending_timeout < 0:

@@ -69,22 +69,63 @@ class LiveCollector:
                                     value=self.admission.num_running)
             yield GaugeMetricFamily("ember:num_requests_waiting", "HTTP requests waiting for a slot",
                                     value=self.admission.num_waiting)
+        workers = self.worker.get("workers")
+        if workers is not None:  # data parallel: every engine metric once per worker, labelled
+            yield from _worker_metrics(workers)
+            return
         if self.worker.get("worker_pid") is not None:
             yield GaugeMetricFamily("ember:engine_worker_pid", "Process id of the engine worker",
                                     value=self.worker["worker_pid"])
         if "worker_restarts" in self.worker:
             yield CounterMetricFamily("ember:engine_worker_restarts", "Times the engine worker was started again "
                                       "after a fault", value=self.worker["worker_restarts"])
-        stats = self.engine_stats
-        if not stats:
-            return
-        for name, (field, text) in ENGINE_GAUGES.items():
-            yield GaugeMetricFamily(name, text, value=stats[field])
-        total = stats["kv_blocks_total"]
-        yield GaugeMetricFamily("ember:kv_cache_usage_ratio", "Share of KV cache blocks in use, 0 to 1",
-                                value=stats["kv_blocks_used"] / total if total else 0.0)
-        for name, (field, text) in ENGINE_COUNTERS.items():
-            yield CounterMetricFamily(name, text, value=stats[field])
+        if self.engine_stats:
+            yield from _engine_metrics([((), self.engine_stats)], ())
+
+
+def _engine_metrics(snapshots: list[tuple[tuple[str, ...], dict[str, Any]]], labels: tuple[str, ...]
+                    ) -> Iterator[Metric]:
+    """The engine gauges and counters, one sample per (label values, EngineStats as a dict)."""
+    def family(kind, name: str, text: str, value_of) -> Metric:
+        metric = kind(name, text, labels=labels)
+        for label_values, stats in snapshots:
+            metric.add_metric(label_values, value_of(stats))
+        return metric
+
+    for name, (field, text) in ENGINE_GAUGES.items():
+        yield family(GaugeMetricFamily, name, text, lambda stats: stats[field])
+    yield family(GaugeMetricFamily, "ember:kv_cache_usage_ratio", "Share of KV cache blocks in use, 0 to 1",
+                 lambda stats: stats["kv_blocks_used"] / stats["kv_blocks_total"] if stats["kv_blocks_total"] else 0.0)
+    for name, (field, text) in ENGINE_COUNTERS.items():
+        yield family(CounterMetricFamily, name, text, lambda stats: stats[field])
+
+
+def _worker_metrics(workers: list[dict[str, Any]]) -> Iterator[Metric]:
+    """Under data parallelism (engine.router): each worker's process, routing and engine metrics,
+    labelled worker="0", "1", ..."""
+    def family(kind, name: str, text: str, key: str) -> Metric:
+        metric = kind(name, text, labels=("worker",))
+        for worker in workers:
+            if worker[key] is not None:
+                metric.add_metric((str(worker["worker"]),), worker[key])
+        return metric
+
+    yield family(GaugeMetricFamily, "ember:engine_worker_pid", "Process id of the engine worker", "worker_pid")
+    yield family(CounterMetricFamily, "ember:engine_worker_restarts",
+                 "Times the engine worker was started again after a fault", "worker_restarts")
+    up = GaugeMetricFamily("ember:engine_worker_up", "1 while the engine worker serves, else 0", labels=("worker",))
+    for worker in workers:
+        up.add_metric((str(worker["worker"]),), 1 if worker["status"] == "ok" else 0)
+    yield up
+    yield family(GaugeMetricFamily, "ember:router_requests_running", "Requests the router has running on the worker",
+                 "requests_running")
+    yield family(CounterMetricFamily, "ember:router_requests", "Requests the router sent to the worker",
+                 "requests_routed")
+    yield family(CounterMetricFamily, "ember:router_cached_prompt_tokens",
+                 "Prompt tokens the worker's prefix cache held when the router chose it", "routed_cached_tokens")
+    yield family(GaugeMetricFamily, "ember:router_cached_blocks",
+                 "Prefix blocks the worker reported cached", "cached_blocks")
+    yield from _engine_metrics([((str(w["worker"]),), w["stats"]) for w in workers if w["stats"]], ("worker",))
 
 
 class Metrics:

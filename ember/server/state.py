@@ -79,7 +79,13 @@ def _start_engine(config: ServerConfig, source):
         settings = WorkerSettings(config.model, config.cache_dir, config.revision, config.ollama_models,
                                   config.chat_template, config.engine, logging.getLogger().getEffectiveLevel(),
                                   config.inject_fault)
-        engine = EngineClient(settings, source.tokenizer)
+        if config.data_parallel_size > 1:
+            from ember.engine.router import EngineRouter, replica_launches
+
+            engine = EngineRouter([EngineClient(replica, source.tokenizer, env)
+                                   for replica, env in replica_launches(settings, config.data_parallel_size)])
+        else:
+            engine = EngineClient(settings, source.tokenizer)
         engine.launch()
         return engine
     from ember.engine.core import EngineCore
