@@ -53,6 +53,8 @@ class ServerConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.data_parallel_size, int) or self.data_parallel_size < 1:
             raise ValueError(f"--data-parallel-size must be 1 or more, got {self.data_parallel_size!r}")
+        if self.data_parallel_size > 1 and self.engine.nnodes > 1:
+            raise ValueError("--data-parallel-size runs its replicas on this host: it does not combine with --nnodes")
         if self.data_parallel_size > 1 and not self.engine_worker:
             raise ValueError("--data-parallel-size needs engine worker processes: drop --no-engine-worker")
         if self.max_pending < 0:

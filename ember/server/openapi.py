@@ -180,7 +180,10 @@ HEALTH = {
                    "context_length": _INTEGER,
                    "worker_pid": {"type": ["integer", "null"], "description": "The engine worker's process id; "
                                   "null while it starts again."},
-                   "worker_restarts": {**_INTEGER, "description": "Times the engine worker was started again."},
+                   "worker_restarts": {**_INTEGER, "description": "Times the engine worker was started again "
+                                       "(summed over the workers under data parallelism)."},
+                   "workers": {"type": "array", "items": {"type": "object"}, "description": "Data parallelism only: "
+                               "each worker's status, process, restarts, routing counts and engine numbers."},
                    "streams": {"type": "object", "description": "Engine sequences decoding and prefilling, and the "
                                "most that run at once."},
                    "batch_invariant": {"type": "boolean", "description": "Whether a greedy or seeded request gets the "
