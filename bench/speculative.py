@@ -10,8 +10,9 @@ streams (8 prompts together), it measures output tokens per second of:
   draft     (unless --no-draft-model) the default model in bfloat16 (`--quantization none`)
             drafted by its own 4-bit GGUF file (`--speculate draft`), against that bfloat16 model
             plain: the draft is a quantized copy, the fair draft for a model this small
-Each mode runs the same greedy requests; the rounds alternate between modes so drift on a shared
-machine falls on all of them, and the best round counts. Every drafted reply is checked to equal
+Each mode runs the same greedy requests; every round runs each mode once, in an order that turns
+each round, so drift on a shared machine falls on all of them; a row's ratio is the median of
+the rounds' ratios to the plain engine of the same round, its tok/s the median of its rounds. Every drafted reply is checked to equal
 its plain reply token for token; the mean accepted length is tokens gained per verified round.
 """
 
@@ -20,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import pathlib
+import statistics
 import time
 from dataclasses import replace
 
@@ -64,7 +66,7 @@ def run(engine: EngineCore, prompts: list[list[int]], streams: int, max_tokens: 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--output-len", type=int, default=128)
-    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--no-draft-model", action="store_true")
     args = parser.parse_args()
 
@@ -77,25 +79,28 @@ def main() -> None:
         engines["bf16 + draft"] = engine_like(dense, SpeculativeConfig(mode="draft", draft_model="4-bit copy"), draft)
     encoded = {name: [llm.encode_prompt([{"role": "user", "content": text}]) for text in texts]
                for name, texts in PROMPTS.items()}
-    print(f"output {args.output_len} tokens, greedy, best of {args.rounds} rounds; tok/s (ratio to its plain "
-          f"engine), mean accepted length")
+    print(f"output {args.output_len} tokens, greedy, {args.rounds} rounds; median tok/s (median ratio to "
+          f"its plain engine), mean accepted length")
     for set_name, prompts in encoded.items():
         for streams in (1, 8):
             batch = (prompts * (8 // len(prompts) + 1))[:max(8, len(prompts))]
-            best: dict[str, float] = {}
+            speeds: dict[str, list[float]] = {name: [] for name in engines}
             seen: dict[str, tuple] = {}
-            for _ in range(args.rounds):
-                for name, engine in engines.items():
-                    speed, tokens, counts = run(engine, batch, streams, args.output_len)
-                    best[name] = max(best.get(name, 0.0), speed)
+            names = list(engines)
+            for round_index in range(args.rounds):
+                turn = round_index % len(names)
+                for name in names[turn:] + names[:turn]:
+                    speed, tokens, counts = run(engines[name], batch, streams, args.output_len)
+                    speeds[name].append(speed)
                     seen[name] = (tokens, counts)
             for name in engines:
                 baseline = "bf16 plain" if name.startswith("bf16") else "plain"
                 tokens, counts = seen[name]
                 same = "" if tokens == seen[baseline][0] else "  REPLIES DIFFER"
                 accepted = f", accepted length {counts.mean_accepted_length:.2f}" if counts.rounds else ""
+                ratio = statistics.median(a / b for a, b in zip(speeds[name], speeds[baseline]))
                 print(f"  {set_name:10s} {streams} stream{'s' if streams > 1 else ' '}  {name:13s} "
-                      f"{best[name]:7.1f} tok/s ({best[name] / best[baseline]:.2f}x){accepted}{same}")
+                      f"{statistics.median(speeds[name]):7.1f} tok/s ({ratio:.2f}x){accepted}{same}", flush=True)
 
 
 if __name__ == "__main__":

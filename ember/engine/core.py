@@ -221,7 +221,14 @@ class EngineCore:
                 self._scheduled_at[request.request_id] = now
                 counters.admitted_prompt_tokens += request.num_prompt_tokens
                 counters.cached_prompt_tokens += max(request.num_cached_tokens, 0)
+        forward_began = time.perf_counter()
         result = self.runner.execute(plan.scheduled)
+        if self.speculator is not None and all(item.samples and item.num_new_tokens == 1 + len(item.draft_token_ids)
+                                               for item in plan.scheduled):  # decode rows only: what drafting pays
+            ended = time.perf_counter()
+            self.speculator.observe_step(len(plan.scheduled), plan.num_scheduled_tokens,
+                                         any(item.draft_token_ids for item in plan.scheduled),
+                                         sum(map(len, result.sampled.values())), ended - forward_began, ended - began)
         self.scheduler.update_from_output(plan, result.sampled, result.accepted)
         outputs = []
         num_decode_tokens = 0

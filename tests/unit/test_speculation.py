@@ -8,7 +8,7 @@ import pytest
 from ember.config import SpeculativeConfig
 from ember.engine.spec.ngram import NgramIndex
 from ember.engine.spec.speculator import NgramProposer, Speculator
-from ember.engine.spec.tuning import DraftLength
+from ember.engine.spec.tuning import DraftingGate, DraftLength, StepCost, best_draft_length
 from ember.engine.request import RequestStatus
 from tests.unit.test_scheduler import make_request, make_scheduler  # noqa: F401 (fixture)
 
@@ -29,14 +29,42 @@ def test_a_tuned_draft_grows_with_what_is_accepted_and_pauses_when_nothing_is():
     length = DraftLength(None)
     first = length.next()
     for _ in range(4):
-        length.record(length.next(), length.next())
+        drafted = length.next()
+        length.record(drafted, drafted)
     assert length.next() > first
-    for _ in range(3):
-        length.record(length.next(), 0)
-    assert length.next() == 0  # paused
+    for _ in range(40):  # every draft fails: p falls until drafting no longer pays, then it pauses
+        drafted = length.next()
+        if not drafted:
+            break
+        length.record(drafted, 0)
+    assert drafted == 0 and length.next() == 0
     fixed = DraftLength(3)
     fixed.record(3, 0)
     assert fixed.next() == 3
+
+
+def test_the_draft_length_follows_what_a_row_costs():
+    """Rows nearly free (one stream on a CPU): draft long; rows at their share (a big batch):
+    only what is nearly sure; a cost fitted from steps of different sizes."""
+    assert best_draft_length(0.7, 1, (1.0, 0.03, 0.0, 0.0), 8) >= 6
+    assert best_draft_length(0.7, 32, (1.0, 0.1, 0.0, 0.0), 8) == 0
+    assert best_draft_length(0.97, 32, (1.0, 0.1, 0.0, 0.0), 8) > 0
+    assert best_draft_length(0.0, 1, (1.0, 0.03, 0.0, 0.0), 8) == 0
+    # a draft model's own steps: worth it alone, not beside 8 streams; a round's fixed cost
+    # makes longer drafts pay
+    assert best_draft_length(0.8, 1, (1.0, 0.03, 0.0, 0.35), 8) > 0
+    assert best_draft_length(0.8, 8, (1.0, 0.04, 0.0, 0.35), 8) == 0
+    assert best_draft_length(0.9, 1, (1.0, 0.03, 0.5, 0.2), 8) > best_draft_length(0.9, 1, (1.0, 0.03, 0.0, 0.4), 8)
+    cost = StepCost()
+    assert cost.coefficients() == (1.0, 0.05, 0.0, 0.0)
+    for rows in [1, 3, 1, 5, 9, 1, 2]:
+        cost.observe(rows, 0.010 + 0.0005 * rows)
+    a, b, _, _ = cost.coefficients()
+    assert abs(a - 0.010) < 1e-6 and abs(b - 0.0005) < 1e-7
+    steady = StepCost()
+    steady.observe(8, 0.014)  # one size only: the slope comes from the prior share
+    a, b, _, _ = steady.coefficients()
+    assert abs(a + 8 * b - 0.014) < 1e-9 and abs(b / a - 0.05) < 1e-9
 
 
 def _verify(scheduler, drafts: dict[str, list[int]], sampled: dict[str, list[int]]):
@@ -119,3 +147,19 @@ def test_the_speculator_drafts_within_the_reply_limit_and_before_end_tokens():
 def test_bad_speculative_settings_are_refused(mode, draft_tokens):
     with pytest.raises(ValueError):
         SpeculativeConfig(mode=mode, draft_tokens=draft_tokens)
+
+
+def test_the_gate_drafts_where_drafting_made_more_tokens_per_second():
+    gate = DraftingGate()
+    choices = []
+    for _ in range(40):  # one stream: drafted steps make 3 tokens in 12 ms, plain ones 1 in 10 ms
+        drafts = gate.allows(1)
+        choices.append(drafts)
+        gate.observe(1, drafts, 3 if drafts else 1, 0.012 if drafts else 0.010)
+    assert choices[:3] == [True] * 3 and choices[3:6] == [False] * 3  # each way tried first
+    assert sum(choices[6:]) >= len(choices[6:]) - 3  # then drafting, with a rare look at the other way
+    for _ in range(40):  # eight streams: drafted steps are slower than what they gain
+        drafts = gate.allows(8)
+        gate.observe(8, drafts, 9 if drafts else 8, 0.030 if drafts else 0.015)
+    assert sum(gate.allows(8) for _ in range(32)) <= 2  # the other batch size keeps its own verdict
+    assert gate.allows(1)

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import logging
+import time
 from typing import Protocol
 
 from ember.config import SpeculativeConfig
 from ember.engine.request import Request
 from ember.engine.spec.ngram import NgramIndex
-from ember.engine.spec.tuning import DraftLength
+from ember.engine.spec.tuning import DraftingGate, DraftLength, StepCost
 
 logger = logging.getLogger("ember.engine")
 
@@ -51,6 +52,8 @@ class Speculator:
         self.proposer = proposer
         self.max_model_len = max_model_len
         self._lengths: dict[str, DraftLength] = {}
+        self.step_cost = StepCost()  # fitted from the engine's decode steps (observe_step)
+        self.gate = DraftingGate()
 
     @property
     def method(self) -> str:
@@ -59,22 +62,37 @@ class Speculator:
     def propose(self, requests: list[Request]) -> None:
         """Set draft_token_ids on each running request that is about to decode and may draft."""
         wants = []
+        decoding = [r for r in requests if r.num_tokens - r.num_computed_tokens == 1]
+        cost = self.step_cost.coefficients()
         for request in requests:
             request.draft_token_ids = []
-            if request.num_tokens - request.num_computed_tokens != 1 or not request.sampling_params.draft:
+        if not decoding or not self.gate.allows(len(decoding)):
+            return
+        for request in decoding:
+            if not request.sampling_params.draft:
                 continue
             # the step yields up to drafts + 1 tokens: never past max_tokens or the context window
             room = min(request.max_tokens - request.num_output_tokens, self.max_model_len - request.num_tokens) - 1
             length = self._lengths.get(request.request_id)
             if length is None:
                 length = self._lengths[request.request_id] = DraftLength(self.config.draft_tokens)
-            wanted = min(length.next(), room)
+            wanted = min(length.next(len(decoding), cost), room)
             if wanted > 0:
                 wants.append((request, wanted))
         if not wants:
             return
-        for (request, _), drafts in zip(wants, self.proposer.propose(wants)):
+        began = time.perf_counter()
+        proposals = self.proposer.propose(wants)
+        self.step_cost.observe_drafting(max(map(len, proposals)), time.perf_counter() - began)
+        for (request, _), drafts in zip(wants, proposals):
             request.draft_token_ids = _before_end_token(request, drafts)
+
+    def observe_step(self, requests: int, rows: int, drafted: bool, tokens: int, forward_seconds: float,
+                     step_seconds: float) -> None:
+        """A step that only decoded (and verified drafts, if `drafted`): `requests` decoding, `rows`
+        rows through the model in `forward_seconds`, `tokens` new tokens in `step_seconds` all told."""
+        self.step_cost.observe(rows, forward_seconds)
+        self.gate.observe(requests, drafted, tokens, step_seconds)
 
     def record(self, request_id: str, proposed: int, accepted: int) -> None:
         length = self._lengths.get(request_id)

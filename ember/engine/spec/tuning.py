@@ -1,46 +1,183 @@
-"""How many tokens to draft for a request next: fixed, or tuned from what it accepted so far."""
+"""How many tokens to draft for a request next: fixed, or the length that makes the most tokens
+per second of the whole step, from what verifying a row costs and what the request accepts.
+
+A decode step of `rows` rows takes about a + b * rows seconds, and drafting k tokens about
+f + g * k (a draft model's own steps; next to nothing for n-gram lookup), both fitted from the
+engine's own steps (StepCost). A request whose drafts hold each next token with probability p
+gains E(k) = p + p^2 + ... + p^k tokens from k drafts. Among B decoding rows the step makes
+(B + E(k)) / (a + b * (B + k) + f + g * k) tokens per second; the tuned length is the k that maximizes it, 0 when no k beats plain decoding. One
+stream on a CPU, where a row is a few per cent of a step, drafts long; a full batch, where rows
+cost nearly their share, drafts only what it is nearly sure of. Over that, DraftingGate checks
+the model against the clock: per batch size, a step drafts only while drafted steps have been
+making more tokens per second.
+"""
 
 from __future__ import annotations
 
 from ember.config import MAX_DRAFT_TOKENS
 
-_START = 4  # the first round's draft length when tuned
-_SMOOTHING = 0.5  # weight of the latest round in the running acceptance
-_GIVE_UP_RATE = 0.15  # below this running acceptance a request pauses drafting...
-_PAUSE_ROUNDS = 8  # ...for this many steps, doubling each time it pauses again (at most 64)
+_PRIOR_ACCEPT = 0.5  # a request's first guess of p, worth _PRIOR_WEIGHT rounds...
+_PRIOR_WEIGHT = 2.0
+_MEMORY = 0.9  # ...and older rounds fade by this factor each round
+_PAUSE_ROUNDS = 8  # a request that should not draft waits this many steps to try again (doubling, at most 64)
+_PROBE_TOKENS = 2  # the draft that tests whether drafting pays
+_ROW_SHARE_PRIOR = 0.05  # before any varied step is seen: one row's cost over a one-row step's
+_DRAFT_STEP_SHARE_PRIOR = 1.0  # until draft lengths vary: a round's fixed cost equals one drafted token's
+_COST_MEMORY = 0.995  # observations' weight in the cost fits fades by this factor each step
+
+
+class LinearFit:
+    """y ~ a + b * x by least squares, weighted toward recent observations. While x has hardly
+    varied, the slope comes from a prior: b = share * a."""
+
+    __slots__ = ("share", "_w", "_x", "_y", "_xx", "_xy")
+
+    def __init__(self, share: float) -> None:
+        self.share = share
+        self._w = self._x = self._y = self._xx = self._xy = 0.0
+
+    @property
+    def seen(self) -> bool:
+        return self._w > 0
+
+    def observe(self, x: float, y: float) -> None:
+        m = _COST_MEMORY
+        self._w = self._w * m + 1.0
+        self._x = self._x * m + x
+        self._y = self._y * m + y
+        self._xx = self._xx * m + x * x
+        self._xy = self._xy * m + x * y
+
+    def coefficients(self) -> tuple[float, float]:
+        mean_x, mean_y = self._x / self._w, self._y / self._w
+        variance = self._xx / self._w - mean_x * mean_x
+        if variance > 0.25:  # x varied: fit the slope
+            b = (self._xy / self._w - mean_x * mean_y) / variance
+            a = mean_y - b * mean_x
+            if a >= 0 and b > 0:
+                return a, b
+        a = max(mean_y, 0.0) / (1 + self.share * mean_x)
+        return a, self.share * a
+
+
+class StepCost:
+    """What a round costs: the forward, seconds ~ a + b * rows over decode steps (no prefill),
+    and drafting, seconds ~ f + g * draft length (the longest in the round: a draft model runs
+    that many steps of its own)."""
+
+    __slots__ = ("forward", "drafting")
+
+    def __init__(self) -> None:
+        self.forward = LinearFit(_ROW_SHARE_PRIOR)
+        self.drafting = LinearFit(_DRAFT_STEP_SHARE_PRIOR)
+
+    def observe(self, rows: int, seconds: float) -> None:
+        self.forward.observe(rows, seconds)
+
+    def observe_drafting(self, longest: int, seconds: float) -> None:
+        if longest:
+            self.drafting.observe(longest, seconds)
+
+    def coefficients(self) -> tuple[float, float, float, float]:
+        """(a, b, f, g) in seconds; (1, share, 0, 0) in units of a step when nothing is known yet."""
+        a, b = self.forward.coefficients() if self.forward.seen else (1.0, _ROW_SHARE_PRIOR)
+        f, g = self.drafting.coefficients() if self.drafting.seen else (0.0, 0.0)
+        return a, b, f, g
+
+
+def best_draft_length(accept: float, batch_rows: int, cost: tuple[float, float, float, float], most: int) -> int:
+    """The k in 0..most that maximizes the step's tokens per second (module docstring)."""
+    a, b, f, g = cost
+    best, best_rate = 0, batch_rows / (a + b * batch_rows)
+    gained, power = 0.0, 1.0
+    for k in range(1, most + 1):
+        power *= accept
+        gained += power
+        rate = (batch_rows + gained) / (a + b * batch_rows + f + (b + g) * k)
+        if rate > best_rate * 1.01:  # a gain under 1% is not worth a round's risk
+            best, best_rate = k, rate
+    return best
+
+
+_GATE_EXPLORE_EVERY = 16  # every 16th step of a batch size takes the choice the gate does not favour
+_GATE_FIRST_STEPS = 3  # steps of each kind seen before the gate chooses
+_GATE_MEMORY = 0.9
+
+
+class DraftingGate:
+    """Whether a step drafts at all, learnt per batch size (1, 2-3, 4-7, ... decoding rows): the
+    tokens per second of decode steps that verified drafts against those that did not, the
+    drafting's own time included. What the cost model misses (a draft model's overheads, a
+    verify path slower than decode) shows here; every 16th step tries the other way, so a
+    change in the text or the load is noticed."""
+
+    __slots__ = ("_sizes",)
+
+    def __init__(self) -> None:
+        # batch size class -> [rate without drafts, rate with, steps without, steps with, steps asked]
+        self._sizes: dict[int, list[float]] = {}
+
+    def allows(self, batch_rows: int) -> bool:
+        size = self._sizes.setdefault(batch_rows.bit_length(), [0.0, 0.0, 0, 0, 0])
+        size[4] += 1
+        if size[3] < _GATE_FIRST_STEPS:
+            return True
+        if size[2] < _GATE_FIRST_STEPS:
+            return False
+        return (size[1] >= size[0]) != (size[4] % _GATE_EXPLORE_EVERY == 0)
+
+    def observe(self, batch_rows: int, drafted: bool, tokens: int, seconds: float) -> None:
+        size = self._sizes.setdefault(batch_rows.bit_length(), [0.0, 0.0, 0, 0, 0])
+        kind = 1 if drafted else 0
+        rate = tokens / max(seconds, 1e-9)
+        size[kind] = rate if not size[2 + kind] else size[kind] + (1 - _GATE_MEMORY) * (rate - size[kind])
+        size[2 + kind] += 1
 
 
 class DraftLength:
-    """Per request. Tuned: the next draft is a little longer than the run of tokens the request
-    has been accepting (one more than the running mean of accepted tokens), and a request whose
-    drafts keep failing pauses drafting for a while, so text that does not repeat costs nothing."""
+    """Per request: fixed, or tuned (best_draft_length) from its running acceptance p, the share
+    of drafted tokens held, counting each round as successes until its first miss. When drafting
+    does not pay by that estimate, the request first probes (a short draft, so that p is learnt
+    from its own text rather than the prior), then pauses for a while, then probes again."""
 
-    __slots__ = ("fixed", "_accepted", "_rate", "_pause", "_paused_for")
+    __slots__ = ("fixed", "_held", "_missed", "_pause", "_paused_for", "_probe")
 
     def __init__(self, fixed: int | None) -> None:
         self.fixed = fixed
-        self._accepted = float(_START - 1)  # running mean of accepted tokens per round
-        self._rate = 1.0  # running share of drafted tokens accepted
+        self._held = _PRIOR_ACCEPT * _PRIOR_WEIGHT
+        self._missed = (1 - _PRIOR_ACCEPT) * _PRIOR_WEIGHT
         self._pause = 0  # steps left without drafting
         self._paused_for = _PAUSE_ROUNDS
+        self._probe = True
 
-    def next(self) -> int:
-        """Tokens to draft this step (0: none)."""
-        if self._pause:
-            self._pause -= 1
-            return 0
+    @property
+    def accept(self) -> float:
+        return self._held / (self._held + self._missed)
+
+    def next(self, batch_rows: int = 1, cost: tuple[float, float, float, float] = (1.0, _ROW_SHARE_PRIOR, 0.0, 0.0)
+             ) -> int:
+        """Tokens to draft this step (0: none) in a step of `batch_rows` decoding rows."""
         if self.fixed is not None:
             return self.fixed
-        return max(1, min(MAX_DRAFT_TOKENS, round(self._accepted) + 1))
+        if self._pause:
+            self._pause -= 1
+            self._probe = self._pause == 0
+            return 0
+        length = best_draft_length(self.accept, batch_rows, cost, MAX_DRAFT_TOKENS)
+        if length:
+            return length
+        if self._probe:
+            self._probe = False
+            return _PROBE_TOKENS
+        self._pause = self._paused_for
+        self._paused_for = min(self._paused_for * 2, 64)
+        return 0
 
     def record(self, proposed: int, accepted: int) -> None:
         if not proposed:
             return
-        self._accepted += _SMOOTHING * (accepted - self._accepted)
-        self._rate += _SMOOTHING * (accepted / proposed - self._rate)
-        if self.fixed is None and self._rate < _GIVE_UP_RATE:
-            self._pause = self._paused_for
-            self._paused_for = min(self._paused_for * 2, 64)
-            self._rate = 0.5  # a fresh chance after the pause
-        elif accepted == proposed:
+        self._held = self._held * _MEMORY + accepted
+        self._missed = self._missed * _MEMORY + (1 if accepted < proposed else 0)
+        if accepted == proposed:
             self._paused_for = _PAUSE_ROUNDS
+            self._probe = True  # it held: worth probing again at once if the estimate still says no
