@@ -51,7 +51,7 @@ def test_an_unknown_tag_offline_lists_the_cached_ones(hub_cache):
     cache, _ = hub_cache
     with pytest.raises(ModelLoadError) as caught:
         resolve_model(f"{GGUF_REPO}:Q5_K_M", hub_cache=cache, offline=True)
-    assert f"no GGUF file for the tag 'Q5_K_M'; it has: Q4_1, Q8_0" in caught.value.message
+    assert "no GGUF file for the tag 'Q5_K_M'; it has: Q4_1, Q8_0" in caught.value.message
     assert str(cache) in caught.value.message
 
 
