@@ -144,7 +144,7 @@ def rank_main(argv: list[str]) -> int:
     from ember.config import SpeculativeConfig
     from ember.engine.core import EngineCore
     from ember.engine.parallel import GroupDown, follow
-    from ember.engine.worker import die_with_parent
+    from ember.engine.parent_death import die_with_parent
     from ember.errors import EmberError
     from ember.loaders import load_model_source
 

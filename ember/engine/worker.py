@@ -10,7 +10,6 @@ The worker exits with its parent, never orphaned.
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
 import signal
@@ -20,6 +19,7 @@ import time
 import zmq
 
 from ember.engine import messages
+from ember.engine.parent_death import die_with_parent
 from ember.engine.messages import Abort, Add, Answer, CacheChanges, Fatal, Outputs, Query, Ready, Shutdown, WorkerSettings
 from ember.errors import EmberError
 from ember.types import FinishReason, SamplingParams, StepOutput
@@ -27,7 +27,6 @@ from ember.types import FinishReason, SamplingParams, StepOutput
 logger = logging.getLogger("ember.worker")
 
 _IDLE_POLL_MS = 500  # how often an idle worker checks that its parent is alive
-_PR_SET_PDEATHSIG = 1
 
 
 def load_engine(settings: WorkerSettings):
@@ -187,15 +186,6 @@ def main(argv: list[str]) -> int:
         outbox.close()
         context.term()
     return 0
-
-
-def die_with_parent() -> None:
-    """Linux: the kernel sends SIGKILL to this process when the front end dies, however it dies."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-    except (OSError, AttributeError):
-        pass  # elsewhere the idle poll notices the parent is gone
 
 
 if __name__ == "__main__":

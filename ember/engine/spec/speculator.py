@@ -66,7 +66,7 @@ class Speculator:
         cost = self.step_cost.coefficients()
         for request in requests:
             request.draft_token_ids = []
-        if not decoding or not self.gate.allows(len(decoding)):
+        if not decoding or (self.config.draft_tokens is None and not self.gate.allows(len(decoding))):
             return
         for request in decoding:
             if not request.sampling_params.draft:
