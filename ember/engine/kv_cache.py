@@ -280,9 +280,8 @@ class KVCacheManager:
     def record_cache_changes(self) -> None:
         """Keep the changes to the set of cached block hashes from now on (take_cache_changes)."""
         if self._changes is None:
-            self._changes = {}
             self._cleared = True  # a reader starts from an empty set and the hashes cached now
-            self._changes.update(dict.fromkeys(self.cached_block_ids, True))
+            self._changes = dict.fromkeys(self.cached_block_ids, True)
 
     def take_cache_changes(self) -> tuple[bool, list[bytes], list[bytes]]:
         """(cleared, stored, removed) since the last call: a reader that empties its copy when

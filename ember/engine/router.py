@@ -117,6 +117,7 @@ class EngineRouter:
         self.cached_tokens_routed = [0] * len(clients)  # prompt tokens each was chosen for holding
         self._owners: dict[str, int] = {}  # request id -> its worker
         self._ids = itertools.count()
+        self._numbers = itertools.count()  # requests routed, numbered in order
 
     # ---- starting and stopping ----------------------------------------------------------------
 
@@ -218,7 +219,7 @@ class EngineRouter:
         request_id = request_id or f"req-{next(self._ids)}"
         index, cached_tokens = self.route(prompt_token_ids, cache_salt)
         self.running[index] += 1
-        self.last_chosen[index] = sum(self.routed)
+        self.last_chosen[index] = next(self._numbers)
         self.routed[index] += 1
         self.cached_tokens_routed[index] += cached_tokens
         self._owners[request_id] = index

@@ -63,11 +63,11 @@ class Speculator:
         """Set draft_token_ids on each running request that is about to decode and may draft."""
         wants = []
         decoding = [r for r in requests if r.num_tokens - r.num_computed_tokens == 1]
-        cost = self.step_cost.coefficients()
         for request in requests:
             request.draft_token_ids = []
         if not decoding or (self.config.draft_tokens is None and not self.gate.allows(len(decoding))):
             return
+        cost = self.step_cost.coefficients()
         for request in decoding:
             if not request.sampling_params.draft:
                 continue

@@ -117,8 +117,11 @@ class DraftingGate:
         # batch size class -> [rate without drafts, rate with, steps without, steps with, steps asked]
         self._sizes: dict[int, list[float]] = {}
 
+    def _size(self, batch_rows: int) -> list[float]:
+        return self._sizes.setdefault(batch_rows.bit_length(), [0.0, 0.0, 0, 0, 0])
+
     def allows(self, batch_rows: int) -> bool:
-        size = self._sizes.setdefault(batch_rows.bit_length(), [0.0, 0.0, 0, 0, 0])
+        size = self._size(batch_rows)
         size[4] += 1
         if size[3] < _GATE_FIRST_STEPS:
             return True
@@ -127,7 +130,7 @@ class DraftingGate:
         return (size[1] >= size[0]) != (size[4] % _GATE_EXPLORE_EVERY == 0)
 
     def observe(self, batch_rows: int, drafted: bool, tokens: int, seconds: float) -> None:
-        size = self._sizes.setdefault(batch_rows.bit_length(), [0.0, 0.0, 0, 0, 0])
+        size = self._size(batch_rows)
         kind = 1 if drafted else 0
         rate = tokens / max(seconds, 1e-9)
         size[kind] = rate if not size[2 + kind] else size[kind] + (1 - _GATE_MEMORY) * (rate - size[kind])
