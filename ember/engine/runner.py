@@ -58,6 +58,8 @@ class ModelRunner:
         only while the drawn token equals the draft. So drafting changes how many tokens a step
         yields, never which ones, and a constraint only ever sees tokens that are kept."""
         first_rows = list(itertools.accumulate((len(s.draft_token_ids) + 1 for s in sampling), initial=0))[:-1]
+        if all(_takes_argmax(s) for s in sampling):
+            return _argmax_rounds(self.sampler.argmax(logits), sampling, first_rows)
         drawn: list[list[int]] = [[] for _ in sampling]
         drawn_logprobs: list[list[TokenLogprob]] = [[] for _ in sampling]
         failed: dict[str, str] = {}
@@ -177,6 +179,31 @@ def _slots_of(block_ids: list[int], num_tokens: int, block_size: int) -> torch.T
     """Cache slots of a sequence's first num_tokens tokens: (num_tokens,)."""
     blocks = torch.tensor(block_ids[: -(-num_tokens // block_size)], dtype=torch.long)
     return (blocks[:, None] * block_size + torch.arange(block_size)).flatten()[:num_tokens]
+
+
+def _takes_argmax(item: ScheduledRequest) -> bool:
+    """Whether every token of the item's round is the argmax of its logits row as they are: greedy,
+    nothing that adjusts the logits or depends on the tokens drawn before it in the round."""
+    request = item.request
+    params = request.sampling_params
+    return (params.greedy and request.constraint is None and not params.uses_penalties and not params.logit_bias
+            and params.logprobs is None and request.num_output_tokens >= params.min_tokens)
+
+
+def _argmax_rounds(chosen: list[int], sampling: list[ScheduledRequest], first_rows: list[int]) -> RunnerOutput:
+    """_sample's result when every row takes its argmax (`chosen`, one per logits row): the same
+    tokens, found in one pass instead of one sampler call per position."""
+    sampled: dict[str, list[int]] = {}
+    accepted: dict[str, int] = {}
+    for item, first in zip(sampling, first_rows):
+        drafts = item.draft_token_ids
+        kept = 0
+        while kept < len(drafts) and chosen[first + kept] == drafts[kept]:
+            kept += 1
+        sampled[item.request.request_id] = chosen[first:first + kept + 1]
+        if drafts:
+            accepted[item.request.request_id] = kept
+    return RunnerOutput(sampled, {}, {}, accepted)
 
 
 def _sampling_row(item: ScheduledRequest, drawn: list[int]) -> SamplingRow:

@@ -62,6 +62,10 @@ class Sampler:
                                         [row.params.logprob_token_ids for row in rows])
         return SamplerOutput(chosen, logprobs, failed)
 
+    def argmax(self, logits: torch.Tensor) -> list[int]:
+        """Each row's most likely token: what __call__ draws for a greedy row with nothing to adjust."""
+        return torch.argmax(logits[:, : self.vocab_size], dim=-1).tolist()
+
     def _adjust(self, logits: torch.Tensor, rows: list[SamplingRow], failed: dict[int, str]) -> torch.Tensor:
         """Penalties, logit bias, suppressed end tokens, then constraints; returns a new tensor if
         anything applies. A row whose constraint fails is noted in `failed` and left unconstrained."""

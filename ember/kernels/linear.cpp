@@ -130,14 +130,20 @@ inline void tile(const uint8_t* w, int64_t KB, int64_t nb0, int64_t N, const int
   }
 }
 
-// Column blocks [nb, nb + NB) against every row, four rows at a time: the blocks' weights stay
-// in L1 while the rows pass.
+// Column blocks [nb, nb + NB) against every row, four rows at a time and the last one to three
+// in one tile: the blocks' weights stay in L1 while the rows pass, and each tile unpacks them
+// once (a few rows, as in a drafted round's verification, cost little more than one).
 template <Format F, int NB, typename T>
 inline void column_blocks(const uint8_t* w, int64_t KB, int64_t nb, int64_t N, const int8_t* xq, const float* dx,
                           const float* sx, const int32_t* qsum, int64_t K, int64_t M, T* y) {
   int64_t m = 0;
   for (; m + 4 <= M; m += 4) tile<F, 4, NB>(w, KB, nb, N, xq, dx, sx, qsum, K, m, y);
-  for (; m < M; ++m) tile<F, 1, NB>(w, KB, nb, N, xq, dx, sx, qsum, K, m, y);
+  switch (M - m) {
+    case 3: tile<F, 3, NB>(w, KB, nb, N, xq, dx, sx, qsum, K, m, y); break;
+    case 2: tile<F, 2, NB>(w, KB, nb, N, xq, dx, sx, qsum, K, m, y); break;
+    case 1: tile<F, 1, NB>(w, KB, nb, N, xq, dx, sx, qsum, K, m, y); break;
+    default: break;
+  }
 }
 
 #else  // plain C++: the same sums, element by element

@@ -197,7 +197,8 @@ def test_a_draft_model_drafts_the_same_replies(llm):
     drafting = copy.copy(llm)
     target = llm.engine
     drafting.engine = EngineCore(target.runner.model, target.model_config,
-                                 replace(target.config, speculative=SpeculativeConfig(mode="draft", draft_model="own")),
+                                 replace(target.config, speculative=SpeculativeConfig(
+                                     mode="draft", draft_model="own", draft_tokens=4)),  # fixed: every round drafts
                                  set(target.eos_token_ids), target.device, target.dtype, draft_proposer=draft)
     prompts = REPETITIVE[2:5] + FREE[:3]
     for params in (GREEDY, SEEDED):

@@ -17,12 +17,12 @@ def test_ngram_lookup_follows_the_latest_earlier_occurrence_of_the_longest_suffi
     index = NgramIndex(2, 4)
     tokens = [1, 2, 3, 9, 9, 1, 2, 3, 4, 5, 6, 1, 2, 3]
     # the suffix 1 2 3 last occurred at 5..7, followed by 4 5 6
-    assert index.propose(tokens, 3) == [4, 5, 6]
-    assert index.propose(tokens + [4], 2) == [5, 6]  # the index grows with the sequence
-    assert NgramIndex(2, 4).propose([5, 6, 7, 8], 3) == []  # no earlier occurrence
-    assert NgramIndex(2, 2).propose([7, 8, 1, 7, 8], 4) == [1, 7, 8]  # what exists up to the end
+    assert index.propose(tokens, 3) == ([4, 5, 6], 3)  # and the matched length
+    assert index.propose(tokens + [4], 2) == ([5, 6], 4)  # the index grows with the sequence
+    assert NgramIndex(2, 4).propose([5, 6, 7, 8], 3) == ([], 0)  # no earlier occurrence
+    assert NgramIndex(2, 2).propose([7, 8, 1, 7, 8], 4) == ([1, 7, 8], 2)  # what exists up to the end
     # a longer suffix wins over a more recent shorter one
-    assert NgramIndex(1, 3).propose([4, 1, 2, 10, 11, 2, 12, 4, 1, 2], 1) == [10]
+    assert NgramIndex(1, 3).propose([4, 1, 2, 10, 11, 2, 12, 4, 1, 2], 1) == ([10], 3)
 
 
 def test_a_tuned_draft_grows_with_what_is_accepted_and_pauses_when_nothing_is():
@@ -32,7 +32,7 @@ def test_a_tuned_draft_grows_with_what_is_accepted_and_pauses_when_nothing_is():
         drafted = length.next()
         length.record(drafted, drafted)
     assert length.next() > first
-    for _ in range(40):  # every draft fails: p falls until drafting no longer pays, then it pauses
+    for _ in range(80):  # every draft fails: p falls until drafting no longer pays, then it pauses
         drafted = length.next()
         if not drafted:
             break
@@ -163,3 +163,20 @@ def test_the_gate_drafts_where_drafting_made_more_tokens_per_second():
         gate.observe(8, drafts, 9 if drafts else 8, 0.030 if drafts else 0.015)
     assert sum(gate.allows(8) for _ in range(32)) <= 2  # the other batch size keeps its own verdict
     assert gate.allows(1)
+
+
+def test_the_gate_looks_at_a_losing_way_ever_more_rarely_and_notices_when_it_starts_winning():
+    gate = DraftingGate()
+    drafted_steps = 0
+    for _ in range(2000):  # a draft model beside a full batch: a drafted step costs three plain ones
+        drafts = gate.allows(8)
+        drafted_steps += drafts
+        gate.observe(8, drafts, 10 if drafts else 8, 0.045 if drafts else 0.015)
+    # 3 first steps, then looks after 16, 32, 64, 128 and every 256 steps: about 1% of the steps
+    assert drafted_steps <= 14
+    choices = []
+    for _ in range(600):  # the text turns repetitive: drafted steps now make twice the tokens per second
+        drafts = gate.allows(8)
+        choices.append(drafts)
+        gate.observe(8, drafts, 24 if drafts else 8, 0.020 if drafts else 0.015)
+    assert sum(choices[-100:]) >= 97  # noticed at the next look, and kept (with its own rare looks back)

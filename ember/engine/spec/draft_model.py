@@ -25,12 +25,13 @@ logger = logging.getLogger("ember.engine")
 
 class DraftModelProposer:
     name = "draft"
+    free = False
 
     def __init__(self, engine) -> None:
         self.engine = engine  # an EngineCore over the draft model
         self._ids = itertools.count()
 
-    def propose(self, wants: list[tuple[Request, int]]) -> list[list[int]]:
+    def propose(self, wants: list[tuple[Request, int]]) -> list[tuple[list[int], None]]:
         engine = self.engine
         index: dict[str, int] = {}
         for i, (request, num_tokens) in enumerate(wants):
@@ -45,7 +46,7 @@ class DraftModelProposer:
         while engine.has_unfinished():
             for output in engine.step():
                 drafts[index[output.request_id]].extend(output.new_token_ids)
-        return drafts
+        return [(tokens, None) for tokens in drafts]
 
     def forget(self, request_id: str) -> None:
         pass  # the draft engine keeps nothing per request between rounds but its prefix cache

@@ -17,8 +17,9 @@ class NgramIndex:
         self._ends: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in range(min_n, max_n + 1)}
         self._indexed = 0  # n-grams ending before this position are indexed
 
-    def propose(self, token_ids: list[int], num_tokens: int) -> list[int]:
-        """Up to num_tokens tokens that followed the longest suffix of token_ids seen before."""
+    def propose(self, token_ids: list[int], num_tokens: int) -> tuple[list[int], int]:
+        """Up to num_tokens tokens that followed the longest suffix of token_ids seen before, and
+        that suffix's length (0: none matched). A longer match is likelier to go on matching."""
         length = len(token_ids)
         # index every n-gram that ends before the last position (the suffix itself is not a match)
         for end in range(max(self._indexed, self.min_n), length):
@@ -29,5 +30,5 @@ class NgramIndex:
         for n in range(min(self.max_n, length), self.min_n - 1, -1):
             end = self._ends[n].get(tuple(token_ids[length - n:]))
             if end is not None:
-                return token_ids[end:end + num_tokens]
-        return []
+                return token_ids[end:end + num_tokens], n
+        return [], 0

@@ -4,19 +4,29 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Hashable
 from typing import Protocol
 
 from ember.config import SpeculativeConfig
 from ember.engine.request import Request
 from ember.engine.spec.ngram import NgramIndex
-from ember.engine.spec.tuning import DraftingGate, DraftLength, StepCost
+from ember.engine.spec.tuning import MAX_TUNED_DRAFT_TOKENS, DraftingGate, DraftLength, StepCost
 
 logger = logging.getLogger("ember.engine")
 
 
 class Proposer(Protocol):
-    def propose(self, wants: list[tuple[Request, int]]) -> list[list[int]]:
-        """Up to n drafted tokens to follow each request's tokens, for each (request, n)."""
+    """Drafts for requests. A `free` proposer (a lookup) costs next to nothing per token, so it is
+    asked for all the tokens a request has room for and the speculator keeps what pays; any other
+    (a draft model runs a step per token) is asked for the length chosen beforehand."""
+
+    name: str
+    free: bool
+
+    def propose(self, wants: list[tuple[Request, int]]) -> list[tuple[list[int], Hashable]]:
+        """For each (request, n): up to n drafted tokens to follow its tokens, and the evidence they
+        rest on (requests' drafts on the same evidence are held about as often; None: nothing to
+        tell them apart but the request)."""
         ...
 
     def forget(self, request_id: str) -> None:
@@ -25,19 +35,20 @@ class Proposer(Protocol):
 
 class NgramProposer:
     name = "ngram"
+    free = True
 
     def __init__(self, min_n: int, max_n: int) -> None:
         self.min_n, self.max_n = min_n, max_n
         self._indexes: dict[str, NgramIndex] = {}
 
-    def propose(self, wants: list[tuple[Request, int]]) -> list[list[int]]:
-        drafts = []
+    def propose(self, wants: list[tuple[Request, int]]) -> list[tuple[list[int], Hashable]]:
+        proposals = []
         for request, num_tokens in wants:
             index = self._indexes.get(request.request_id)
             if index is None:
                 index = self._indexes[request.request_id] = NgramIndex(self.min_n, self.max_n)
-            drafts.append(index.propose(request.token_ids, num_tokens))
-        return drafts
+            proposals.append(index.propose(request.token_ids, num_tokens))  # evidence: the matched length
+        return proposals
 
     def forget(self, request_id: str) -> None:
         self._indexes.pop(request_id, None)
@@ -45,13 +56,19 @@ class NgramProposer:
 
 class Speculator:
     """Owned by the engine core, called from its one thread: `propose` before each schedule,
-    `record` after each verified round, `forget` when a request ends."""
+    `record` after each verified round, `forget` when a request ends.
+
+    A tuned draft's length comes from the acceptance its evidence has earned (DraftLength): for
+    n-gram lookup, all requests' rounds with the same matched suffix length share one estimate (a
+    match of 8 tokens in code being copied holds nearly always, a match of 1 seldom); for a draft
+    model, each request has its own."""
 
     def __init__(self, config: SpeculativeConfig, proposer: Proposer, max_model_len: int) -> None:
         self.config = config
         self.proposer = proposer
         self.max_model_len = max_model_len
-        self._lengths: dict[str, DraftLength] = {}
+        self._lengths: dict[Hashable, DraftLength] = {}  # evidence (or request id) -> its estimate
+        self._used: dict[str, DraftLength] = {}  # request id -> the estimate its pending round rests on
         self.step_cost = StepCost()  # fitted from the engine's decode steps (observe_step)
         self.gate = DraftingGate()
 
@@ -59,33 +76,49 @@ class Speculator:
     def method(self) -> str:
         return self.proposer.name
 
+    def _length(self, key: Hashable) -> DraftLength:
+        length = self._lengths.get(key)
+        if length is None:
+            length = self._lengths[key] = DraftLength(self.config.draft_tokens)
+        return length
+
     def propose(self, requests: list[Request]) -> None:
         """Set draft_token_ids on each running request that is about to decode and may draft."""
-        wants = []
         decoding = [r for r in requests if r.num_tokens - r.num_computed_tokens == 1]
         for request in requests:
             request.draft_token_ids = []
-        if not decoding or (self.config.draft_tokens is None and not self.gate.allows(len(decoding))):
+        self._used.clear()
+        fixed = self.config.draft_tokens
+        if not decoding or (fixed is None and not self.gate.allows(len(decoding))):
             return
         cost = self.step_cost.coefficients()
+        most = fixed or MAX_TUNED_DRAFT_TOKENS
+        free = self.proposer.free
+        wants = []
         for request in decoding:
             if not request.sampling_params.draft:
                 continue
             # the step yields up to drafts + 1 tokens: never past max_tokens or the context window
             room = min(request.max_tokens - request.num_output_tokens, self.max_model_len - request.num_tokens) - 1
-            length = self._lengths.get(request.request_id)
-            if length is None:
-                length = self._lengths[request.request_id] = DraftLength(self.config.draft_tokens)
-            wanted = min(length.next(len(decoding), cost), room)
+            if free:
+                wanted = min(most, room)
+            else:
+                length = self._used[request.request_id] = self._length(request.request_id)
+                wanted = min(length.next(len(decoding), cost, most), room)
             if wanted > 0:
                 wants.append((request, wanted))
         if not wants:
             return
         began = time.perf_counter()
         proposals = self.proposer.propose(wants)
-        self.step_cost.observe_drafting(max(map(len, proposals)), time.perf_counter() - began)
-        for (request, _), drafts in zip(wants, proposals):
+        longest = 0
+        for (request, wanted), (drafts, evidence) in zip(wants, proposals):
+            if free and drafts:
+                length = self._used[request.request_id] = self._length(("evidence", evidence))
+                drafts = drafts[:length.next(len(decoding), cost, len(drafts))]
             request.draft_token_ids = _before_end_token(request, drafts)
+            longest = max(longest, len(drafts))
+        self.step_cost.observe_drafting(longest, time.perf_counter() - began)
 
     def observe_step(self, requests: int, rows: int, drafted: bool, tokens: int, forward_seconds: float,
                      step_seconds: float) -> None:
@@ -95,12 +128,13 @@ class Speculator:
         self.gate.observe(requests, drafted, tokens, step_seconds)
 
     def record(self, request_id: str, proposed: int, accepted: int) -> None:
-        length = self._lengths.get(request_id)
+        length = self._used.pop(request_id, None)
         if length is not None:
             length.record(proposed, accepted)
 
     def forget(self, request_id: str) -> None:
         self._lengths.pop(request_id, None)
+        self._used.pop(request_id, None)
         self.proposer.forget(request_id)
 
 

@@ -14,8 +14,7 @@ making more tokens per second.
 
 from __future__ import annotations
 
-from ember.config import MAX_DRAFT_TOKENS
-
+MAX_TUNED_DRAFT_TOKENS = 16  # a tuned length goes this far (text being copied holds for long runs)
 _PRIOR_ACCEPT = 0.5  # a request's first guess of p, worth _PRIOR_WEIGHT rounds...
 _PRIOR_WEIGHT = 2.0
 _MEMORY = 0.9  # ...and older rounds fade by this factor each round
@@ -99,42 +98,74 @@ def best_draft_length(accept: float, batch_rows: int, cost: tuple[float, float, 
     return best
 
 
-_GATE_EXPLORE_EVERY = 16  # every 16th step of a batch size takes the choice the gate does not favour
 _GATE_FIRST_STEPS = 3  # steps of each kind seen before the gate chooses
-_GATE_MEMORY = 0.9
+_GATE_LOOK_EVERY = 16  # steps between looks at the way the gate does not favour...
+_GATE_LOOK_MOST = 256  # ...doubling, up to this, each time a look leaves the verdict as it was
+_GATE_MEMORY = 0.9  # the favoured way's rate fades by this per step; a look at the other way counts half
+
+
+class _BatchSizeVerdict:
+    __slots__ = ("rates", "steps", "since_look", "look_every", "looked")
+
+    def __init__(self) -> None:
+        self.rates = [0.0, 0.0]  # tokens per second of steps without drafts, with drafts
+        self.steps = [0, 0]
+        self.since_look = 0
+        self.look_every = _GATE_LOOK_EVERY
+        self.looked: bool | None = None  # the verdict when the last look was taken, until it is judged
+
+    @property
+    def drafts(self) -> bool:
+        return self.rates[1] >= self.rates[0]
 
 
 class DraftingGate:
     """Whether a step drafts at all, learnt per batch size (1, 2-3, 4-7, ... decoding rows): the
     tokens per second of decode steps that verified drafts against those that did not, the
     drafting's own time included. What the cost model misses (a draft model's overheads, a
-    verify path slower than decode) shows here; every 16th step tries the other way, so a
-    change in the text or the load is noticed."""
+    verify path slower than decode) shows here. Now and then a step goes the other way, so a
+    change in the text or the load is noticed; a look that changes nothing makes the next one
+    wait twice as long, so a way that keeps losing (a draft model beside a full batch, whose
+    drafted steps cost several plain ones) costs next to nothing."""
 
     __slots__ = ("_sizes",)
 
     def __init__(self) -> None:
-        # batch size class -> [rate without drafts, rate with, steps without, steps with, steps asked]
-        self._sizes: dict[int, list[float]] = {}
+        self._sizes: dict[int, _BatchSizeVerdict] = {}
 
-    def _size(self, batch_rows: int) -> list[float]:
-        return self._sizes.setdefault(batch_rows.bit_length(), [0.0, 0.0, 0, 0, 0])
+    def _size(self, batch_rows: int) -> _BatchSizeVerdict:
+        size = self._sizes.get(batch_rows.bit_length())
+        if size is None:
+            size = self._sizes[batch_rows.bit_length()] = _BatchSizeVerdict()
+        return size
 
     def allows(self, batch_rows: int) -> bool:
         size = self._size(batch_rows)
-        size[4] += 1
-        if size[3] < _GATE_FIRST_STEPS:
+        if size.steps[1] < _GATE_FIRST_STEPS:
             return True
-        if size[2] < _GATE_FIRST_STEPS:
+        if size.steps[0] < _GATE_FIRST_STEPS:
             return False
-        return (size[1] >= size[0]) != (size[4] % _GATE_EXPLORE_EVERY == 0)
+        verdict = size.drafts
+        if size.looked is not None:  # the last look has been observed: judge it
+            size.look_every = min(size.look_every * 2, _GATE_LOOK_MOST) if verdict == size.looked else _GATE_LOOK_EVERY
+            size.looked = None
+        size.since_look += 1
+        if size.since_look >= size.look_every:
+            size.since_look = 0
+            size.looked = verdict
+            return not verdict
+        return verdict
 
     def observe(self, batch_rows: int, drafted: bool, tokens: int, seconds: float) -> None:
         size = self._size(batch_rows)
-        kind = 1 if drafted else 0
+        kind = int(drafted)
         rate = tokens / max(seconds, 1e-9)
-        size[kind] = rate if not size[2 + kind] else size[kind] + (1 - _GATE_MEMORY) * (rate - size[kind])
-        size[2 + kind] += 1
+        if not size.steps[kind]:
+            size.rates[kind] = rate
+        else:
+            weight = 1 - _GATE_MEMORY if drafted == size.drafts else 0.5
+            size.rates[kind] += weight * (rate - size.rates[kind])
+        size.steps[kind] += 1
 
 
 class DraftLength:
@@ -157,21 +188,21 @@ class DraftLength:
     def accept(self) -> float:
         return self._held / (self._held + self._missed)
 
-    def next(self, batch_rows: int = 1, cost: tuple[float, float, float, float] = (1.0, _ROW_SHARE_PRIOR, 0.0, 0.0)
-             ) -> int:
-        """Tokens to draft this step (0: none) in a step of `batch_rows` decoding rows."""
+    def next(self, batch_rows: int = 1, cost: tuple[float, float, float, float] = (1.0, _ROW_SHARE_PRIOR, 0.0, 0.0),
+             most: int = MAX_TUNED_DRAFT_TOKENS) -> int:
+        """Tokens to draft this step (0: none, at most `most`) in a step of `batch_rows` decoding rows."""
         if self.fixed is not None:
             return self.fixed
         if self._pause:
             self._pause -= 1
             self._probe = self._pause == 0
             return 0
-        length = best_draft_length(self.accept, batch_rows, cost, MAX_DRAFT_TOKENS)
+        length = best_draft_length(self.accept, batch_rows, cost, most)
         if length:
             return length
         if self._probe:
             self._probe = False
-            return _PROBE_TOKENS
+            return min(_PROBE_TOKENS, most)
         self._pause = self._paused_for
         self._paused_for = min(self._paused_for * 2, 64)
         return 0
