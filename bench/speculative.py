@@ -12,8 +12,11 @@ streams (8 prompts together), it measures output tokens per second of:
             plain: the draft is a quantized copy, the fair draft for a model this small
 Each mode runs the same greedy requests; every round runs each mode once, in an order that turns
 each round, so drift on a shared machine falls on all of them; a row's ratio is the median of
-the rounds' ratios to the plain engine of the same round, its tok/s the median of its rounds. Every drafted reply is checked to equal
-its plain reply token for token; the mean accepted length is tokens gained per verified round.
+the rounds' ratios to the plain engine of the same round, its tok/s the median of its rounds.
+Two speeds: output tokens per second of the whole run (prefill included), and one stream's decode
+speed (each reply's tokens after its first over the time from its first token to its last).
+Every drafted reply is checked to equal its plain reply token for token; the mean accepted length
+is tokens gained per verified round.
 """
 
 from __future__ import annotations
@@ -42,10 +45,14 @@ def engine_like(llm: LLM, speculative: SpeculativeConfig, draft: DraftModelPropo
 
 
 def run(engine: EngineCore, prompts: list[list[int]], streams: int, max_tokens: int):
-    """(output tokens per second, replies' tokens, their speculation counts together)."""
+    """(output tokens per second, decode tokens per second of one stream, replies' tokens, their
+    speculation counts together). The decode speed leaves out each reply's first token and the
+    time before it (the prefill), as llama.cpp's predicted_per_second does."""
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     engine.kv_manager.reset_prefix_cache()
     replies: dict[str, list[int]] = {}
+    first_token_at: dict[str, float] = {}
+    last_token_at: dict[str, float] = {}
     counts = SpeculationCounts()
     began = time.perf_counter()
     for first in range(0, len(prompts), streams):
@@ -55,12 +62,17 @@ def run(engine: EngineCore, prompts: list[list[int]], streams: int, max_tokens: 
         while engine.has_unfinished():
             for step in engine.step():
                 replies[step.request_id] += step.new_token_ids
+                now = time.perf_counter()
+                first_token_at.setdefault(step.request_id, now)
+                last_token_at[step.request_id] = now
                 if step.num_drafted_tokens:
                     counts.add(step.num_drafted_tokens, step.num_accepted_tokens)
     seconds = time.perf_counter() - began
     engine.check_invariants()
     tokens = [replies[f"p{i}"] for i in range(len(prompts))]
-    return sum(map(len, tokens)) / seconds, tokens, counts
+    decode_seconds = sum(last_token_at[r] - first_token_at[r] for r in replies)
+    decode_speed = sum(len(t) - 1 for t in tokens) / decode_seconds
+    return sum(map(len, tokens)) / seconds, decode_speed, tokens, counts
 
 
 def main() -> None:
@@ -85,13 +97,15 @@ def main() -> None:
         for streams in (1, 8):
             batch = (prompts * (8 // len(prompts) + 1))[:max(8, len(prompts))]
             speeds: dict[str, list[float]] = {name: [] for name in engines}
+            decode_speeds: dict[str, list[float]] = {name: [] for name in engines}
             seen: dict[str, tuple] = {}
             names = list(engines)
             for round_index in range(args.rounds):
                 turn = round_index % len(names)
                 for name in names[turn:] + names[:turn]:
-                    speed, tokens, counts = run(engines[name], batch, streams, args.output_len)
+                    speed, decode_speed, tokens, counts = run(engines[name], batch, streams, args.output_len)
                     speeds[name].append(speed)
+                    decode_speeds[name].append(decode_speed)
                     seen[name] = (tokens, counts)
             for name in engines:
                 baseline = "bf16 plain" if name.startswith("bf16") else "plain"
@@ -99,8 +113,11 @@ def main() -> None:
                 same = "" if tokens == seen[baseline][0] else "  REPLIES DIFFER"
                 accepted = f", accepted length {counts.mean_accepted_length:.2f}" if counts.rounds else ""
                 ratio = statistics.median(a / b for a, b in zip(speeds[name], speeds[baseline]))
+                decode_ratio = statistics.median(a / b for a, b in zip(decode_speeds[name], decode_speeds[baseline]))
                 print(f"  {set_name:10s} {streams} stream{'s' if streams > 1 else ' '}  {name:13s} "
-                      f"{statistics.median(speeds[name]):7.1f} tok/s ({ratio:.2f}x){accepted}{same}", flush=True)
+                      f"{statistics.median(speeds[name]):7.1f} tok/s ({ratio:.2f}x; one stream's decode "
+                      f"{statistics.median(decode_speeds[name]):6.1f} tok/s, {decode_ratio:.2f}x){accepted}{same}",
+                      flush=True)
 
 
 if __name__ == "__main__":

@@ -46,15 +46,15 @@ def test_a_tuned_draft_grows_with_what_is_accepted_and_pauses_when_nothing_is():
 def test_the_draft_length_follows_what_a_row_costs():
     """Rows nearly free (one stream on a CPU): draft long; rows at their share (a big batch):
     only what is nearly sure; a cost fitted from steps of different sizes."""
-    assert best_draft_length(0.7, 1, (1.0, 0.03, 0.0, 0.0), 8) >= 6
-    assert best_draft_length(0.7, 32, (1.0, 0.1, 0.0, 0.0), 8) == 0
-    assert best_draft_length(0.97, 32, (1.0, 0.1, 0.0, 0.0), 8) > 0
-    assert best_draft_length(0.0, 1, (1.0, 0.03, 0.0, 0.0), 8) == 0
+    assert best_draft_length([0.7] * 8, 1, (1.0, 0.03, 0.0, 0.0), 8) >= 6
+    assert best_draft_length([0.7] * 8, 32, (1.0, 0.1, 0.0, 0.0), 8) == 0
+    assert best_draft_length([0.97] * 8, 32, (1.0, 0.1, 0.0, 0.0), 8) > 0
+    assert best_draft_length([0.0] * 8, 1, (1.0, 0.03, 0.0, 0.0), 8) == 0
     # a draft model's own steps: worth it alone, not beside 8 streams; a round's fixed cost
     # makes longer drafts pay
-    assert best_draft_length(0.8, 1, (1.0, 0.03, 0.0, 0.35), 8) > 0
-    assert best_draft_length(0.8, 8, (1.0, 0.04, 0.0, 0.35), 8) == 0
-    assert best_draft_length(0.9, 1, (1.0, 0.03, 0.5, 0.2), 8) > best_draft_length(0.9, 1, (1.0, 0.03, 0.0, 0.4), 8)
+    assert best_draft_length([0.8] * 8, 1, (1.0, 0.03, 0.0, 0.35), 8) > 0
+    assert best_draft_length([0.8] * 8, 8, (1.0, 0.04, 0.0, 0.35), 8) == 0
+    assert best_draft_length([0.9] * 8, 1, (1.0, 0.03, 0.5, 0.2), 8) > best_draft_length([0.9] * 8, 1, (1.0, 0.03, 0.0, 0.4), 8)
     cost = StepCost()
     assert cost.coefficients() == (1.0, 0.05, 0.0, 0.0)
     for rows in [1, 3, 1, 5, 9, 1, 2]:
@@ -180,3 +180,15 @@ def test_the_gate_looks_at_a_losing_way_ever_more_rarely_and_notices_when_it_sta
         choices.append(drafts)
         gate.observe(8, drafts, 24 if drafts else 8, 0.020 if drafts else 0.015)
     assert sum(choices[-100:]) >= 97  # noticed at the next look, and kept (with its own rare looks back)
+
+
+def test_each_draft_position_is_learnt_apart_since_copies_run_on_or_break_at_once():
+    length = DraftLength(None)
+    for round_index in range(40):  # half the rounds keep all 8 drafts, half break at the first
+        length.record(8, 8 if round_index % 2 else 0)
+    holds = length.holds()
+    assert 0.4 < holds[0] < 0.6 and min(holds[1:8]) > 0.95
+    assert holds[8] > 0.9  # not reached yet: as likely as the position before it
+    # a geometric guess (p = 8 / 9 per token) would draft long as well; a round that reached 8
+    # tokens every time it started is worth a long draft even at one chance in two to start
+    assert best_draft_length(holds, 1, (1.0, 0.05, 0.0, 0.0), 16) >= 8

@@ -1,24 +1,27 @@
-"""How many tokens to draft for a request next: fixed, or the length that makes the most tokens
-per second of the whole step, from what verifying a row costs and what the request accepts.
+"""How many tokens to draft next: fixed, or the length that makes the most tokens per second of
+the whole step, from what verifying a row costs and how often drafts on the same evidence hold.
 
 A decode step of `rows` rows takes about a + b * rows seconds, and drafting k tokens about
 f + g * k (a draft model's own steps; next to nothing for n-gram lookup), both fitted from the
-engine's own steps (StepCost). A request whose drafts hold each next token with probability p
-gains E(k) = p + p^2 + ... + p^k tokens from k drafts. Among B decoding rows the step makes
-(B + E(k)) / (a + b * (B + k) + f + g * k) tokens per second; the tuned length is the k that maximizes it, 0 when no k beats plain decoding. One
-stream on a CPU, where a row is a few per cent of a step, drafts long; a full batch, where rows
-cost nearly their share, drafts only what it is nearly sure of. Over that, DraftingGate checks
-the model against the clock: per batch size, a step drafts only while drafted steps have been
-making more tokens per second.
+engine's own steps (StepCost). If the i-th drafted token is kept with chance h_i once the ones
+before it are (DraftLength learns each position apart), k drafts gain
+E(k) = h_1 + h_1 h_2 + ... + h_1 ... h_k tokens. Among B decoding rows the step makes
+(B + E(k)) / (a + b * (B + k) + f + g * k) tokens per second; the tuned length is the k that
+maximizes it, 0 when no k beats plain decoding. One stream on a CPU, where a row is a tenth of a
+step, drafts long when its drafts hold; a full batch, where rows cost nearly their share, drafts
+only what it is nearly sure of. Over that, DraftingGate checks the model against the clock: per
+batch size, a step drafts only while drafted steps have been making more tokens per second.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 MAX_TUNED_DRAFT_TOKENS = 16  # a tuned length goes this far (text being copied holds for long runs)
-_PRIOR_ACCEPT = 0.5  # a request's first guess of p, worth _PRIOR_WEIGHT rounds...
+_PRIOR_ACCEPT = 0.5  # the first guess that a first drafted token is kept, worth _PRIOR_WEIGHT rounds...
 _PRIOR_WEIGHT = 2.0
-_MEMORY = 0.9  # ...and older rounds fade by this factor each round
-_PAUSE_ROUNDS = 8  # a request that should not draft waits this many steps to try again (doubling, at most 64)
+_MEMORY = 0.9  # ...and older rounds fade by this factor at each new one
+_PAUSE_ROUNDS = 8  # evidence that should not draft waits this many asks to try again (doubling, at most 64)
 _PROBE_TOKENS = 2  # the draft that tests whether drafting pays
 _ROW_SHARE_PRIOR = 0.05  # before any varied step is seen: one row's cost over a one-row step's
 _DRAFT_STEP_SHARE_PRIOR = 1.0  # until draft lengths vary: a round's fixed cost equals one drafted token's
@@ -84,13 +87,15 @@ class StepCost:
         return a, b, f, g
 
 
-def best_draft_length(accept: float, batch_rows: int, cost: tuple[float, float, float, float], most: int) -> int:
-    """The k in 0..most that maximizes the step's tokens per second (module docstring)."""
+def best_draft_length(holds: Sequence[float], batch_rows: int, cost: tuple[float, float, float, float],
+                      most: int) -> int:
+    """The k in 0..most that maximizes the step's tokens per second (module docstring); holds[i]:
+    the chance the (i+1)-th drafted token is kept once the ones before it are."""
     a, b, f, g = cost
     best, best_rate = 0, batch_rows / (a + b * batch_rows)
     gained, power = 0.0, 1.0
     for k in range(1, most + 1):
-        power *= accept
+        power *= holds[k - 1]
         gained += power
         rate = (batch_rows + gained) / (a + b * batch_rows + f + (b + g) * k)
         if rate > best_rate * 1.01:  # a gain under 1% is not worth a round's risk
@@ -169,24 +174,34 @@ class DraftingGate:
 
 
 class DraftLength:
-    """Per request: fixed, or tuned (best_draft_length) from its running acceptance p, the share
-    of drafted tokens held, counting each round as successes until its first miss. When drafting
-    does not pay by that estimate, the request first probes (a short draft, so that p is learnt
-    from its own text rather than the prior), then pauses for a while, then probes again."""
+    """Per evidence (a request, or an n-gram match length): fixed, or tuned (best_draft_length)
+    from how often each position of a draft has held: of the rounds that reached their (i+1)-th
+    drafted token, the share that kept it. Rounds are seldom geometric (a copy either runs on for
+    many tokens or breaks at its first), so the first position is learnt apart from the later
+    ones; a position not yet reached takes the one before it as its prior. When drafting does not
+    pay by that estimate, it first probes (a short draft, so that the first position is learnt
+    from this text rather than the prior), then pauses for a while, then probes again."""
 
-    __slots__ = ("fixed", "_held", "_missed", "_pause", "_paused_for", "_probe")
+    __slots__ = ("fixed", "_reached", "_kept", "_pause", "_paused_for", "_probe")
 
     def __init__(self, fixed: int | None) -> None:
         self.fixed = fixed
-        self._held = _PRIOR_ACCEPT * _PRIOR_WEIGHT
-        self._missed = (1 - _PRIOR_ACCEPT) * _PRIOR_WEIGHT
+        # rounds that reached and that kept each position, fading by _MEMORY at each new one; the
+        # first position starts from the prior, as _PRIOR_WEIGHT rounds
+        self._reached = [_PRIOR_WEIGHT] + [0.0] * (MAX_TUNED_DRAFT_TOKENS - 1)
+        self._kept = [_PRIOR_ACCEPT * _PRIOR_WEIGHT] + [0.0] * (MAX_TUNED_DRAFT_TOKENS - 1)
         self._pause = 0  # steps left without drafting
         self._paused_for = _PAUSE_ROUNDS
         self._probe = True
 
-    @property
-    def accept(self) -> float:
-        return self._held / (self._held + self._missed)
+    def holds(self) -> list[float]:
+        """Each position's chance to be kept once the ones before it are."""
+        holds = []
+        prior = 1.0
+        for reached, kept in zip(self._reached, self._kept):
+            prior = (kept + prior) / (reached + 1) if holds else kept / reached
+            holds.append(prior)
+        return holds
 
     def next(self, batch_rows: int = 1, cost: tuple[float, float, float, float] = (1.0, _ROW_SHARE_PRIOR, 0.0, 0.0),
              most: int = MAX_TUNED_DRAFT_TOKENS) -> int:
@@ -197,7 +212,7 @@ class DraftLength:
             self._pause -= 1
             self._probe = self._pause == 0
             return 0
-        length = best_draft_length(self.accept, batch_rows, cost, most)
+        length = best_draft_length(self.holds(), batch_rows, cost, most)
         if length:
             return length
         if self._probe:
@@ -208,10 +223,11 @@ class DraftLength:
         return 0
 
     def record(self, proposed: int, accepted: int) -> None:
-        if not proposed:
-            return
-        self._held = self._held * _MEMORY + accepted
-        self._missed = self._missed * _MEMORY + (1 if accepted < proposed else 0)
-        if accepted == proposed:
+        """A verified round: `accepted` of its `proposed` drafts kept (positions up to the first
+        miss were reached)."""
+        for i in range(min(accepted + 1, proposed, MAX_TUNED_DRAFT_TOKENS)):
+            self._reached[i] = self._reached[i] * _MEMORY + 1
+            self._kept[i] = self._kept[i] * _MEMORY + (i < accepted)
+        if proposed and accepted == proposed:
             self._paused_for = _PAUSE_ROUNDS
             self._probe = True  # it held: worth probing again at once if the estimate still says no
