@@ -16,7 +16,8 @@ the rounds' ratios to the plain engine of the same round, its tok/s the median o
 Two speeds: output tokens per second of the whole run (prefill included), and one stream's decode
 speed (each reply's tokens after its first over the time from its first token to its last).
 Every drafted reply is checked to equal its plain reply token for token; the mean accepted length
-is tokens gained per verified round.
+is tokens gained per verified round, and tokens a decode step (all steps, drafted or not) bounds
+what drafting could give if verifying were free.
 """
 
 from __future__ import annotations
@@ -45,14 +46,15 @@ def engine_like(llm: LLM, speculative: SpeculativeConfig, draft: DraftModelPropo
 
 
 def run(engine: EngineCore, prompts: list[list[int]], streams: int, max_tokens: int):
-    """(output tokens per second, decode tokens per second of one stream, replies' tokens, their
-    speculation counts together). The decode speed leaves out each reply's first token and the
-    time before it (the prefill), as llama.cpp's predicted_per_second does."""
+    """(output tokens per second, decode tokens per second of one stream, decode tokens a step,
+    replies' tokens, their speculation counts together). The decode figures leave out each reply's
+    first token and the time before it (the prefill), as llama.cpp's predicted_per_second does."""
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     engine.kv_manager.reset_prefix_cache()
     replies: dict[str, list[int]] = {}
     first_token_at: dict[str, float] = {}
     last_token_at: dict[str, float] = {}
+    steps: dict[str, int] = {}  # steps that gave the request tokens
     counts = SpeculationCounts()
     began = time.perf_counter()
     for first in range(0, len(prompts), streams):
@@ -65,14 +67,16 @@ def run(engine: EngineCore, prompts: list[list[int]], streams: int, max_tokens: 
                 now = time.perf_counter()
                 first_token_at.setdefault(step.request_id, now)
                 last_token_at[step.request_id] = now
+                steps[step.request_id] = steps.get(step.request_id, 0) + 1
                 if step.num_drafted_tokens:
                     counts.add(step.num_drafted_tokens, step.num_accepted_tokens)
     seconds = time.perf_counter() - began
     engine.check_invariants()
     tokens = [replies[f"p{i}"] for i in range(len(prompts))]
     decode_seconds = sum(last_token_at[r] - first_token_at[r] for r in replies)
-    decode_speed = sum(len(t) - 1 for t in tokens) / decode_seconds
-    return sum(map(len, tokens)) / seconds, decode_speed, tokens, counts
+    decode_tokens = sum(len(t) - 1 for t in tokens)
+    tokens_a_step = decode_tokens / max(sum(steps.values()) - len(steps), 1)
+    return sum(map(len, tokens)) / seconds, decode_tokens / decode_seconds, tokens_a_step, tokens, counts
 
 
 def main() -> None:
@@ -103,15 +107,17 @@ def main() -> None:
             for round_index in range(args.rounds):
                 turn = round_index % len(names)
                 for name in names[turn:] + names[:turn]:
-                    speed, decode_speed, tokens, counts = run(engines[name], batch, streams, args.output_len)
+                    speed, decode_speed, tokens_a_step, tokens, counts = run(engines[name], batch, streams,
+                                                                             args.output_len)
                     speeds[name].append(speed)
                     decode_speeds[name].append(decode_speed)
-                    seen[name] = (tokens, counts)
+                    seen[name] = (tokens, counts, tokens_a_step)
             for name in engines:
                 baseline = "bf16 plain" if name.startswith("bf16") else "plain"
-                tokens, counts = seen[name]
+                tokens, counts, tokens_a_step = seen[name]
                 same = "" if tokens == seen[baseline][0] else "  REPLIES DIFFER"
                 accepted = f", accepted length {counts.mean_accepted_length:.2f}" if counts.rounds else ""
+                accepted += f", {tokens_a_step:.2f} tokens a decode step"
                 ratio = statistics.median(a / b for a, b in zip(speeds[name], speeds[baseline]))
                 decode_ratio = statistics.median(a / b for a, b in zip(decode_speeds[name], decode_speeds[baseline]))
                 print(f"  {set_name:10s} {streams} stream{'s' if streams > 1 else ' '}  {name:13s} "

@@ -139,7 +139,7 @@ class SpeculativeConfig:
 
     mode: str = "off"
     draft_model: str | None = None
-    draft_tokens: int | None = None  # tokens drafted per round, 1 to 8; None: tuned live per request
+    draft_tokens: int | None = None  # tokens drafted per round, 1 to 8; None: tuned live, each step
     ngram_min: int = 2  # the shortest and longest suffixes n-gram lookup matches
     ngram_max: int = 4
 
@@ -161,7 +161,8 @@ class SpeculativeConfig:
 
 
 SPECULATION_MODES = ("off", "ngram", "draft", "auto")
-MAX_DRAFT_TOKENS = 8
+MAX_DRAFT_TOKENS = 8  # --draft-tokens N
+MAX_TUNED_DRAFT_TOKENS = 16  # a tuned length goes this far (text being copied holds for long runs)
 
 
 @dataclass(slots=True)

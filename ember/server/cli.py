@@ -19,7 +19,7 @@ import socket
 import sys
 import time
 
-from ember.config import MAX_DRAFT_TOKENS, SPECULATION_MODES, EngineConfig, SpeculativeConfig
+from ember.config import MAX_DRAFT_TOKENS, MAX_TUNED_DRAFT_TOKENS, SPECULATION_MODES, EngineConfig, SpeculativeConfig
 from ember.engine.faults import ENV_VAR as FAULT_ENV_VAR, FaultPlan
 from ember.parsers import REASONING_PARSERS, TOOL_PARSERS
 from ember.server.config import ServerConfig, is_loopback
@@ -128,8 +128,8 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     spec.add_argument("--draft", default=None, metavar="MODEL",
                       help="the draft model (any model ember loads that shares the served model's tokenizer)")
     spec.add_argument("--draft-tokens", type=int, default=None, metavar="N",
-                      help=f"tokens drafted per round, 1 to {MAX_DRAFT_TOKENS} (default: tuned per request from what "
-                           "it accepts)")
+                      help=f"tokens drafted per round, 1 to {MAX_DRAFT_TOKENS} (default: tuned each step, up to "
+                           f"{MAX_TUNED_DRAFT_TOKENS}, from what drafts on the same evidence keep)")
     spec.add_argument("--ngram", default="2:4", metavar="MIN:MAX",
                       help="the suffix lengths n-gram lookup matches, shortest and longest (default 2:4)")
     engine = p.add_argument_group("engine and limits")

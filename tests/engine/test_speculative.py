@@ -219,3 +219,40 @@ def test_a_draft_model_with_another_tokenizer_is_refused_by_name_or_given_up_und
     auto = EngineConfig(speculative=SpeculativeConfig(mode="auto", draft_model=gemma))
     assert load_draft_proposer(auto, llm.source, source_opener(), EngineCore.from_source) is None
     assert "drafting by n-gram lookup instead" in caplog.text
+
+
+def test_greedy_rounds_take_one_argmax_that_draws_what_the_sampler_draws():
+    """The runner's shortcut for rounds where every row is a plain argmax gives the tokens and
+    acceptances of the position-by-position sampler path (here forced by asking for logprobs)."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from ember.engine.request import Request
+    from ember.engine.runner import ModelRunner
+    from ember.engine.sampler import Sampler
+    from ember.engine.scheduler import ScheduledRequest
+
+    torch.manual_seed(3)
+    vocab = 50
+    logits = torch.randn(10, vocab + 6)  # padded past the vocabulary, as a model's head may be
+    best = logits[:, :vocab].argmax(-1).tolist()
+    runner = SimpleNamespace(sampler=Sampler(vocab, torch.device("cpu")))
+
+    def scheduled(logprobs):
+        items = []
+        # drafts: all kept; kept up to a miss at the second; none (a plain decode row); missed at once
+        for i, drafts in enumerate([best[0:3], [best[4], (best[5] + 1) % vocab], [],
+                                    [(best[8] + 1) % vocab]]):
+            request = Request(f"r{i}", [1, 2, 3], SamplingParams(temperature=0.0, max_tokens=20, logprobs=logprobs),
+                              max_tokens=20, eos_token_ids=(), arrival_time=0.0)
+            request.num_computed_tokens = request.num_tokens - 1
+            items.append(ScheduledRequest(request, 1 + len(drafts), request.num_computed_tokens, list(drafts)))
+        return items
+
+    shortcut = ModelRunner._sample(runner, logits, scheduled(None))
+    sampled = ModelRunner._sample(runner, logits, scheduled(0))
+    assert shortcut.sampled == sampled.sampled == {"r0": best[0:4], "r1": best[4:6], "r2": [best[7]],
+                                                    "r3": [best[8]]}
+    assert shortcut.accepted == sampled.accepted == {"r0": 3, "r1": 1, "r3": 0}
+    assert not shortcut.logprobs and sampled.logprobs

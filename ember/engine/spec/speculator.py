@@ -7,10 +7,10 @@ import time
 from collections.abc import Hashable
 from typing import Protocol
 
-from ember.config import SpeculativeConfig
+from ember.config import MAX_TUNED_DRAFT_TOKENS, SpeculativeConfig
 from ember.engine.request import Request
 from ember.engine.spec.ngram import NgramIndex
-from ember.engine.spec.tuning import MAX_TUNED_DRAFT_TOKENS, DraftingGate, DraftLength, StepCost
+from ember.engine.spec.tuning import DraftingGate, DraftLength, StepCost
 
 logger = logging.getLogger("ember.engine")
 
@@ -60,7 +60,7 @@ class Speculator:
 
     A tuned draft's length comes from the acceptance its evidence has earned (DraftLength): for
     n-gram lookup, all requests' rounds with the same matched suffix length share one estimate (a
-    match of 8 tokens in code being copied holds nearly always, a match of 1 seldom); for a draft
+    long match in code being copied holds nearly always, a short one in chat seldom); for a draft
     model, each request has its own."""
 
     def __init__(self, config: SpeculativeConfig, proposer: Proposer, max_model_len: int) -> None:
@@ -112,7 +112,7 @@ class Speculator:
         began = time.perf_counter()
         proposals = self.proposer.propose(wants)
         longest = 0
-        for (request, wanted), (drafts, evidence) in zip(wants, proposals):
+        for (request, _), (drafts, evidence) in zip(wants, proposals):
             if free and drafts:
                 length = self._used[request.request_id] = self._length(("evidence", evidence))
                 drafts = drafts[:length.next(len(decoding), cost, len(drafts))]

@@ -17,7 +17,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-MAX_TUNED_DRAFT_TOKENS = 16  # a tuned length goes this far (text being copied holds for long runs)
+from ember.config import MAX_TUNED_DRAFT_TOKENS
+
 _PRIOR_ACCEPT = 0.5  # the first guess that a first drafted token is kept, worth _PRIOR_WEIGHT rounds...
 _PRIOR_WEIGHT = 2.0
 _MEMORY = 0.9  # ...and older rounds fade by this factor at each new one
