@@ -22,7 +22,7 @@ from pathlib import Path
 
 import httpx
 
-from vs_llama_cpp import Server, Workload, free_port, run_workload
+from vs_llama_cpp import Server, Workload, ember_server, run_workload
 
 WORKLOADS = (
     Workload("32 streams", ("--concurrency", "32", "--input-len", "128", "--output-len", "64",
@@ -46,12 +46,8 @@ def main() -> None:
     cores = len(os.sched_getaffinity(0))
     common = ["--max-model-len", "2048", "--max-num-seqs", "32", "--log-level", "warning",
               *([args.model] if args.model else [])]
-    servers = []
-    for name, extra in (("one worker", ["--threads", str(cores)]),
-                        (f"{args.replicas} replicas", ["--data-parallel-size", str(args.replicas)])):
-        port = free_port()
-        servers.append(Server(name, [sys.executable, "-m", "ember.cli", "serve", "--port", str(port), *common, *extra],
-                              f"http://127.0.0.1:{port}"))
+    servers = [ember_server("one worker", [*common, "--threads", str(cores)]),
+               ember_server(f"{args.replicas} replicas", [*common, "--data-parallel-size", str(args.replicas)])]
     speed = {s.name: {w.name: [] for w in WORKLOADS} for s in servers}
     hits = {s.name: {w.name: [0, 0] for w in WORKLOADS} for s in servers}
     with tempfile.TemporaryDirectory() as tmp:

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import httpx
 
-from vs_llama_cpp import Server, Workload, free_port, run_workload
+from vs_llama_cpp import Server, Workload, ember_server, run_workload
 
 WORKLOADS = (
     Workload("1-stream", ("--concurrency", "1", "--input-len", "128", "--output-len", "128", "--num-requests", "6"), ()),
@@ -54,11 +54,7 @@ def main() -> None:
     args = parser.parse_args()
     common = ["--threads", str(args.threads), "--max-model-len", "2048", "--max-num-seqs", "32",
               "--log-level", "warning", *([args.model] if args.model else [])]
-    servers = []
-    for name, extra in (("worker", []), ("thread", ["--no-engine-worker"])):
-        port = free_port()
-        servers.append(Server(name, [sys.executable, "-m", "ember.cli", "serve", "--port", str(port), *common, *extra],
-                              f"http://127.0.0.1:{port}"))
+    servers = [ember_server("worker", common), ember_server("thread", [*common, "--no-engine-worker"])]
     results: dict[str, dict[str, list[float]]] = {s.name: {w.name: [] for w in WORKLOADS} for s in servers}
     restarts: list[float] = []
     with tempfile.TemporaryDirectory() as tmp:

@@ -119,6 +119,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def ember_server(name: str, args: list[str]) -> Server:
+    """An `ember serve` with these arguments on a free local port (not started)."""
+    port = free_port()
+    return Server(name, [sys.executable, "-m", "ember.cli", "serve", "--port", str(port), *args],
+                  f"http://127.0.0.1:{port}")
+
+
 def run_workload(server: Server, workload: Workload, folder: Path) -> dict:
     out = folder / f"{server.name}-{workload.name}.json"
     command = [sys.executable, "-m", "ember.cli", "bench", "--base-url", server.url, "--quiet", "--json", str(out),

@@ -186,8 +186,8 @@ def _takes_argmax(item: ScheduledRequest) -> bool:
     nothing that adjusts the logits or depends on the tokens drawn before it in the round."""
     request = item.request
     params = request.sampling_params
-    return (params.greedy and request.constraint is None and not params.uses_penalties and not params.logit_bias
-            and params.logprobs is None and request.num_output_tokens >= params.min_tokens)
+    return (Sampler.draws_argmax(params) and request.constraint is None
+            and request.num_output_tokens >= params.min_tokens)
 
 
 def _argmax_rounds(chosen: list[int], sampling: list[ScheduledRequest], first_rows: list[int]) -> RunnerOutput:

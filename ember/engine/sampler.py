@@ -62,8 +62,14 @@ class Sampler:
                                         [row.params.logprob_token_ids for row in rows])
         return SamplerOutput(chosen, logprobs, failed)
 
+    @staticmethod
+    def draws_argmax(params: SamplingParams) -> bool:
+        """Whether a row with these params, no constraint and no suppressed tokens, draws its
+        argmax of the logits as they are (argmax below)."""
+        return params.greedy and not params.uses_penalties and not params.logit_bias and params.logprobs is None
+
     def argmax(self, logits: torch.Tensor) -> list[int]:
-        """Each row's most likely token: what __call__ draws for a greedy row with nothing to adjust."""
+        """Each row's most likely token: what __call__ draws for a row that draws_argmax."""
         return torch.argmax(logits[:, : self.vocab_size], dim=-1).tolist()
 
     def _adjust(self, logits: torch.Tensor, rows: list[SamplingRow], failed: dict[int, str]) -> torch.Tensor:
