@@ -140,7 +140,7 @@ class SpeculativeConfig:
     mode: str = "off"
     draft_model: str | None = None
     draft_tokens: int | None = None  # tokens drafted per round, 1 to 8; None: tuned live, each step
-    ngram_min: int = 2  # the shortest and longest suffixes n-gram lookup matches
+    ngram_min: int = 1  # the shortest and longest suffixes n-gram lookup matches
     ngram_max: int = 4
 
     def __post_init__(self) -> None:
