@@ -6,6 +6,9 @@ Two `ember serve` instances on the same model: the default (the engine in a supe
 process) and `--no-engine-worker` (the engine in a thread of the server). They are measured in
 turn, never at once, with `ember bench` at 1 stream and at 32 streams, alternating rounds so that
 drift of a shared machine falls on both; each row's ratio is the median of the rounds' ratios.
+Beside the speeds, the CPU time the server used per 1,000 output tokens (its worker process
+included, read from /proc): the work the boundary adds, which a machine whose other tenants move
+wall-clock speeds by 10% between rounds still shows.
 Then the worker is killed with SIGKILL a few times and the time until /health says ok again is
 reported (the model's load, warm-up and the supervisor's notice).
 """
@@ -56,6 +59,7 @@ def main() -> None:
               "--log-level", "warning", *([args.model] if args.model else [])]
     servers = [ember_server("worker", common), ember_server("thread", [*common, "--no-engine-worker"])]
     results: dict[str, dict[str, list[float]]] = {s.name: {w.name: [] for w in WORKLOADS} for s in servers}
+    cpu: dict[str, dict[str, list[float]]] = {s.name: {w.name: [] for w in WORKLOADS} for s in servers}
     restarts: list[float] = []
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
@@ -67,23 +71,31 @@ def main() -> None:
                     order = servers if round_ % 2 == 0 else servers[::-1]
                     for server in order:
                         print(f"round {round_ + 1}: {server.name} {workload.name} ...", file=sys.stderr, flush=True)
+                        before = server.cpu_seconds()
                         summary = run_workload(server, workload, folder)
                         results[server.name][workload.name].append(summary["output_tokens_per_s"])
+                        used = server.cpu_seconds() - before
+                        cpu[server.name][workload.name].append(1000 * used / max(summary["output_tokens"], 1))
             for _ in range(_KILLS):
                 restarts.append(kill_to_ready(servers[0]))
         finally:
             for server in servers:
                 server.stop()
     print(f"model {args.model or 'default'}, {args.threads} threads, {args.rounds} rounds")
-    print("| workload | worker process, output tok/s | engine thread, output tok/s | worker / thread (median) |")
-    print("| --- | --- | --- | --- |")
+    print("| workload | worker process, output tok/s | engine thread, output tok/s | worker / thread (median) "
+          "| CPU s per 1,000 tokens, worker / thread | worker / thread (median) |")
+    print("| --- | --- | --- | --- | --- | --- |")
     for workload in WORKLOADS:
         a, b = results["worker"][workload.name], results["thread"][workload.name]
         ratio = statistics.median(x / y for x, y in zip(a, b))
-        print(f"| {workload.name} | {statistics.median(a):.1f} | {statistics.median(b):.1f} | {ratio:.3f}x |")
+        ca, cb = cpu["worker"][workload.name], cpu["thread"][workload.name]
+        cpu_ratio = statistics.median(x / y for x, y in zip(ca, cb))
+        print(f"| {workload.name} | {statistics.median(a):.1f} | {statistics.median(b):.1f} | {ratio:.3f}x "
+              f"| {statistics.median(ca):.2f} / {statistics.median(cb):.2f} | {cpu_ratio:.3f}x |")
     print("kill -9 to ready, s: " + ", ".join(f"{t:.1f}" for t in restarts))
     if args.json:
-        Path(args.json).write_text(json.dumps({"results": results, "kill_to_ready_s": restarts}, indent=1))
+        Path(args.json).write_text(json.dumps({"results": results, "cpu_s_per_1000_tokens": cpu,
+                                                  "kill_to_ready_s": restarts}, indent=1))
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -81,6 +82,10 @@ class Server:
         """The server's resident memory, its child processes' included (ember's engine worker)."""
         return sum(_rss_mib(pid) for pid in _process_tree(self.process.pid))
 
+    def cpu_seconds(self) -> float:
+        """CPU time the server and its live child processes have used so far, user and system."""
+        return sum(_cpu_seconds(pid) for pid in _process_tree(self.process.pid))
+
     def stop(self) -> None:
         if self.process is not None and self.process.poll() is None:
             self.process.terminate()
@@ -111,6 +116,14 @@ def _rss_mib(pid: int) -> float:
     except OSError:
         pass
     return 0.0
+
+
+def _cpu_seconds(pid: int) -> float:
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
 
 
 def free_port() -> int:
