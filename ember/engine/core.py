@@ -74,7 +74,8 @@ class EngineCore:
         cache = KVCache(model_config.num_hidden_layers, num_blocks, config.block_size,
                         self.num_kv_heads, model_config.head_dim, dtype, device,
                         kernel_layout=self.uses_cpu_kernels, layer_windows=model_config.layer_windows)
-        sampler = Sampler(model_config.vocab_size, device, config.seed)
+        sampler = Sampler(model_config.vocab_size, device, config.seed,
+                          cpu_kernel=config.cpu_kernels and device.type == "cpu" and kernels.available())
         self.runner = ModelRunner(model, cache, sampler, device, exact=config.batch_invariant and device.type == "cpu")
         if group is not None:
             self.runner = group.wrap_runner(self.runner)

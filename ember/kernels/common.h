@@ -12,7 +12,7 @@
 #include <limits>
 #include <vector>
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
 #include <immintrin.h>
 #define EMBER_AVX512 1
 #else
@@ -68,6 +68,17 @@ template <> inline at::BFloat16 from_float<at::BFloat16>(float v) {
   out.x = float_to_bf16(v);
   return out;
 }
+
+#if EMBER_AVX512
+inline __mmask16 first_lanes(int64_t count) { return count >= 16 ? __mmask16(0xffff) : __mmask16((1u << count) - 1); }
+
+// Sixteen values of T as floats (to_float lane by lane).
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const at::BFloat16* p) {
+  const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+#endif
 
 #if EMBER_AVX512
 // e^x for x <= 0 (softmax after the max is taken): 2^n * p(r), r in [-ln2/2, ln2/2].

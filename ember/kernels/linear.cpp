@@ -19,28 +19,48 @@ constexpr int64_t Q8_BYTES = 512 + 32; // per (column block, k block): bytes (w 
 // xq (M, K) int8; dx (M, K/32): each block's scale; sx (M, K/32): dx * sum(xq) of the block;
 // qsum (M, K/32): sum(xq) as an integer.
 
+// One block of 32 values to int8 with scale d = max|x| / 127; returns d, and the sum of the int8s.
+template <typename T>
+inline float quantize_block(const T* src, int8_t* dst, int32_t& sum) {
+#if EMBER_AVX512
+  const __m512 v0 = load16(src), v1 = load16(src + 16);
+  const float d = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1))) / 127.f;
+  const __m512 id = _mm512_set1_ps(d > 0.f ? 1.f / d : 0.f);
+  const __m512i low = _mm512_set1_epi32(-127), high = _mm512_set1_epi32(127);
+  // cvtps rounds to nearest even, as nearbyint does in the default rounding mode
+  const __m512i q0 = _mm512_max_epi32(low, _mm512_min_epi32(high, _mm512_cvtps_epi32(_mm512_mul_ps(v0, id))));
+  const __m512i q1 = _mm512_max_epi32(low, _mm512_min_epi32(high, _mm512_cvtps_epi32(_mm512_mul_ps(v1, id))));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), _mm512_cvtepi32_epi8(q0));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 16), _mm512_cvtepi32_epi8(q1));
+  sum = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+  return d;
+#else
+  float values[QBLOCK];
+  float amax = 0.f;
+  for (int64_t i = 0; i < QBLOCK; ++i) {
+    values[i] = to_float<T>(src[i]);
+    amax = std::max(amax, std::fabs(values[i]));
+  }
+  const float d = amax / 127.f;
+  const float id = d > 0.f ? 1.f / d : 0.f;
+  sum = 0;
+  for (int64_t i = 0; i < QBLOCK; ++i) {
+    const int32_t q = std::clamp(int32_t(std::nearbyint(values[i] * id)), -127, 127);
+    dst[i] = int8_t(q);
+    sum += q;
+  }
+  return d;
+#endif
+}
+
 template <typename T>
 void quantize_rows(const T* x, int64_t M, int64_t K, int8_t* xq, float* dx, float* sx, int32_t* qsum) {
   const int64_t KB = K / QBLOCK;
   at::parallel_for(0, M, 1, [&](int64_t begin, int64_t end) {
-    float values[QBLOCK];
     for (int64_t m = begin; m < end; ++m) {
       for (int64_t kb = 0; kb < KB; ++kb) {
-        const T* src = x + m * K + kb * QBLOCK;
-        float amax = 0.f;
-        for (int64_t i = 0; i < QBLOCK; ++i) {
-          values[i] = to_float<T>(src[i]);
-          amax = std::max(amax, std::fabs(values[i]));
-        }
-        const float d = amax / 127.f;
-        const float id = d > 0.f ? 1.f / d : 0.f;
-        int32_t sum = 0;
-        int8_t* dst = xq + m * K + kb * QBLOCK;
-        for (int64_t i = 0; i < QBLOCK; ++i) {
-          const int32_t q = std::clamp(int32_t(std::nearbyint(values[i] * id)), -127, 127);
-          dst[i] = int8_t(q);
-          sum += q;
-        }
+        int32_t sum;
+        const float d = quantize_block<T>(x + m * K + kb * QBLOCK, xq + m * K + kb * QBLOCK, sum);
         dx[m * KB + kb] = d;
         sx[m * KB + kb] = d * float(sum);
         qsum[m * KB + kb] = sum;

@@ -102,3 +102,36 @@ def test_named_token_ids_need_logprobs():
     with pytest.raises(InvalidRequest) as caught:
         SamplingParams(logprob_token_ids=[1])
     assert caught.value.param == "logprob_token_ids"
+
+
+def _hard_rows(width: int) -> torch.Tensor:
+    """Rows that test an argmax: ties (the first wins), all -inf, NaN (the first NaN wins), a
+    maximum in the last, partial group of sixteen, and plain noise."""
+    x = torch.randn(6, width, generator=torch.Generator().manual_seed(7))
+    x[0, 3] = x[0, width - 2] = 50.0
+    x[1] = float("-inf")
+    x[2, width // 2] = x[2, -1] = float("nan")
+    x[3, -1] = 60.0
+    x[4, 0] = float("inf")
+    return x
+
+
+@pytest.mark.parametrize("width", [1, 17, 49152, 49155])
+def test_the_cpu_argmax_kernel_gives_torch_argmax_answers(width):
+    from ember import kernels
+
+    assert kernels.available(), kernels.status()  # the suite needs a C++ compiler (see README)
+    x = _hard_rows(width) if width > 4 else torch.randn(3, width)
+    assert torch.equal(torch.ops.ember.argmax_rows(x), torch.argmax(x, dim=-1))
+    padded = torch.cat((x, torch.full((len(x), 5), 99.0)), dim=1)[:, :width]  # rows a stride apart
+    assert torch.equal(torch.ops.ember.argmax_rows(padded), torch.argmax(padded, dim=-1))
+
+
+def test_a_sampler_on_the_cpu_kernel_draws_what_the_torch_sampler_draws():
+    x = logits(4, seed=11)
+    params = rows(SamplingParams(), SamplingParams(temperature=0.8, seed=3), SamplingParams(top_k=4, seed=5),
+                  SamplingParams(temperature=1.3, top_p=0.9, seed=9))
+    with_kernel = Sampler(VOCAB, torch.device("cpu"), cpu_kernel=True)
+    plain = Sampler(VOCAB, torch.device("cpu"))
+    assert with_kernel(x, params).token_ids == plain(x, params).token_ids
+    assert with_kernel.argmax(x) == plain.argmax(x) == x.argmax(-1).tolist()
