@@ -1,6 +1,6 @@
 """Speculative decoding against plain decoding, engine-level, all numbers from one run.
 
-    python bench/speculative.py [--output-len 128] [--rounds 2] [--no-draft-model]
+    python bench/speculative.py [--output-len 128] [--rounds 3] [--no-draft-model]
 
 Two prompt sets ship beside this script (speculative_prompts.json): repetitive work (editing
 code, quoting the input) and free chat. For each set, at 1 stream (one prompt at a time) and 8
@@ -12,9 +12,10 @@ for its slowest reply would measure that reply alone), it measures output tokens
   draft     (unless --no-draft-model) the default model in bfloat16 (`--quantization none`)
             drafted by its own 4-bit GGUF file (`--speculate draft`), against that bfloat16 model
             plain: the draft is a quantized copy, the fair draft for a model this small
-Each mode runs the same greedy requests; every round runs each mode once, in an order that turns
-each round, so drift on a shared machine falls on all of them; a row's ratio is the median of
-the rounds' ratios to the plain engine of the same round, its tok/s the median of its rounds.
+Each mode runs the same greedy requests. A round runs all modes at once, a step of each in turn
+(in a new random order each pass), each timed on a clock of its own steps, so drift on a shared
+machine falls on all of them alike; a row's ratio is the median of the rounds' ratios to the
+plain engine of the same round, its tok/s the median of its rounds.
 Two speeds: output tokens per second of the whole run (prefill included), and one stream's decode
 speed (each reply's tokens after its first over the time from its first token to its last).
 Every drafted reply is checked to equal its plain reply token for token; the mean accepted length
@@ -27,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import pathlib
+import random
 import statistics
 import time
 from dataclasses import replace
@@ -48,45 +50,76 @@ def engine_like(llm: LLM, speculative: SpeculativeConfig, draft: DraftModelPropo
                       set(base.eos_token_ids), base.device, base.dtype, draft)
 
 
-def run(engine: EngineCore, prompts: list[list[int]], streams: int, max_tokens: int):
-    """(output tokens per second, decode tokens per second of one stream, decode tokens a step,
-    replies' tokens, their speculation counts together). The decode figures leave out each reply's
-    first token and the time before it (the prefill), as llama.cpp's predicted_per_second does."""
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
-    engine.kv_manager.reset_prefix_cache()
-    replies: dict[str, list[int]] = {}
-    first_token_at: dict[str, float] = {}
-    last_token_at: dict[str, float] = {}
-    steps: dict[str, int] = {}  # steps that gave the request tokens
-    counts = SpeculationCounts()
-    began = time.perf_counter()
-    waiting = list(enumerate(prompts))[::-1]
+class Run:
+    """One mode's run over a prompt set, advanced a step at a time so that every mode's steps
+    interleave: drift on a shared machine then falls on all modes alike. Its clock counts only
+    its own steps (and the admissions between them)."""
 
-    def admit() -> None:
-        i, prompt = waiting.pop()
-        engine.add_request(f"p{i}", prompt, params)
-        replies[f"p{i}"] = []
+    def __init__(self, engine: EngineCore, prompts: list[list[int]], streams: int, max_tokens: int) -> None:
+        self.engine, self.prompts = engine, prompts
+        self.params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+        self.clock = 0.0
+        self.replies: dict[str, list[int]] = {}
+        self.first_token_at: dict[str, float] = {}
+        self.last_token_at: dict[str, float] = {}
+        self.steps: dict[str, int] = {}  # steps that gave the request tokens
+        self.counts = SpeculationCounts()
+        self.waiting = list(enumerate(prompts))[::-1]
+        engine.kv_manager.reset_prefix_cache()
+        began = time.perf_counter()
+        for _ in range(min(streams, len(self.waiting))):
+            self._admit()
+        self.clock += time.perf_counter() - began
 
-    for _ in range(min(streams, len(waiting))):
-        admit()
-    while engine.has_unfinished():
-        for step in engine.step():
-            replies[step.request_id] += step.new_token_ids
-            now = time.perf_counter()
-            first_token_at.setdefault(step.request_id, now)
-            last_token_at[step.request_id] = now
-            steps[step.request_id] = steps.get(step.request_id, 0) + 1
+    def _admit(self) -> None:
+        i, prompt = self.waiting.pop()
+        self.engine.add_request(f"p{i}", prompt, self.params)
+        self.replies[f"p{i}"] = []
+
+    @property
+    def done(self) -> bool:
+        return not self.engine.has_unfinished()
+
+    def step(self) -> None:
+        began = time.perf_counter()
+        for step in self.engine.step():
+            now = self.clock + time.perf_counter() - began
+            self.replies[step.request_id] += step.new_token_ids
+            self.first_token_at.setdefault(step.request_id, now)
+            self.last_token_at[step.request_id] = now
+            self.steps[step.request_id] = self.steps.get(step.request_id, 0) + 1
             if step.num_drafted_tokens:
-                counts.add(step.num_drafted_tokens, step.num_accepted_tokens)
-            if step.finish_reason is not None and waiting:  # the stream sends its next request
-                admit()
-    seconds = time.perf_counter() - began
-    engine.check_invariants()
-    tokens = [replies[f"p{i}"] for i in range(len(prompts))]
-    decode_seconds = sum(last_token_at[r] - first_token_at[r] for r in replies)
-    decode_tokens = sum(len(t) - 1 for t in tokens)
-    tokens_a_step = decode_tokens / max(sum(steps.values()) - len(steps), 1)
-    return sum(map(len, tokens)) / seconds, decode_tokens / decode_seconds, tokens_a_step, tokens, counts
+                self.counts.add(step.num_drafted_tokens, step.num_accepted_tokens)
+            if step.finish_reason is not None and self.waiting:  # the stream sends its next request
+                self._admit()
+        self.clock += time.perf_counter() - began
+
+    def result(self):
+        """(output tokens per second, decode tokens per second of one stream, decode tokens a step,
+        replies' tokens). The decode figures leave out each reply's first token and the time
+        before it (the prefill), as llama.cpp's predicted_per_second does."""
+        self.engine.check_invariants()
+        tokens = [self.replies[f"p{i}"] for i in range(len(self.prompts))]
+        decode_seconds = sum(self.last_token_at[r] - self.first_token_at[r] for r in self.replies)
+        decode_tokens = sum(len(t) - 1 for t in tokens)
+        tokens_a_step = decode_tokens / max(sum(self.steps.values()) - len(self.steps), 1)
+        return sum(map(len, tokens)) / self.clock, decode_tokens / decode_seconds, tokens_a_step, tokens
+
+
+def run_together(engines: dict[str, EngineCore], prompts: list[list[int]], streams: int, max_tokens: int,
+                 seed: int) -> dict[str, Run]:
+    """Every mode's run over the same prompts, a step of each in turn until all end, in a new
+    random order each pass (seeded), so that no mode always follows the same one (whose weights it
+    would find in the cache, or whose threads still spinning)."""
+    shuffle = random.Random(seed).shuffle
+    runs = {name: Run(engine, prompts, streams, max_tokens) for name, engine in engines.items()}
+    order = list(runs)
+    while not all(run.done for run in runs.values()):
+        shuffle(order)
+        for name in order:
+            if not runs[name].done:
+                runs[name].step()
+    return runs
 
 
 def main() -> None:
@@ -113,15 +146,13 @@ def main() -> None:
             speeds: dict[str, list[float]] = {name: [] for name in engines}
             decode_speeds: dict[str, list[float]] = {name: [] for name in engines}
             seen: dict[str, tuple] = {}
-            names = list(engines)
             for round_index in range(args.rounds):
-                turn = round_index % len(names)
-                for name in names[turn:] + names[:turn]:
-                    speed, decode_speed, tokens_a_step, tokens, counts = run(engines[name], batch, streams,
-                                                                             args.output_len)
+                runs = run_together(engines, batch, streams, args.output_len, seed=round_index)
+                for name, mode_run in runs.items():
+                    speed, decode_speed, tokens_a_step, tokens = mode_run.result()
                     speeds[name].append(speed)
                     decode_speeds[name].append(decode_speed)
-                    seen[name] = (tokens, counts, tokens_a_step)
+                    seen[name] = (tokens, mode_run.counts, tokens_a_step)
             for name in engines:
                 baseline = "bf16 plain" if name.startswith("bf16") else "plain"
                 tokens, counts, tokens_a_step = seen[name]

@@ -130,8 +130,10 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     spec.add_argument("--draft-tokens", type=int, default=None, metavar="N",
                       help=f"tokens drafted per round, 1 to {MAX_DRAFT_TOKENS} (default: tuned each step, up to "
                            f"{MAX_TUNED_DRAFT_TOKENS}, from what drafts on the same evidence keep)")
-    spec.add_argument("--ngram", default="1:4", metavar="MIN:MAX",
-                      help="the suffix lengths n-gram lookup matches, shortest and longest (default 1:4)")
+    unset = SpeculativeConfig()
+    ngram_default = f"{unset.ngram_min}:{unset.ngram_max}"
+    spec.add_argument("--ngram", default=ngram_default, metavar="MIN:MAX",
+                      help=f"the suffix lengths n-gram lookup matches, shortest and longest (default {ngram_default})")
     engine = p.add_argument_group("engine and limits")
     engine.add_argument("--max-model-len", type=int, default=None,
                         help="context window in tokens, prompt and output together (default: the model's "

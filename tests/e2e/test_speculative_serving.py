@@ -12,6 +12,7 @@ import httpx
 import openai
 import pytest
 
+from ember.config import SpeculativeConfig
 from ember.server.cli import build_config
 from tests.e2e.conftest import ServerProcess, wait_idle
 from tests.e2e.test_cli import parse
@@ -145,3 +146,9 @@ def test_bad_speculation_settings_are_refused_at_start(argv):
     with pytest.raises(ValueError, match="draft|ngram"):
         build_config(parse(*argv), environ={})
 
+
+
+def test_the_speculation_flags_default_to_the_engine_config_defaults():
+    assert build_config(parse(), environ={}).engine.speculative == SpeculativeConfig()
+    given = build_config(parse("--speculate", "ngram", "--ngram", "2:5"), environ={}).engine.speculative
+    assert (given.mode, given.ngram_min, given.ngram_max) == ("ngram", 2, 5)
