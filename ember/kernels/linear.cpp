@@ -253,6 +253,60 @@ at::Tensor quantized_linear(const at::Tensor& x, const at::Tensor& packed, int64
   return y;
 }
 
+// Rows `ids` of a packed weight, dequantized: embedding lookups from a tied LM head. Within a k
+// block, row j's 4-byte group g sits at bytes (g * 16 + j) * 4; 8 bits: one code a byte (value
+// 4g + i, less 128); 4 bits: value 4g + i in the low nibble and 16 + 4g + i in the high one,
+// plus the row's minimum. Every product of a code and a float16 scale is exact in float32, so
+// the only roundings are the minimum's add and the cast: the torch path's bits.
+template <typename T>
+void dequantize_row(const uint8_t* column_block, int64_t j, int64_t KB, int64_t format, T* out) {
+  const int64_t bytes = format == 4 ? Q4_BYTES : Q8_BYTES, code_bytes = format == 4 ? 256 : 512;
+  for (int64_t kb = 0; kb < KB; ++kb, out += QBLOCK) {
+    const uint8_t* block = column_block + kb * bytes;
+    uint16_t half;
+    std::memcpy(&half, block + code_bytes + 2 * j, 2);
+    const float scale = half_to_float(half);
+    if (format == 4) {
+      std::memcpy(&half, block + code_bytes + 32 + 2 * j, 2);
+      const float low = half_to_float(half);
+      for (int64_t g = 0; g < 4; ++g)
+        for (int64_t i = 0; i < 4; ++i) {
+          const uint8_t code = block[(g * NBLOCK + j) * 4 + i];
+          out[4 * g + i] = from_float<T>(float(code & 0x0F) * scale + low);
+          out[16 + 4 * g + i] = from_float<T>(float(code >> 4) * scale + low);
+        }
+    } else {
+      for (int64_t g = 0; g < 8; ++g)
+        for (int64_t i = 0; i < 4; ++i)
+          out[4 * g + i] = from_float<T>(float(int(block[(g * NBLOCK + j) * 4 + i]) - 128) * scale);
+    }
+  }
+}
+
+// ids (T,) int64 -> (T, in_features) in `dtype` (bfloat16 or float32).
+at::Tensor block_rows(const at::Tensor& packed, const at::Tensor& ids, int64_t in_features, int64_t format,
+                      at::ScalarType dtype) {
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous() && packed.dim() == 3,
+              "packed weights must be contiguous (column blocks, k blocks, bytes)");
+  TORCH_CHECK(ids.dim() == 1 && ids.scalar_type() == at::kLong, "ids must be (T,) int64");
+  const int64_t KB = in_features / QBLOCK, bytes = format == 4 ? Q4_BYTES : Q8_BYTES;
+  TORCH_CHECK(in_features % QBLOCK == 0 && packed.size(1) == KB && packed.size(2) == bytes,
+              "packed weights of another shape or format");
+  auto out = at::empty({ids.size(0), in_features}, packed.options().dtype(dtype));
+  const auto index = ids.contiguous();
+  const int64_t* id = index.data_ptr<int64_t>();
+  const int64_t rows = packed.size(0) * NBLOCK;
+  for (int64_t t = 0; t < ids.size(0); ++t) TORCH_CHECK(0 <= id[t] && id[t] < rows, "an id outside the table");
+  const uint8_t* w = packed.data_ptr<uint8_t>();
+  dispatch_float_or_bf16(dtype, [&](auto tag) {
+    using T = decltype(tag);
+    T* o = static_cast<T*>(out.data_ptr());
+    for (int64_t t = 0; t < ids.size(0); ++t)
+      dequantize_row<T>(w + (id[t] / NBLOCK) * KB * bytes, id[t] % NBLOCK, KB, format, o + t * in_features);
+  });
+  return out;
+}
+
 }  // namespace
 
 int64_t vector_path() { return EMBER_AVX512; }
@@ -262,6 +316,10 @@ int64_t vector_path() { return EMBER_AVX512; }
 TORCH_LIBRARY_FRAGMENT(ember, m) {
   m.def("quantized_linear(Tensor x, Tensor packed, int out_features, int format) -> Tensor");
   m.def("vector_path() -> int", &ember_kernels::vector_path);
+  m.def("block_rows(Tensor packed, Tensor ids, int in_features, int format, ScalarType dtype) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(ember, CPU, m) { m.impl("quantized_linear", &ember_kernels::quantized_linear); }
+TORCH_LIBRARY_IMPL(ember, CPU, m) {
+  m.impl("quantized_linear", &ember_kernels::quantized_linear);
+  m.impl("block_rows", &ember_kernels::block_rows);
+}

@@ -161,20 +161,4 @@ class BlockWeights:
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows `ids` (T,) of the weight, dequantized to (T, in) in the layer's dtype: embedding
         lookups from a tied head, without a float copy of the table."""
-        column_block, row = ids // _NBLOCK, ids % _NBLOCK
-        blocks = self.packed[column_block]  # (T, k blocks, bytes)
-        tokens, k_blocks = blocks.shape[:2]
-        code_bytes = 256 if self.bits == 4 else 512
-        codes = blocks[..., :code_bytes].view(tokens, k_blocks, -1, _NBLOCK, 4)  # (T, kb, group, row, byte)
-        codes = codes[torch.arange(tokens), :, :, row]  # (T, kb, group, byte)
-        if self.bits == 4:
-            codes = torch.cat((codes & 0x0F, codes >> 4), dim=2)
-        scales = blocks[..., code_bytes:code_bytes + 32].contiguous().view(torch.float16)
-        scales = scales[torch.arange(tokens), :, row].float()[..., None]  # (T, kb, 1)
-        values = codes.reshape(tokens, k_blocks, QBLOCK).float()
-        if self.bits == 4:
-            mins = blocks[..., 288:320].contiguous().view(torch.float16)[torch.arange(tokens), :, row].float()
-            values = values * scales + mins[..., None]
-        else:
-            values = (values - 128) * scales
-        return values.view(tokens, -1).to(self.dtype)
+        return torch.ops.ember.block_rows(self.packed, ids, self.in_features, self.bits, self.dtype)

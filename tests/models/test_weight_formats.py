@@ -62,12 +62,16 @@ def test_block_kernel_rows_keep_their_bits_in_any_batch(bits):
         assert torch.equal(torch.cat([layer.matmul(part) for part in x.split(size)]), alone), size
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("bits", [4, 8])
-def test_a_tied_table_is_looked_up_from_its_blocks(bits):
+def test_a_tied_table_is_looked_up_from_its_blocks(bits, dtype):
     blocks = QuantBlocks.quantize(_weights(out=100), bits)
-    layer = BlockWeights(blocks, None, torch.float32)
+    layer = BlockWeights(blocks, None, dtype)
     ids = torch.tensor([0, 15, 16, 17, 99, 16])
-    assert torch.equal(layer.rows(ids), blocks.dequantize()[ids])
+    assert torch.equal(layer.rows(ids), blocks.dequantize()[ids].to(dtype))
+    assert layer.rows(ids[:0]).shape == (0, 192)
+    with pytest.raises(RuntimeError, match="outside the table"):
+        layer.rows(torch.tensor([112]))  # past the last column block's padding
 
 
 def test_fused_shards_and_row_selection_keep_every_row():
