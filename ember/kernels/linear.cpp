@@ -77,6 +77,27 @@ void quantize_rows(const T* x, int64_t M, int64_t K, int8_t* xq, float* dx, floa
 
 enum class Format { Q4, Q8 };
 
+// Within a block: the codes, then the 16 columns' scales d, then (Q4) their minimums m, float16.
+template <Format F> constexpr int64_t SCALES_AT = F == Format::Q4 ? 256 : 512;
+constexpr int64_t MINS_AT = 256 + 32;
+
+// Column j's code k of a block: Q4 q in 0..15, Q8 b - 128.
+template <Format F> inline int32_t code_at(const uint8_t* block, int64_t j, int64_t k) {
+  const int64_t g = k / 4, i = k % 4;
+  if constexpr (F == Format::Q4) {
+    const uint8_t byte = block[(g % 4) * 64 + j * 4 + i];
+    return g < 4 ? (byte & 0x0f) : (byte >> 4);
+  } else {
+    return int32_t(block[g * 64 + j * 4 + i]) - 128;
+  }
+}
+
+inline float half_at(const uint8_t* p) {
+  uint16_t bits;
+  std::memcpy(&bits, p, 2);
+  return half_to_float(bits);
+}
+
 #if EMBER_AVX512
 
 inline __m512 load_halves(const uint8_t* p) {
@@ -126,8 +147,8 @@ inline void tile(const uint8_t* w, int64_t KB, int64_t nb0, int64_t N, const int
     }
     for (int c = 0; c < NB; ++c) {
       const uint8_t* block = w + ((nb0 + c) * KB + kb) * BYTES;
-      const __m512 d = load_halves(block + (F == Format::Q4 ? 256 : 512));
-      const __m512 mins = F == Format::Q4 ? load_halves(block + 288) : _mm512_setzero_ps();
+      const __m512 d = load_halves(block + SCALES_AT<F>);
+      const __m512 mins = F == Format::Q4 ? load_halves(block + MINS_AT) : _mm512_setzero_ps();
       for (int r = 0; r < MR; ++r) {
         const int64_t row = (m0 + r) * KB + kb;
         __m512i dot = dots[r][c];
@@ -180,24 +201,11 @@ void columns_plain(const uint8_t* w, int64_t KB, int64_t nb_begin, int64_t nb_en
           const uint8_t* block = w + (nb * KB + kb) * BYTES;
           const int8_t* xk = xq + m * K + kb * QBLOCK;
           int32_t dot = 0;
-          for (int64_t k = 0; k < QBLOCK; ++k) {
-            const int64_t g = k / 4, i = k % 4;
-            int32_t q;
-            if constexpr (F == Format::Q4) {
-              const uint8_t byte = block[(g % 4) * 64 + j * 4 + i];
-              q = g < 4 ? (byte & 0x0f) : (byte >> 4);
-            } else {
-              q = int32_t(block[g * 64 + j * 4 + i]) - 128;
-            }
-            dot += q * int32_t(xk[k]);
-          }
-          uint16_t d_bits, m_bits;
-          std::memcpy(&d_bits, block + (F == Format::Q4 ? 256 : 512) + 2 * j, 2);
-          const float d = half_to_float(d_bits);
+          for (int64_t k = 0; k < QBLOCK; ++k) dot += code_at<F>(block, j, k) * int32_t(xk[k]);
+          const float d = half_at(block + SCALES_AT<F> + 2 * j);
           acc = std::fma(float(dot), d * dx[m * KB + kb], acc);
           if constexpr (F == Format::Q4) {
-            std::memcpy(&m_bits, block + 288 + 2 * j, 2);
-            acc = std::fma(half_to_float(m_bits), sx[m * KB + kb], acc);
+            acc = std::fma(half_at(block + MINS_AT + 2 * j), sx[m * KB + kb], acc);
           }
         }
         y[m * N + nb * NBLOCK + j] = from_float<T>(acc);
@@ -253,32 +261,19 @@ at::Tensor quantized_linear(const at::Tensor& x, const at::Tensor& packed, int64
   return y;
 }
 
-// Rows `ids` of a packed weight, dequantized: embedding lookups from a tied LM head. Within a k
-// block, row j's 4-byte group g sits at bytes (g * 16 + j) * 4; 8 bits: one code a byte (value
-// 4g + i, less 128); 4 bits: value 4g + i in the low nibble and 16 + 4g + i in the high one,
-// plus the row's minimum. Every product of a code and a float16 scale is exact in float32, so
-// the only roundings are the minimum's add and the cast: the torch path's bits.
-template <typename T>
-void dequantize_row(const uint8_t* column_block, int64_t j, int64_t KB, int64_t format, T* out) {
-  const int64_t bytes = format == 4 ? Q4_BYTES : Q8_BYTES, code_bytes = format == 4 ? 256 : 512;
+// Rows `ids` of a packed weight, dequantized: embedding lookups from a tied LM head. Every
+// product of a code and a float16 scale is exact in float32, so the only roundings are the
+// minimum's add (Q4) and the cast: QuantBlocks.dequantize's bits.
+template <Format F, typename T>
+void dequantize_row(const uint8_t* column_block, int64_t j, int64_t KB, T* out) {
+  constexpr int64_t BYTES = F == Format::Q4 ? Q4_BYTES : Q8_BYTES;
   for (int64_t kb = 0; kb < KB; ++kb, out += QBLOCK) {
-    const uint8_t* block = column_block + kb * bytes;
-    uint16_t half;
-    std::memcpy(&half, block + code_bytes + 2 * j, 2);
-    const float scale = half_to_float(half);
-    if (format == 4) {
-      std::memcpy(&half, block + code_bytes + 32 + 2 * j, 2);
-      const float low = half_to_float(half);
-      for (int64_t g = 0; g < 4; ++g)
-        for (int64_t i = 0; i < 4; ++i) {
-          const uint8_t code = block[(g * NBLOCK + j) * 4 + i];
-          out[4 * g + i] = from_float<T>(float(code & 0x0F) * scale + low);
-          out[16 + 4 * g + i] = from_float<T>(float(code >> 4) * scale + low);
-        }
-    } else {
-      for (int64_t g = 0; g < 8; ++g)
-        for (int64_t i = 0; i < 4; ++i)
-          out[4 * g + i] = from_float<T>(float(int(block[(g * NBLOCK + j) * 4 + i]) - 128) * scale);
+    const uint8_t* block = column_block + kb * BYTES;
+    const float d = half_at(block + SCALES_AT<F> + 2 * j);
+    const float m = F == Format::Q4 ? half_at(block + MINS_AT + 2 * j) : 0.f;
+    for (int64_t k = 0; k < QBLOCK; ++k) {
+      const float w = float(code_at<F>(block, j, k)) * d;
+      out[k] = from_float<T>(F == Format::Q4 ? w + m : w);
     }
   }
 }
@@ -286,6 +281,7 @@ void dequantize_row(const uint8_t* column_block, int64_t j, int64_t KB, int64_t 
 // ids (T,) int64 -> (T, in_features) in `dtype` (bfloat16 or float32).
 at::Tensor block_rows(const at::Tensor& packed, const at::Tensor& ids, int64_t in_features, int64_t format,
                       at::ScalarType dtype) {
+  TORCH_CHECK(format == 4 || format == 8, "format must be 4 or 8 bits");
   TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous() && packed.dim() == 3,
               "packed weights must be contiguous (column blocks, k blocks, bytes)");
   TORCH_CHECK(ids.dim() == 1 && ids.scalar_type() == at::kLong, "ids must be (T,) int64");
@@ -301,8 +297,12 @@ at::Tensor block_rows(const at::Tensor& packed, const at::Tensor& ids, int64_t i
   dispatch_float_or_bf16(dtype, [&](auto tag) {
     using T = decltype(tag);
     T* o = static_cast<T*>(out.data_ptr());
-    for (int64_t t = 0; t < ids.size(0); ++t)
-      dequantize_row<T>(w + (id[t] / NBLOCK) * KB * bytes, id[t] % NBLOCK, KB, format, o + t * in_features);
+    for (int64_t t = 0; t < ids.size(0); ++t) {
+      const uint8_t* column_block = w + (id[t] / NBLOCK) * KB * bytes;
+      T* row = o + t * in_features;
+      format == 4 ? dequantize_row<Format::Q4>(column_block, id[t] % NBLOCK, KB, row)
+                  : dequantize_row<Format::Q8>(column_block, id[t] % NBLOCK, KB, row);
+    }
   });
   return out;
 }

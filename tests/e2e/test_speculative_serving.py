@@ -147,7 +147,6 @@ def test_bad_speculation_settings_are_refused_at_start(argv):
         build_config(parse(*argv), environ={})
 
 
-
 def test_the_speculation_flags_default_to_the_engine_config_defaults():
     assert build_config(parse(), environ={}).engine.speculative == SpeculativeConfig()
     given = build_config(parse("--speculate", "ngram", "--ngram", "2:5"), environ={}).engine.speculative
