@@ -105,9 +105,13 @@ inline __m512 load_halves(const uint8_t* p) {
 }
 
 // Rows [m0, m0 + MR) against column blocks [nb0, nb0 + NB); accumulators stay in registers.
+// `next` (or nullptr): the NB column blocks the thread takes after these, fetched into L2 (L1
+// keeps the blocks in use) block by block as the tile goes along K. Without it memory idles while
+// a tile computes from L1 and the next tile then waits on memory: the time is the sum of the two
+// rather than the larger.
 template <Format F, int MR, int NB, typename T>
 inline void tile(const uint8_t* w, int64_t KB, int64_t nb0, int64_t N, const int8_t* xq, const float* dx,
-                 const float* sx, const int32_t* qsum, int64_t K, int64_t m0, T* y) {
+                 const float* sx, const int32_t* qsum, int64_t K, int64_t m0, T* y, const uint8_t* next) {
   constexpr int64_t BYTES = F == Format::Q4 ? Q4_BYTES : Q8_BYTES;
   __m512 acc[MR][NB];
   for (int r = 0; r < MR; ++r)
@@ -119,6 +123,10 @@ inline void tile(const uint8_t* w, int64_t KB, int64_t nb0, int64_t N, const int
       for (int c = 0; c < NB; ++c) dots[r][c] = _mm512_setzero_si512();
     const int32_t* xk[MR];
     for (int r = 0; r < MR; ++r) xk[r] = reinterpret_cast<const int32_t*>(xq + (m0 + r) * K + kb * QBLOCK);
+    if (next != nullptr)
+      for (int c = 0; c < NB; ++c)
+        for (int64_t line = 0; line < BYTES; line += 64)
+          _mm_prefetch(reinterpret_cast<const char*>(next + (c * KB + kb) * BYTES + line), _MM_HINT_T1);
     if constexpr (F == Format::Q4) {
       for (int p = 0; p < 4; ++p) {
         __m512i lo[NB], hi[NB];
@@ -173,16 +181,18 @@ inline void tile(const uint8_t* w, int64_t KB, int64_t nb0, int64_t N, const int
 
 // Column blocks [nb, nb + NB) against every row, four rows at a time and the last one to three
 // in one tile: the blocks' weights stay in L1 while the rows pass, and each tile unpacks them
-// once (a few rows, as in a drafted round's verification, cost little more than one).
+// once (a few rows, as in a drafted round's verification, cost little more than one). Every
+// tile asks for `next` (a repeated ask finds its lines on their way), so memory stays busy
+// however many tiles the rows take.
 template <Format F, int NB, typename T>
 inline void column_blocks(const uint8_t* w, int64_t KB, int64_t nb, int64_t N, const int8_t* xq, const float* dx,
-                          const float* sx, const int32_t* qsum, int64_t K, int64_t M, T* y) {
+                          const float* sx, const int32_t* qsum, int64_t K, int64_t M, T* y, const uint8_t* next) {
   int64_t m = 0;
-  for (; m + 4 <= M; m += 4) tile<F, 4, NB>(w, KB, nb, N, xq, dx, sx, qsum, K, m, y);
+  for (; m + 4 <= M; m += 4) tile<F, 4, NB>(w, KB, nb, N, xq, dx, sx, qsum, K, m, y, next);
   switch (M - m) {
-    case 3: tile<F, 3, NB>(w, KB, nb, N, xq, dx, sx, qsum, K, m, y); break;
-    case 2: tile<F, 2, NB>(w, KB, nb, N, xq, dx, sx, qsum, K, m, y); break;
-    case 1: tile<F, 1, NB>(w, KB, nb, N, xq, dx, sx, qsum, K, m, y); break;
+    case 3: tile<F, 3, NB>(w, KB, nb, N, xq, dx, sx, qsum, K, m, y, next); break;
+    case 2: tile<F, 2, NB>(w, KB, nb, N, xq, dx, sx, qsum, K, m, y, next); break;
+    case 1: tile<F, 1, NB>(w, KB, nb, N, xq, dx, sx, qsum, K, m, y, next); break;
     default: break;
   }
 }
@@ -228,10 +238,13 @@ void linear_impl(const T* x, const uint8_t* w, int64_t M, int64_t K, int64_t N, 
   at::parallel_for(0, pairs, 1, [&](int64_t begin, int64_t end) {
     const int64_t nb_begin = begin * 2, nb_end = std::min(end * 2, NBS);
 #if EMBER_AVX512
+    constexpr int64_t BYTES = F == Format::Q4 ? Q4_BYTES : Q8_BYTES;
     int64_t nb = nb_begin;
-    for (; nb + 2 <= nb_end; nb += 2)
-      column_blocks<F, 2>(w, KB, nb, N, xq.data(), dx.data(), sx.data(), qsum.data(), K, M, y);
-    if (nb < nb_end) column_blocks<F, 1>(w, KB, nb, N, xq.data(), dx.data(), sx.data(), qsum.data(), K, M, y);
+    for (; nb + 2 <= nb_end; nb += 2)  // a pair fetches the next pair, when there is one
+      column_blocks<F, 2>(w, KB, nb, N, xq.data(), dx.data(), sx.data(), qsum.data(), K, M, y,
+                          nb + 4 <= nb_end ? w + (nb + 2) * KB * BYTES : nullptr);
+    if (nb < nb_end)
+      column_blocks<F, 1>(w, KB, nb, N, xq.data(), dx.data(), sx.data(), qsum.data(), K, M, y, nullptr);
 #else
     columns_plain<F>(w, KB, nb_begin, nb_end, N, xq.data(), dx.data(), sx.data(), qsum.data(), K, M, y);
 #endif
