@@ -13,6 +13,7 @@ import torch
 
 from ember.config import EngineConfig, ModelConfig
 from ember.engine.attention import KVCache
+from ember.engine.huge_pages import move_to_huge_pages
 from ember.engine.kernel_attention import KERNEL_BLOCK_SIZE
 from ember.engine.kv_cache import KVCacheManager
 from ember.engine.request import Request, RequestStatus
@@ -26,7 +27,7 @@ from ember.errors import InvalidRequest
 from ember.models import get_model_class
 from ember import kernels
 from ember.engine import invariance
-from ember.models.layers import prepare_linears, use_fused_ops
+from ember.models.layers import block_weights, prepare_linears, use_fused_ops
 from ember.types import FinishReason, SamplingParams, StepOutput, TokenConstraint
 
 logger = logging.getLogger("ember.engine")
@@ -137,6 +138,8 @@ class EngineCore:
         if group is not None:
             group.attach(model)
         formats = prepare_linears(model, config.quantization, block_kernels)
+        if block_kernels:  # every step streams them all: on huge pages it streams faster
+            move_to_huge_pages(block_weights(model), "packed")
         if block_kernels and dtype in (torch.bfloat16, torch.float32):
             use_fused_ops(model)
         logger.info("linear layers: %s", ", ".join(f"{count} {name}" for name, count in formats.items()))

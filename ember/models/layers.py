@@ -112,6 +112,13 @@ def prepare_linears(model: nn.Module, quantization: str, block_kernels: bool) ->
     return counts
 
 
+def block_weights(model: nn.Module) -> list[BlockWeights]:
+    """The block-quantized formats of the model's layers (a tied head's once), in module order."""
+    found = {id(module.weights): module.weights for module in model.modules()
+             if isinstance(getattr(module, "weights", None), BlockWeights)}
+    return list(found.values())
+
+
 def _param(*shape: int) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape), requires_grad=False)
 
