@@ -12,10 +12,12 @@ for its slowest reply would measure that reply alone), it measures output tokens
   draft     (unless --no-draft-model) the default model in bfloat16 (`--quantization none`)
             drafted by its own 4-bit GGUF file (`--speculate draft`), against that bfloat16 model
             plain: the draft is a quantized copy, the fair draft for a model this small
-Each mode runs the same greedy requests. A round runs all modes at once, a step of each in turn
-(in a new random order each pass), each timed on a clock of its own steps, so drift on a shared
-machine falls on all of them alike; a row's ratio is the median of the rounds' ratios to the
-plain engine of the same round, its tok/s the median of its rounds.
+Each mode runs the same greedy requests. A round runs the modes of one model at once (plain and
+ngram; then the two bfloat16 ones), a step of each in turn (in a new random order each pass),
+each timed on a clock of its own steps, so drift on a shared machine falls on both alike, and
+neither reads its weights from caches another model has just filled with its own; a row's ratio
+is the median of the rounds' ratios to the plain engine of the same model and round, its tok/s
+the median of its rounds.
 Two speeds: output tokens per second of the whole run (prefill included), and one stream's decode
 speed (each reply's tokens after its first over the time from its first token to its last).
 Every drafted reply is checked to equal its plain reply token for token; the mean accepted length
@@ -130,12 +132,14 @@ def main() -> None:
     args = parser.parse_args()
 
     llm = LLM(**SETTINGS)
-    engines = {"plain": llm.engine, "ngram": engine_like(llm, SpeculativeConfig(mode="ngram"))}
+    groups = [{"plain": llm.engine, "ngram": engine_like(llm, SpeculativeConfig(mode="ngram"))}]
     if not args.no_draft_model:
         dense = LLM(quantization="none", **SETTINGS)
         draft = DraftModelProposer(EngineCore.from_source(llm.source, replace(llm.engine.config, batch_invariant=False)))
-        engines["bf16 plain"] = dense.engine
-        engines["bf16 + draft"] = engine_like(dense, SpeculativeConfig(mode="draft", draft_model="4-bit copy"), draft)
+        groups.append({"bf16 plain": dense.engine,
+                       "bf16 + draft": engine_like(dense, SpeculativeConfig(mode="draft", draft_model="4-bit copy"),
+                                                   draft)})
+    engines = {name: engine for group in groups for name, engine in group.items()}
     encoded = {name: [llm.encode_prompt([{"role": "user", "content": text}]) for text in texts]
                for name, texts in PROMPTS.items()}
     print(f"output {args.output_len} tokens, greedy, {args.rounds} rounds; median tok/s (median ratio to "
@@ -147,7 +151,9 @@ def main() -> None:
             decode_speeds: dict[str, list[float]] = {name: [] for name in engines}
             seen: dict[str, tuple] = {}
             for round_index in range(args.rounds):
-                runs = run_together(engines, batch, streams, args.output_len, seed=round_index)
+                runs = {}
+                for group in groups:
+                    runs |= run_together(group, batch, streams, args.output_len, seed=round_index)
                 for name, mode_run in runs.items():
                     speed, decode_speed, tokens_a_step, tokens = mode_run.result()
                     speeds[name].append(speed)
