@@ -13,7 +13,7 @@ import torch
 
 from ember.config import EngineConfig, ModelConfig
 from ember.engine.attention import KVCache
-from ember.engine.huge_pages import move_to_huge_pages
+from ember.engine.host_memory import move_to_huge_pages, release_freed_heap
 from ember.engine.kernel_attention import KERNEL_BLOCK_SIZE
 from ember.engine.kv_cache import KVCacheManager
 from ember.engine.request import Request, RequestStatus
@@ -91,6 +91,8 @@ class EngineCore:
         self.speculator = None  # the startup check below probes plain decoding
         self.invariance = self._check_invariance()
         self.speculator = build_speculator(config.speculative, self.max_model_len, draft_proposer)
+        if device.type == "cpu":  # loading and the check freed far more than they kept
+            release_freed_heap()
         if self.speculator is not None:
             logger.info("speculative decoding: %s, %s tokens per round", self.speculator.method,
                         config.speculative.draft_tokens or "tuned")
