@@ -3,11 +3,11 @@
     python bench/huge_pages.py [--rounds 3] [--output-len 128]
 
 The engine keeps its block-quantized weights in one region on 2 MiB pages
-(ember.engine.host_memory). This benchmark makes a second copy of them in torch's ordinary allocations and,
-before every step, picks one of the two at random for the model to read, so both see the same
-requests, the same cache and the same drift of a shared machine. It reports each copy's median
-step time by the number of rows in the step (1 stream; 8 streams) and their ratio. The replies
-are the same whichever copy a step reads: the copies hold the same bytes.
+(ember.engine.host_memory). This benchmark makes a second copy of them in torch's ordinary
+allocations and, before every step, picks one of the two at random for the model to read, so
+both see the same requests, the same cache and the same drift of a shared machine (the copies
+hold the same bytes, so the replies do not depend on the pick). It reports each copy's median
+time for the decode steps of a full batch (1 stream; 8 streams) and their ratio.
 """
 
 from __future__ import annotations
