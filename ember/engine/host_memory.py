@@ -25,6 +25,10 @@ HUGE_PAGE = 2 << 20
 _ALIGN = 64  # each tensor starts on a cache line
 
 
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // _ALIGN) * _ALIGN
+
+
 def huge_page_bytes(nbytes: int) -> torch.Tensor | None:
     """A zeroed uint8 CPU tensor of nbytes that starts on a 2 MiB boundary, advised onto huge
     pages; None where the platform has no such advice. The tensor keeps its mapping alive."""
@@ -47,23 +51,21 @@ def move_to_huge_pages(owners: Sequence[Any], attribute: str) -> bool:
     side, one at a time (the old copy is freed as its place is taken, so memory peaks at the
     region plus one tensor). The values, shapes and dtypes stay; False (nothing moved) where
     huge pages cannot be asked for."""
-    def nbytes(owner: Any) -> int:
-        tensor = getattr(owner, attribute)
-        return tensor.numel() * tensor.element_size()
-
-    if not owners or any(getattr(o, attribute).device.type != "cpu" or not getattr(o, attribute).is_contiguous()
-                         for o in owners):
+    tensors = [getattr(owner, attribute) for owner in owners]
+    if not tensors or any(t.device.type != "cpu" or not t.is_contiguous() for t in tensors):
         return False
-    region = huge_page_bytes(sum(-(-nbytes(owner) // _ALIGN) * _ALIGN for owner in owners))
+    sizes = [t.numel() * t.element_size() for t in tensors]
+    del tensors  # each old tensor must be freed as soon as its owner holds the copy
+    region = huge_page_bytes(sum(map(_aligned, sizes)))
     if region is None:
         return False
     offset = 0
-    for owner in owners:  # no list of the old tensors: each is freed once its owner holds the copy
-        tensor, size = getattr(owner, attribute), nbytes(owner)
+    for owner, size in zip(owners, sizes):
+        tensor = getattr(owner, attribute)
         moved = region[offset:offset + size].view(tensor.dtype).view(tensor.shape)
         moved.copy_(tensor)
         setattr(owner, attribute, moved)
-        offset += -(-size // _ALIGN) * _ALIGN
+        offset += _aligned(size)
     return True
 
 

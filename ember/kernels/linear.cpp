@@ -77,6 +77,10 @@ void quantize_rows(const T* x, int64_t M, int64_t K, int8_t* xq, float* dx, floa
 
 enum class Format { Q4, Q8 };
 
+// A block's bytes, by format at compile time or by its width in bits at run time.
+template <Format F> constexpr int64_t BLOCK_BYTES = F == Format::Q4 ? Q4_BYTES : Q8_BYTES;
+inline int64_t block_bytes(int64_t bits) { return bits == 4 ? Q4_BYTES : Q8_BYTES; }
+
 // Within a block: the codes, then the 16 columns' scales d, then (Q4) their minimums m, float16.
 template <Format F> constexpr int64_t SCALES_AT = F == Format::Q4 ? 256 : 512;
 constexpr int64_t MINS_AT = 256 + 32;
@@ -112,7 +116,7 @@ inline __m512 load_halves(const uint8_t* p) {
 template <Format F, int MR, int NB, typename T>
 inline void tile(const uint8_t* w, int64_t KB, int64_t nb0, int64_t N, const int8_t* xq, const float* dx,
                  const float* sx, const int32_t* qsum, int64_t K, int64_t m0, T* y, const uint8_t* next) {
-  constexpr int64_t BYTES = F == Format::Q4 ? Q4_BYTES : Q8_BYTES;
+  constexpr int64_t BYTES = BLOCK_BYTES<F>;
   __m512 acc[MR][NB];
   for (int r = 0; r < MR; ++r)
     for (int c = 0; c < NB; ++c) acc[r][c] = _mm512_setzero_ps();
@@ -202,7 +206,7 @@ inline void column_blocks(const uint8_t* w, int64_t KB, int64_t nb, int64_t N, c
 template <Format F, typename T>
 void columns_plain(const uint8_t* w, int64_t KB, int64_t nb_begin, int64_t nb_end, int64_t N, const int8_t* xq,
                    const float* dx, const float* sx, const int32_t* qsum, int64_t K, int64_t M, T* y) {
-  constexpr int64_t BYTES = F == Format::Q4 ? Q4_BYTES : Q8_BYTES;
+  constexpr int64_t BYTES = BLOCK_BYTES<F>;
   for (int64_t m = 0; m < M; ++m) {
     for (int64_t nb = nb_begin; nb < nb_end; ++nb) {
       for (int64_t j = 0; j < NBLOCK && nb * NBLOCK + j < N; ++j) {
@@ -238,7 +242,7 @@ void linear_impl(const T* x, const uint8_t* w, int64_t M, int64_t K, int64_t N, 
   at::parallel_for(0, pairs, 1, [&](int64_t begin, int64_t end) {
     const int64_t nb_begin = begin * 2, nb_end = std::min(end * 2, NBS);
 #if EMBER_AVX512
-    constexpr int64_t BYTES = F == Format::Q4 ? Q4_BYTES : Q8_BYTES;
+    constexpr int64_t BYTES = BLOCK_BYTES<F>;
     int64_t nb = nb_begin;
     for (; nb + 2 <= nb_end; nb += 2)  // a pair fetches the next pair, when there is one
       column_blocks<F, 2>(w, KB, nb, N, xq.data(), dx.data(), sx.data(), qsum.data(), K, M, y,
@@ -256,7 +260,7 @@ at::Tensor quantized_linear(const at::Tensor& x, const at::Tensor& packed, int64
   TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous(), "packed weights must be contiguous bytes");
   const int64_t M = x.size(0), K = x.size(1), N = out_features;
   TORCH_CHECK(K % QBLOCK == 0, "in_features must be a multiple of 32");
-  const int64_t bytes = format == 4 ? Q4_BYTES : Q8_BYTES;
+  const int64_t bytes = block_bytes(format);
   TORCH_CHECK(packed.numel() == (N + NBLOCK - 1) / NBLOCK * (K / QBLOCK) * bytes, "packed weights of the wrong size");
   auto y = at::empty({M, N}, x.options());
   if (M == 0) return y;
@@ -279,7 +283,7 @@ at::Tensor quantized_linear(const at::Tensor& x, const at::Tensor& packed, int64
 // minimum's add (Q4) and the cast: QuantBlocks.dequantize's bits.
 template <Format F, typename T>
 void dequantize_row(const uint8_t* column_block, int64_t j, int64_t KB, T* out) {
-  constexpr int64_t BYTES = F == Format::Q4 ? Q4_BYTES : Q8_BYTES;
+  constexpr int64_t BYTES = BLOCK_BYTES<F>;
   for (int64_t kb = 0; kb < KB; ++kb, out += QBLOCK) {
     const uint8_t* block = column_block + kb * BYTES;
     const float d = half_at(block + SCALES_AT<F> + 2 * j);
@@ -298,7 +302,7 @@ at::Tensor block_rows(const at::Tensor& packed, const at::Tensor& ids, int64_t i
   TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous() && packed.dim() == 3,
               "packed weights must be contiguous (column blocks, k blocks, bytes)");
   TORCH_CHECK(ids.dim() == 1 && ids.scalar_type() == at::kLong, "ids must be (T,) int64");
-  const int64_t KB = in_features / QBLOCK, bytes = format == 4 ? Q4_BYTES : Q8_BYTES;
+  const int64_t KB = in_features / QBLOCK, bytes = block_bytes(format);
   TORCH_CHECK(in_features % QBLOCK == 0 && packed.size(1) == KB && packed.size(2) == bytes,
               "packed weights of another shape or format");
   auto out = at::empty({ids.size(0), in_features}, packed.options().dtype(dtype));
