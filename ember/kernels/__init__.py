@@ -12,6 +12,8 @@ plain torch paths.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import hashlib
 import logging
@@ -39,6 +41,18 @@ def _processor() -> str:
     return platform.processor()
 
 
+@contextlib.contextmanager
+def _sole_builder(build_directory: Path):
+    """Hold the build folder alone. torch marks a build in progress with a `lock` file that a
+    killed process leaves behind, and every later build then waits on it forever; ember's own lock
+    is a kernel lock that dies with its holder, so whoever holds it knows a `lock` file is stale."""
+    build_directory.mkdir(parents=True, exist_ok=True)
+    with open(build_directory / "ember-build.lock", "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        (build_directory / "lock").unlink(missing_ok=True)
+        yield
+
+
 @functools.cache
 def available() -> bool:
     """Build (or load the cached build of) the kernels once per process; True when they run here."""
@@ -53,14 +67,16 @@ def available() -> bool:
     name = f"ember_cpu_{key.hexdigest()[:16]}"
     began = time.perf_counter()
     try:
-        cpp_extension.load(name=name, sources=[str(p) for p in _SOURCES], extra_cflags=_FLAGS,
-                           extra_ldflags=["-fopenmp"], extra_include_paths=[str(_FOLDER)], is_python_module=False,
-                           verbose=False)
+        build_directory = cpp_extension._get_build_directory(name, False)
+        with _sole_builder(Path(build_directory)):
+            cpp_extension.load(name=name, sources=[str(p) for p in _SOURCES], extra_cflags=_FLAGS,
+                               extra_ldflags=["-fopenmp"], extra_include_paths=[str(_FOLDER)],
+                               build_directory=build_directory, is_python_module=False, verbose=False)
     except Exception as exc:  # no compiler, no ninja, a failed build: the torch paths serve instead
         _status = f"unavailable ({type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''})"
         logger.warning("ember's CPU kernels could not be built; using plain torch paths: %s", _status)
         return False
-    vector = "AVX-512 VNNI" if torch.ops.ember.vector_path() else "plain C++"
+    vector = {512: "AVX-512 VNNI", 256: "AVX2"}.get(torch.ops.ember.vector_bits(), "plain C++")
     _status = f"loaded ({vector}, {time.perf_counter() - began:.1f} s to build or load)"
     logger.info("ember's CPU kernels: %s", _status)
     return True
@@ -68,3 +84,16 @@ def available() -> bool:
 
 def status() -> str:
     return _status
+
+
+def plain_linear_copy():
+    """The linear kernel built a second time without vector instructions (the compiler's baseline
+    target), under the op namespace `ember_plain_copy`: for tests and benchmarks that hold a vector
+    path to its plain C++. Returns that namespace (torch.ops.ember_plain_copy)."""
+    from torch.utils import cpp_extension
+
+    name = "ember_plain_copy"
+    cpp_extension.load(name=f"{name}_linear", sources=[str(_FOLDER / "linear.cpp")],
+                       extra_cflags=["-O2", "-fopenmp", f"-DEMBER_OPS={name}"], extra_ldflags=["-fopenmp"],
+                       extra_include_paths=[str(_FOLDER)], is_python_module=False, verbose=False)
+    return getattr(torch.ops, name)

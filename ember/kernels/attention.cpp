@@ -54,10 +54,47 @@ inline void block_scores(const T* q, const T* kblock, int64_t D, float scale, fl
 template <typename T>
 inline void block_values(const float* probs, const T* vblock, int64_t D, int64_t valid, float* values);
 
-// The plain bfloat16 path (the vector one for head_dim 64 and 128 is attend_chunk below).
+// The bfloat16 path without the bfloat16 dot-product instructions (with them, head_dim 64 and
+// 128 take attend_chunk below). On AVX2 a block's scores are a lane per key, summed in four
+// chains (even and odd dims of alternate pairs: one chain would wait on each fma in turn) that
+// are added at the end in a fixed order; its values a lane per dim, every key in order.
+#if EMBER_AVX2
+// A block's eight 32-bit lanes of bfloat16 pairs as floats: the even and the odd of each pair.
+inline __m256 even_halves(__m256i pairs) { return _mm256_castsi256_ps(_mm256_slli_epi32(pairs, 16)); }
+inline __m256 odd_halves(__m256i pairs) {
+  return _mm256_castsi256_ps(_mm256_and_si256(pairs, _mm256_set1_epi32(int(0xffff0000u))));
+}
+#endif
+
 template <>
 inline void block_scores<at::BFloat16>(const at::BFloat16* q, const at::BFloat16* kblock, int64_t D, float scale,
                                        float* out) {
+#if EMBER_AVX2
+  if (D % 4 == 0) {
+    __m256 acc[2][4];  // [keys 0-7, 8-15][chain: (pair % 2) * 2 + dim % 2]
+    for (int half = 0; half < 2; ++half)
+      for (int chain = 0; chain < 4; ++chain) acc[half][chain] = _mm256_setzero_ps();
+    for (int64_t i = 0; i < D / 2; i += 2) {
+      for (int step = 0; step < 2; ++step) {
+        const int64_t pair = i + step;
+        const __m256 q0 = _mm256_set1_ps(bf16_to_float(q[2 * pair].x));
+        const __m256 q1 = _mm256_set1_ps(bf16_to_float(q[2 * pair + 1].x));
+        for (int half = 0; half < 2; ++half) {
+          const __m256i pairs =
+              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(kblock + (pair * BLOCK + 8 * half) * 2));
+          acc[half][2 * step] = _mm256_fmadd_ps(q0, even_halves(pairs), acc[half][2 * step]);
+          acc[half][2 * step + 1] = _mm256_fmadd_ps(q1, odd_halves(pairs), acc[half][2 * step + 1]);
+        }
+      }
+    }
+    const __m256 vscale = _mm256_set1_ps(scale);
+    for (int half = 0; half < 2; ++half) {
+      const __m256 sum = _mm256_add_ps(_mm256_add_ps(acc[half][0], acc[half][1]), _mm256_add_ps(acc[half][2], acc[half][3]));
+      _mm256_storeu_ps(out + 8 * half, _mm256_mul_ps(sum, vscale));
+    }
+    return;
+  }
+#endif
   for (int64_t key = 0; key < BLOCK; ++key) {
     float acc = 0.f;
     for (int64_t d = 0; d < D; ++d)
@@ -69,6 +106,21 @@ inline void block_scores<at::BFloat16>(const at::BFloat16* q, const at::BFloat16
 template <>
 inline void block_values<at::BFloat16>(const float* probs, const at::BFloat16* vblock, int64_t D, int64_t valid,
                                        float* values) {
+#if EMBER_AVX2
+  if (D % 8 == 0) {  // eight dims at a time, every key in order (a lone last key: the even halves)
+    for (int64_t d = 0; d < D; d += 8) {
+      __m256 sums = _mm256_loadu_ps(values + d);
+      for (int64_t key = 0; key < valid; key += 2) {
+        const __m256i pairs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(vblock + ((key / 2) * D + d) * 2));
+        sums = _mm256_fmadd_ps(_mm256_set1_ps(bf16_to_float(float_to_bf16(probs[key]))), even_halves(pairs), sums);
+        if (key + 1 < valid)
+          sums = _mm256_fmadd_ps(_mm256_set1_ps(bf16_to_float(float_to_bf16(probs[key + 1]))), odd_halves(pairs), sums);
+      }
+      _mm256_storeu_ps(values + d, sums);
+    }
+    return;
+  }
+#endif
   for (int64_t key = 0; key < valid; ++key) {
     const float p = bf16_to_float(float_to_bf16(probs[key]));
     for (int64_t d = 0; d < D; ++d)
@@ -82,6 +134,13 @@ inline void block_scores<float>(const float* q, const float* kblock, int64_t D, 
   __m512 acc = _mm512_setzero_ps();
   for (int64_t d = 0; d < D; ++d) acc = _mm512_fmadd_ps(_mm512_set1_ps(q[d]), _mm512_loadu_ps(kblock + d * BLOCK), acc);
   _mm512_storeu_ps(out, _mm512_mul_ps(acc, _mm512_set1_ps(scale)));
+#elif EMBER_AVX2
+  for (int half = 0; half < 2; ++half) {
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t d = 0; d < D; ++d)
+      acc = _mm256_fmadd_ps(_mm256_set1_ps(q[d]), _mm256_loadu_ps(kblock + d * BLOCK + 8 * half), acc);
+    _mm256_storeu_ps(out + 8 * half, _mm256_mul_ps(acc, _mm256_set1_ps(scale)));
+  }
 #else
   for (int64_t key = 0; key < BLOCK; ++key) {
     float acc = 0.f;
@@ -494,7 +553,7 @@ at::Tensor unpack_cache(const at::Tensor& cache, bool values, int64_t D) {
 }  // namespace
 }  // namespace ember_kernels
 
-TORCH_LIBRARY_FRAGMENT(ember, m) {
+TORCH_LIBRARY_FRAGMENT(EMBER_OPS, m) {
   m.def("paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, Tensor row_begin, "
         "Tensor first_pos, float scale, int window=0) -> Tensor");
   m.def("store_kv_(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots) -> ()");
@@ -503,7 +562,7 @@ TORCH_LIBRARY_FRAGMENT(ember, m) {
   m.def("unpack_cache(Tensor cache, bool values, int head_dim) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(ember, CPU, m) {
+TORCH_LIBRARY_IMPL(EMBER_OPS, CPU, m) {
   m.impl("paged_attention", &ember_kernels::paged_attention);
   m.impl("store_kv_", &ember_kernels::store_kv_);
   m.impl("rotary_store_", &ember_kernels::rotary_store_);

@@ -12,11 +12,28 @@
 #include <limits>
 #include <vector>
 
+// The vector instructions at hand: AVX-512 with VNNI (Zen 4, Xeons since Cascade Lake) and AVX2
+// with FMA and F16C (most x86 processors since 2015: Zen 1 to 3 and most laptops stop
+// there). A kernel takes the widest path it has. The linear layers' vector paths give their plain
+// C++'s bits; the row ops and attention sum across lanes and take a polynomial exp, so their bits
+// are the path's own (each still batch-invariant).
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
-#include <immintrin.h>
 #define EMBER_AVX512 1
 #else
 #define EMBER_AVX512 0
+#endif
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define EMBER_AVX2 1
+#else
+#define EMBER_AVX2 0
+#endif
+#if EMBER_AVX512 || EMBER_AVX2
+#include <immintrin.h>
+#endif
+
+// The namespace of the ops under torch.ops: a test builds a second copy under another name.
+#ifndef EMBER_OPS
+#define EMBER_OPS ember
 #endif
 
 namespace ember_kernels {
@@ -69,6 +86,26 @@ template <> inline at::BFloat16 from_float<at::BFloat16>(float v) {
   return out;
 }
 
+#if EMBER_AVX2
+// Eight floats rounded to T and back (float_to_bf16's rounding, NaN kept a NaN), and stored as T.
+inline __m256i bf16_bits(__m256 v) {  // in each lane's high half
+  const __m256i u = _mm256_castps_si256(v);
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  const __m256i rounded = _mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), odd));
+  const __m256i quiet = _mm256_or_si256(u, _mm256_set1_epi32(0x400000));
+  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+  return _mm256_and_si256(_mm256_blendv_epi8(rounded, quiet, nan), _mm256_set1_epi32(int(0xffff0000u)));
+}
+inline __m256 round8(float, __m256 v) { return v; }
+inline __m256 round8(at::BFloat16, __m256 v) { return _mm256_castsi256_ps(bf16_bits(v)); }
+inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
+inline void store8(at::BFloat16* p, __m256 v) {
+  const __m256i words = _mm256_srli_epi32(bf16_bits(v), 16);
+  const __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(words), _mm256_extracti128_si256(words, 1));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), packed);
+}
+#endif
+
 #if EMBER_AVX512
 inline __mmask16 first_lanes(int64_t count) { return count >= 16 ? __mmask16(0xffff) : __mmask16((1u << count) - 1); }
 
@@ -77,6 +114,15 @@ inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load16(const at::BFloat16* p) {
   const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+#endif
+
+#if EMBER_AVX2
+// Eight values of T as floats (to_float lane by lane).
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const at::BFloat16* p) {
+  const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
 }
 #endif
 
@@ -99,6 +145,39 @@ inline __m512 exp_nonpositive(__m512 x) {
 }
 #endif
 
+#if EMBER_AVX2
+// The same e^x for eight lanes: the same steps, 2^n built in the exponent bits (n >= -126 after
+// the clamp, so 2^n is a normal float and the product rounds as scalef's does).
+inline __m256 exp_nonpositive(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(_mm256_mul_ps(p, r), r, _mm256_add_ps(r, _mm256_set1_ps(1.f)));
+  const __m256i power = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(power));
+}
+
+// The eight lanes' sum: halves, then pairs, then the last two (a fixed order).
+inline float sum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+// Lanes [0, count) set, as a mask for maskload and maskstore.
+inline __m256i first_lanes8(int64_t count) {
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(int(count)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+#endif
+
 // y += a x over D floats.
 inline void axpy(float a, const float* x, float* y, int64_t D) {
   int64_t i = 0;
@@ -106,6 +185,10 @@ inline void axpy(float a, const float* x, float* y, int64_t D) {
   const __m512 va = _mm512_set1_ps(a);
   for (; i + 16 <= D; i += 16)
     _mm512_storeu_ps(y + i, _mm512_fmadd_ps(va, _mm512_loadu_ps(x + i), _mm512_loadu_ps(y + i)));
+#elif EMBER_AVX2
+  const __m256 va = _mm256_set1_ps(a);
+  for (; i + 8 <= D; i += 8)
+    _mm256_storeu_ps(y + i, _mm256_fmadd_ps(va, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
 #endif
   for (; i < D; ++i) y[i] = std::fma(a, x[i], y[i]);
 }
@@ -130,6 +213,22 @@ inline float exp_and_sum(float* scores, int64_t n, float max) {
     t = n;
   }
   sum = _mm512_reduce_add_ps(lanes);
+#elif EMBER_AVX2
+  __m256 lanes = _mm256_setzero_ps();
+  const __m256 vmax = _mm256_set1_ps(max);
+  for (; t + 8 <= n; t += 8) {
+    const __m256 e = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(scores + t), vmax));
+    _mm256_storeu_ps(scores + t, e);
+    lanes = _mm256_add_ps(lanes, e);
+  }
+  if (t < n) {
+    const __m256i mask = first_lanes8(n - t);
+    const __m256 e = exp_nonpositive(_mm256_sub_ps(_mm256_maskload_ps(scores + t, mask), vmax));
+    _mm256_maskstore_ps(scores + t, mask, e);
+    lanes = _mm256_add_ps(lanes, _mm256_and_ps(e, _mm256_castsi256_ps(mask)));
+    t = n;
+  }
+  sum = sum8(lanes);
 #endif
   for (; t < n; ++t) {
     scores[t] = std::exp(scores[t] - max);

@@ -16,6 +16,13 @@ inline float sum_of_squares(const float* x, int64_t D) {
     lanes = _mm512_fmadd_ps(v, v, lanes);
   }
   total = _mm512_reduce_add_ps(lanes);
+#elif EMBER_AVX2
+  __m256 lanes = _mm256_setzero_ps();
+  for (; i + 8 <= D; i += 8) {
+    const __m256 v = _mm256_loadu_ps(x + i);
+    lanes = _mm256_fmadd_ps(v, v, lanes);
+  }
+  total = sum8(lanes);
 #endif
   for (; i < D; ++i) total = std::fma(x[i], x[i], total);
   return total;
@@ -25,7 +32,13 @@ inline float sum_of_squares(const float* x, int64_t D) {
 template <typename T>
 inline void norm_row(const float* x, const T* weight, int64_t D, double eps, T* out) {
   const float inv = 1.f / std::sqrt(sum_of_squares(x, D) / float(D) + float(eps));
-  for (int64_t i = 0; i < D; ++i)
+  int64_t i = 0;
+#if EMBER_AVX2
+  const __m256 vinv = _mm256_set1_ps(inv);
+  for (; i + 8 <= D; i += 8)
+    store8(out + i, _mm256_mul_ps(load8(weight + i), round8(T(), _mm256_mul_ps(_mm256_loadu_ps(x + i), vinv))));
+#endif
+  for (; i < D; ++i)
     out[i] = from_float<T>(to_float<T>(weight[i]) * to_float<T>(from_float<T>(x[i] * inv)));
 }
 
@@ -51,7 +64,15 @@ std::tuple<at::Tensor, at::Tensor> norm_rows(const at::Tensor& x, const at::Tens
         if (addend != nullptr) {
           const T* b = other.data_ptr<T>() + r * other.stride(0);
           T* s = sum.data_ptr<T>() + r * D;
-          for (int64_t i = 0; i < D; ++i) {
+          int64_t i = 0;
+#if EMBER_AVX2
+          for (; i + 8 <= D; i += 8) {
+            const __m256 total = round8(T(), _mm256_add_ps(load8(a + i), load8(b + i)));
+            store8(s + i, total);
+            _mm256_storeu_ps(row.data() + i, total);
+          }
+#endif
+          for (; i < D; ++i) {
             s[i] = from_float<T>(to_float<T>(a[i]) + to_float<T>(b[i]));
             row[i] = to_float<T>(s[i]);
           }
@@ -115,7 +136,18 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
           e[i] = -std::fabs(gate[i]);
         }
         exp_and_sum(e.data(), I, 0.f);  // e^-|x| in place (never overflows)
-        for (int64_t i = 0; i < I; ++i) {
+        int64_t i = 0;
+#if EMBER_AVX2
+        const __m256 one = _mm256_set1_ps(1.f);
+        for (; i + 8 <= I; i += 8) {
+          const __m256 x = _mm256_loadu_ps(gate.data() + i), ex = _mm256_loadu_ps(e.data() + i);
+          const __m256 denominator = _mm256_add_ps(one, ex);
+          const __m256 sigmoid = _mm256_blendv_ps(_mm256_div_ps(ex, denominator), _mm256_div_ps(one, denominator),
+                                                  _mm256_cmp_ps(x, _mm256_setzero_ps(), _CMP_GE_OQ));
+          store8(o + i, _mm256_mul_ps(round8(T_(), _mm256_mul_ps(x, sigmoid)), load8(u + i)));
+        }
+#endif
+        for (; i < I; ++i) {
           const float sigmoid = gate[i] >= 0.f ? 1.f / (1.f + e[i]) : e[i] / (1.f + e[i]);
           o[i] = from_float<T_>(to_float<T_>(from_float<T_>(gate[i] * sigmoid)) * to_float<T_>(u[i]));
         }
@@ -128,14 +160,14 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
 }  // namespace
 }  // namespace ember_kernels
 
-TORCH_LIBRARY_FRAGMENT(ember, m) {
+TORCH_LIBRARY_FRAGMENT(EMBER_OPS, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("add_rms_norm(Tensor x, Tensor addend, Tensor weight, float eps) -> (Tensor, Tensor)");
   m.def("rotary_(Tensor(a!) x, Tensor cos, Tensor sin) -> ()");
   m.def("silu_mul(Tensor gate_up) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(ember, CPU, m) {
+TORCH_LIBRARY_IMPL(EMBER_OPS, CPU, m) {
   m.impl("rms_norm", &ember_kernels::rms_norm);
   m.impl("add_rms_norm", &ember_kernels::add_rms_norm);
   m.impl("rotary_", &ember_kernels::rotary_);

@@ -34,6 +34,36 @@ inline float quantize_block(const T* src, int8_t* dst, int32_t& sum) {
   _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 16), _mm512_cvtepi32_epi8(q1));
   sum = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
   return d;
+#elif EMBER_AVX2
+  __m256 v[4];
+  __m256 amax = _mm256_setzero_ps();
+  const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  for (int i = 0; i < 4; ++i) {
+    v[i] = load8(src + 8 * i);
+    amax = _mm256_max_ps(amax, _mm256_and_ps(v[i], magnitude));
+  }
+  __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+  m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+  m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+  const float d = _mm_cvtss_f32(m4) / 127.f;
+  const __m256 id = _mm256_set1_ps(d > 0.f ? 1.f / d : 0.f);
+  const __m256i low = _mm256_set1_epi32(-127), high = _mm256_set1_epi32(127);
+  __m256i q[4];
+  __m256i total = _mm256_setzero_si256();
+  for (int i = 0; i < 4; ++i) {  // cvtps rounds to nearest even, as nearbyint does
+    q[i] = _mm256_max_epi32(low, _mm256_min_epi32(high, _mm256_cvtps_epi32(_mm256_mul_ps(v[i], id))));
+    total = _mm256_add_epi32(total, q[i]);
+  }
+  // packs works within 128-bit lanes: the permute puts the four groups of four back in order
+  const __m256i bytes = _mm256_permutevar8x32_epi32(
+      _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3])),
+      _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), bytes);
+  __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(total), _mm256_extracti128_si256(total, 1));
+  s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, _MM_SHUFFLE(1, 0, 3, 2)));
+  s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, _MM_SHUFFLE(2, 3, 0, 1)));
+  sum = _mm_cvtsi128_si32(s4);
+  return d;
 #else
   float values[QBLOCK];
   float amax = 0.f;
@@ -201,6 +231,111 @@ inline void column_blocks(const uint8_t* w, int64_t KB, int64_t nb, int64_t N, c
   }
 }
 
+#elif EMBER_AVX2
+
+inline __m256 load_halves(const uint8_t* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
+// Rows [m0, m0 + MR) against halves [H, H + HALVES) of column block nb (half h: columns 8h to
+// 8h + 7), a register of eight float sums per row and half. Both halves in one pass along K read
+// each line of the block once; one half a pass keeps more rows' sums, codes and pair sums in the
+// sixteen registers. Without dpbusd a block's dot products are maddubs (unsigned codes times
+// signed activations, in pairs, to int16) then madd (pairs to int32): exact, as no int16
+// saturates. Q4: a pair is at most 2 * 15 * 127 and the block's eight pairs sum in int16 (at most
+// 30480). Q8: the code b becomes the signed w = b - 128, and |w| times x with w's sign (at most
+// 2 * 128 * 127 a pair) goes straight to int32. `next` (or nullptr): the column block fetched
+// into L2 as this one is computed, as on the AVX-512 path.
+template <Format F, int MR, int H, int HALVES, typename T>
+inline void tile(const uint8_t* w, int64_t KB, int64_t nb, int64_t N, const int8_t* xq, const float* dx,
+                 const float* sx, int64_t K, int64_t m0, T* y, const uint8_t* next) {
+  constexpr int64_t BYTES = BLOCK_BYTES<F>;
+  __m256 acc[MR][HALVES];
+  for (int r = 0; r < MR; ++r)
+    for (int h = 0; h < HALVES; ++h) acc[r][h] = _mm256_setzero_ps();
+  const __m256i low = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
+  for (int64_t kb = 0; kb < KB; ++kb) {
+    const uint8_t* block = w + (nb * KB + kb) * BYTES;
+    const int32_t* xk[MR];
+    for (int r = 0; r < MR; ++r) xk[r] = reinterpret_cast<const int32_t*>(xq + (m0 + r) * K + kb * QBLOCK);
+    if (next != nullptr)
+      for (int64_t line = 0; line < BYTES; line += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(next + kb * BYTES + line), _MM_HINT_T1);
+#pragma GCC unroll 2
+    for (int h = 0; h < HALVES; ++h) {
+      const int64_t half = (H + h) * 32;  // the half's bytes in each 64 of codes
+      __m256i dots[MR];
+      for (int r = 0; r < MR; ++r) dots[r] = _mm256_setzero_si256();
+      if constexpr (F == Format::Q4) {  // dots: the int16 pair sums, then their int32 sums
+        for (int p = 0; p < 4; ++p) {
+          const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + p * 64 + half));
+          const __m256i lo = _mm256_and_si256(packed, low);
+          const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low);
+          for (int r = 0; r < MR; ++r) {
+            dots[r] = _mm256_add_epi16(dots[r], _mm256_maddubs_epi16(lo, _mm256_set1_epi32(xk[r][p])));
+            dots[r] = _mm256_add_epi16(dots[r], _mm256_maddubs_epi16(hi, _mm256_set1_epi32(xk[r][p + 4])));
+          }
+        }
+        for (int r = 0; r < MR; ++r) dots[r] = _mm256_madd_epi16(dots[r], ones);
+      } else {
+        for (int g = 0; g < 8; ++g) {
+          const __m256i codes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + g * 64 + half));
+          const __m256i signed_w = _mm256_xor_si256(codes, _mm256_set1_epi8(char(0x80)));
+          const __m256i magnitude = _mm256_sign_epi8(signed_w, signed_w);  // -128 stays 0x80: 128 unsigned
+          for (int r = 0; r < MR; ++r) {
+            const __m256i x = _mm256_sign_epi8(_mm256_set1_epi32(xk[r][g]), signed_w);
+            dots[r] = _mm256_add_epi32(dots[r], _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude, x), ones));
+          }
+        }
+      }
+      const __m256 d = load_halves(block + SCALES_AT<F> + (H + h) * 16);
+      for (int r = 0; r < MR; ++r) {
+        const int64_t row = (m0 + r) * KB + kb;
+        acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots[r]), _mm256_mul_ps(d, _mm256_set1_ps(dx[row])), acc[r][h]);
+        if constexpr (F == Format::Q4)
+          acc[r][h] = _mm256_fmadd_ps(load_halves(block + MINS_AT + (H + h) * 16), _mm256_set1_ps(sx[row]), acc[r][h]);
+      }
+    }
+  }
+  for (int r = 0; r < MR; ++r) {
+    for (int h = 0; h < HALVES; ++h) {
+      const int64_t n0 = nb * NBLOCK + 8 * (H + h), count = std::min<int64_t>(8, N - n0);
+      alignas(32) float out[8];
+      _mm256_store_ps(out, acc[r][h]);
+      T* dst = y + (m0 + r) * N + n0;
+      for (int64_t j = 0; j < count; ++j) dst[j] = from_float<T>(out[j]);
+    }
+  }
+}
+
+// Rows [m0, m0 + MR) against column block nb: both halves in one pass for one row (and two of
+// 8-bit blocks), else one half a pass (a half past N, in a partial last block, is skipped):
+// whichever measured faster.
+template <Format F, int MR, typename T>
+inline void both_halves(const uint8_t* w, int64_t KB, int64_t nb, int64_t N, const int8_t* xq, const float* dx,
+                        const float* sx, int64_t K, int64_t m0, T* y, const uint8_t* next) {
+  if constexpr (MR == 1 || (F == Format::Q8 && MR == 2)) {
+    tile<F, MR, 0, 2>(w, KB, nb, N, xq, dx, sx, K, m0, y, next);
+  } else {
+    tile<F, MR, 0, 1>(w, KB, nb, N, xq, dx, sx, K, m0, y, next);
+    if (nb * NBLOCK + 8 < N) tile<F, MR, 1, 1>(w, KB, nb, N, xq, dx, sx, K, m0, y, next);
+  }
+}
+
+// Column block nb against every row, four at a time and the last one to three in one tile.
+template <Format F, typename T>
+inline void column_block(const uint8_t* w, int64_t KB, int64_t nb, int64_t N, const int8_t* xq, const float* dx,
+                         const float* sx, int64_t K, int64_t M, T* y, const uint8_t* next) {
+  int64_t m = 0;
+  for (; m + 4 <= M; m += 4) both_halves<F, 4>(w, KB, nb, N, xq, dx, sx, K, m, y, next);
+  switch (M - m) {
+    case 3: both_halves<F, 3>(w, KB, nb, N, xq, dx, sx, K, m, y, next); break;
+    case 2: both_halves<F, 2>(w, KB, nb, N, xq, dx, sx, K, m, y, next); break;
+    case 1: both_halves<F, 1>(w, KB, nb, N, xq, dx, sx, K, m, y, next); break;
+    default: break;
+  }
+}
+
 #else  // plain C++: the same sums, element by element
 
 template <Format F, typename T>
@@ -249,6 +384,11 @@ void linear_impl(const T* x, const uint8_t* w, int64_t M, int64_t K, int64_t N, 
                           nb + 4 <= nb_end ? w + (nb + 2) * KB * BYTES : nullptr);
     if (nb < nb_end)
       column_blocks<F, 1>(w, KB, nb, N, xq.data(), dx.data(), sx.data(), qsum.data(), K, M, y, nullptr);
+#elif EMBER_AVX2
+    constexpr int64_t BYTES = BLOCK_BYTES<F>;
+    for (int64_t nb = nb_begin; nb < nb_end; ++nb)  // a block fetches the next, when there is one
+      column_block<F>(w, KB, nb, N, xq.data(), dx.data(), sx.data(), K, M, y,
+                      nb + 1 < nb_end ? w + (nb + 1) * KB * BYTES : nullptr);
 #else
     columns_plain<F>(w, KB, nb_begin, nb_end, N, xq.data(), dx.data(), sx.data(), qsum.data(), K, M, y);
 #endif
@@ -326,17 +466,18 @@ at::Tensor block_rows(const at::Tensor& packed, const at::Tensor& ids, int64_t i
 
 }  // namespace
 
-int64_t vector_path() { return EMBER_AVX512; }
+// The vector registers' width in bits the kernels were built for: 512, 256, or 0 (plain C++).
+int64_t vector_bits() { return EMBER_AVX512 ? 512 : EMBER_AVX2 ? 256 : 0; }
 
 }  // namespace ember_kernels
 
-TORCH_LIBRARY_FRAGMENT(ember, m) {
+TORCH_LIBRARY_FRAGMENT(EMBER_OPS, m) {
   m.def("quantized_linear(Tensor x, Tensor packed, int out_features, int format) -> Tensor");
-  m.def("vector_path() -> int", &ember_kernels::vector_path);
+  m.def("vector_bits() -> int", &ember_kernels::vector_bits);
   m.def("block_rows(Tensor packed, Tensor ids, int in_features, int format, ScalarType dtype) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(ember, CPU, m) {
+TORCH_LIBRARY_IMPL(EMBER_OPS, CPU, m) {
   m.impl("quantized_linear", &ember_kernels::quantized_linear);
   m.impl("block_rows", &ember_kernels::block_rows);
 }

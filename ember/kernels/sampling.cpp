@@ -56,6 +56,6 @@ at::Tensor argmax_rows(const at::Tensor& x) {
 }  // namespace
 }  // namespace ember_kernels
 
-TORCH_LIBRARY_FRAGMENT(ember, m) { m.def("argmax_rows(Tensor x) -> Tensor"); }
+TORCH_LIBRARY_FRAGMENT(EMBER_OPS, m) { m.def("argmax_rows(Tensor x) -> Tensor"); }
 
-TORCH_LIBRARY_IMPL(ember, CPU, m) { m.impl("argmax_rows", &ember_kernels::argmax_rows); }
+TORCH_LIBRARY_IMPL(EMBER_OPS, CPU, m) { m.impl("argmax_rows", &ember_kernels::argmax_rows); }

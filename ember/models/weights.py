@@ -18,6 +18,7 @@ Dense and packed results depend on the row plan (models.layers.RowPlan); block f
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -132,10 +133,19 @@ class PackedBF16Weights:
         self.dtype = weight.dtype
 
     @staticmethod
+    @functools.cache
     def supported() -> bool:
+        """Whether this torch build has the packing ops and this processor their bfloat16 path
+        (oneDNN refuses it below AVX-512 or AVX-NE-CONVERT: an AVX2-only processor keeps dense)."""
         ops = torch.ops.mkldnn
-        return (torch.backends.mkldnn.is_available() and hasattr(ops, "_reorder_linear_weight")
-                and hasattr(ops, "_linear_pointwise"))
+        if not (torch.backends.mkldnn.is_available() and hasattr(ops, "_reorder_linear_weight")
+                and hasattr(ops, "_linear_pointwise")):
+            return False
+        try:
+            ops._reorder_linear_weight(torch.zeros(16, 16, dtype=torch.bfloat16), 1)
+        except RuntimeError:
+            return False
+        return True
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")

@@ -85,7 +85,7 @@ def test_fused_shards_and_row_selection_keep_every_row():
 @pytest.mark.parametrize("plan", [RowPlan(), RowPlan(2, 32)])
 def test_packed_bfloat16_gives_the_dense_bits(plan):
     if not PackedBF16Weights.supported():
-        pytest.skip("this torch build has no oneDNN packing ops")
+        pytest.skip("no oneDNN bfloat16 packing in this torch build or on this processor")
     weight = _weights(out=384, width=1536).to(torch.bfloat16)
     packed, dense = PackedBF16Weights(weight, None), DenseWeights(weight, None)
     x = torch.randn(70, 1536).to(torch.bfloat16)
@@ -117,7 +117,7 @@ def test_packed_model_logits_are_bit_identical(case):
     _, packed_model, _ = build_pair(case, torch.bfloat16)
     counts = prepare_linears(packed_model, "auto", block_kernels=False)
     if not PackedBF16Weights.supported():
-        pytest.skip("this torch build has no oneDNN packing ops")
+        pytest.skip("no oneDNN bfloat16 packing in this torch build or on this processor")
     assert counts == {"bfloat16 packed": sum(isinstance(m, Linear) for m in packed_model.modules())
                       + (1 if config.tie_word_embeddings else 0)}
     ids = torch.randint(0, config.vocab_size, (40,), generator=torch.Generator().manual_seed(0))

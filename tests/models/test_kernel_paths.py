@@ -1,0 +1,54 @@
+"""How the kernels are built: the linear kernel's vector path (AVX-512 VNNI or AVX2, whichever
+this processor has) gives the bits of its plain C++ path (a second copy of the kernel is built
+without vector instructions, under its own op namespace, and both copies run the same
+products); a build killed midway does not stall the next one."""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from ember import kernels
+from ember.models.weights import BlockWeights, QuantBlocks
+
+
+@pytest.fixture(scope="module")
+def plain_ops():
+    assert kernels.available(), kernels.status()  # the suite needs a C++ compiler (see README)
+    if torch.ops.ember.vector_bits() == 0:
+        pytest.skip("this processor has no vector path: the kernels are plain C++ already")
+    ops = kernels.plain_linear_copy()
+    assert ops.vector_bits() == 0
+    return ops
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_vector_linear_gives_the_plain_bits(plain_ops, bits, dtype):
+    generator = torch.Generator().manual_seed(bits)
+    # 200 outputs: a partial last column block; 13 column blocks: an odd one out of the pairs
+    weight = torch.randn(200, 320, generator=generator) * 0.05
+    weight[3, :32] = 0  # an all-zero block: scale 0
+    layer = BlockWeights(QuantBlocks.quantize(weight, bits), None, dtype)
+    x = torch.randn(9, 320, generator=generator) * 3
+    x[1, 32:64] = 0  # an all-zero activation block
+    x[2, :32] *= 100  # codes at the int8 limits
+    x = x.to(dtype)
+    for rows in (1, 2, 3, 4, 5, 8, 9):
+        vector = torch.ops.ember.quantized_linear(x[:rows], layer.packed, 200, bits)
+        plain = plain_ops.quantized_linear(x[:rows], layer.packed, 200, bits)
+        assert torch.equal(vector, plain), rows
+    ids = torch.tensor([0, 3, 15, 16, 199])
+    assert torch.equal(torch.ops.ember.block_rows(layer.packed, ids, 320, bits, dtype),
+                       plain_ops.block_rows(layer.packed, ids, 320, bits, dtype))
+
+
+def test_a_lock_left_by_a_killed_build_is_cleared_and_builders_take_turns(tmp_path):
+    (tmp_path / "lock").write_text("")  # torch's marker of a build in progress, its builder gone
+    take = "import fcntl, sys; fcntl.flock(open(sys.argv[1], 'w'), fcntl.LOCK_EX | fcntl.LOCK_NB)"
+    ours = str(tmp_path / "ember-build.lock")
+    with kernels._sole_builder(tmp_path):
+        assert not (tmp_path / "lock").exists()
+        assert subprocess.run([sys.executable, "-c", take, ours], capture_output=True).returncode != 0
+    assert subprocess.run([sys.executable, "-c", take, ours], capture_output=True).returncode == 0
