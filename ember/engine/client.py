@@ -45,6 +45,7 @@ from ember.context_window import ContextWindow, fit_output
 from ember.engine import messages
 from ember.engine.messages import Add, Abort, Answer, EngineInfo, Fatal, Outputs, Query, Ready, Shutdown, WorkerSettings
 from ember.engine.outputs import open_stream
+from ember.engine.parent_death import child_environment
 from ember.engine.stats import EngineCounters, EngineStats
 from ember.errors import EngineRestarted, EngineUnavailable, InvalidRequest, ModelLoadError
 from ember.types import GenerationOutput, SamplingParams, StepOutput
@@ -474,7 +475,7 @@ class EngineClient:
         push.bind(inbox)
         pull.bind(outbox)
         process = subprocess.Popen([sys.executable, "-m", "ember.engine.worker", inbox, outbox],
-                                   stdin=subprocess.DEVNULL, env=self.env)
+                                   stdin=subprocess.DEVNULL, env=child_environment(self.env))
         settings = self.settings
         if not first and settings.fault and not settings.fault.endswith(",always"):
             settings = msgspec.structs.replace(settings, fault=None)  # an injected fault strikes once

@@ -47,6 +47,16 @@ class KernelAttention:
         return torch.ops.ember.paged_attention(q, k_cache, v_cache, self.block_table, self.row_begin,
                                                self.first_pos, q.shape[-1] ** -0.5, window)
 
+    def layer_arguments(self) -> tuple[list[torch.Tensor], list[torch.Tensor], list[int], torch.Tensor, torch.Tensor,
+                                       torch.Tensor, torch.Tensor, float]:
+        """What ember.kernels' decoder_layers takes to run every layer's attention of this step:
+        k caches, v caches, windows (0: the whole sequence), slots, block table, row ranges, first
+        positions, the score scale (attend's)."""
+        layers = self.cache.layers
+        head_dim = layers[0][0].shape[-1] // KERNEL_BLOCK_SIZE
+        return ([k for k, _ in layers], [v for _, v in layers], [w or 0 for w in self.cache.layer_windows],
+                self.slot_mapping, self.block_table, self.row_begin, self.first_pos, head_dim ** -0.5)
+
 
 def kernel_attention(cache: KVCache, scheduled_rows: list[tuple[list[int], int, int]],
                      slot_mapping: torch.Tensor) -> KernelAttention:

@@ -28,6 +28,7 @@ import torch.distributed as dist
 from ember.config import EngineConfig
 from ember.engine import messages
 from ember.engine.parallel import TensorGroup
+from ember.engine.parent_death import child_environment
 
 logger = logging.getLogger("ember.engine")
 
@@ -75,7 +76,7 @@ def share_cores(config: EngineConfig) -> None:
 
 def spawn_rank(rank: int, world: int, address: str, local_rank: int) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "ember.engine.ranks", str(rank), str(world), address,
-                             str(local_rank)], stdin=subprocess.DEVNULL)
+                             str(local_rank)], stdin=subprocess.DEVNULL, env=child_environment())
 
 
 def run_node(config: EngineConfig, node_rank: int, first_local_rank: int = 0) -> int:

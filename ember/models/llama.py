@@ -15,6 +15,7 @@ from torch import nn
 from ember.config import ModelConfig
 from ember.models.layers import (Embedding, GatedMLP, Linear, QKVLinear, RMSNorm, RotaryEmbedding,
                                  apply_rotary, linear, load_checkpoint)
+from ember.models.layer_stack import LayerStack
 
 # fused module -> the checkpoint's separate projections, in the fused order
 FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
@@ -89,14 +90,31 @@ class Decoder(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary = RotaryEmbedding(rotary_dim or config.head_dim, config.max_position_embeddings,
                                       config.rope_theta, config.rope_scaling)
+        self.fused = False  # the layers may run as one kernel call (use_fused_ops, _layer_stack)
+        self._stack: LayerStack | bool | None = None  # None: not decided yet
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: Any) -> torch.Tensor:
         x = self.embed_tokens(input_ids)  # (T, hidden)
         cos, sin = self.rotary(positions, x.dtype)  # shared by every layer
-        residual = None
-        for layer in self.layers:
-            x, residual = layer(x, residual, cos, sin, attn)
+        stack = self._layer_stack()
+        stacked = stack.run(x, cos, sin, attn) if stack is not None else None
+        if stacked is not None:
+            x, residual = stacked
+        else:
+            residual = None
+            for layer in self.layers:
+                x, residual = layer(x, residual, cos, sin, attn)
         return self.norm.add_and_norm(x, residual)[1]
+
+    def _layer_stack(self) -> LayerStack | None:
+        """The layers as one kernel call (models.layer_stack) where they fit it: decided at the first
+        step with fused ops (use_fused_ops comes after the formats and any hooks) and kept."""
+        if not self.fused:
+            return None
+        if self._stack is None:
+            fits = LayerStack.fits(list(self.layers), DecoderLayer, Attention, GatedMLP)
+            self._stack = LayerStack(list(self.layers)) if fits else False
+        return self._stack or None
 
 
 class Model(nn.Module):

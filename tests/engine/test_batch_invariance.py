@@ -102,6 +102,13 @@ def test_the_self_check_holds_on_this_processor_and_says_how(llm):
         assert layer.rows == (RowPlan() if layer.weights.invariant_by_construction else report.rows)
 
 
+def test_the_default_model_runs_its_layers_in_one_kernel_call(llm):
+    """So every bit these tests check comes from that call (tests/models/test_layer_stack.py holds
+    it to the Python loop); where the kernels cannot run here, the loop serves."""
+    stack = llm.engine.runner.model.model._layer_stack()
+    assert (stack is not None) == llm.engine.uses_cpu_kernels
+
+
 def test_turned_off_the_promise_is_not_made_and_the_model_is_left_alone(llm):
     plans = lambda: [m.rows for m in llm.engine.runner.model.modules() if hasattr(m, "rows")]
     before = plans()

@@ -1,0 +1,66 @@
+"""A Llama-shaped decoder's layers in one call of ember's CPU kernels (`decoder_layers`, in
+ember/kernels/decoder.cpp) in place of a Python loop of ten ops a layer.
+
+The call runs the ops the loop runs, in its order, on the same tensors, so its bits are the loop's.
+It serves only where every layer is the plain Llama layer on the kernels: norms, rotary and SiLU
+fused, the four projections block-quantized without biases, no forward hooks (tensor
+parallelism's all-reduce is one), and attention over the kernels' cache layout (an `attn` with
+`layer_arguments`). Anything else, and any step it does not serve, runs the loop.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from ember.models.weights import BlockWeights
+
+
+class LayerStack:
+    """The modules the one call reads, found once; their weights are read at every call, as a
+    format may change (prepare_linears) or move (huge pages) after the stack is built."""
+
+    def __init__(self, layers: Sequence[nn.Module]) -> None:
+        self.norms = [norm for layer in layers for norm in (layer.input_layernorm, layer.post_attention_layernorm)]
+        self.linears = [linear for layer in layers for linear in (
+            layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)]
+        self.eps = self.norms[0].eps
+        self.heads, self.kv_heads = layers[0].self_attn.num_heads, layers[0].self_attn.num_kv_heads
+
+    @staticmethod
+    def fits(layers: Sequence[nn.Module], layer_class: type, attention_class: type, mlp_class: type) -> bool:
+        """Every layer exactly of these classes (a subclass may compute otherwise), fused, one norm
+        epsilon, one head count, and no module with hooks."""
+        if not layers:
+            return False
+        first = layers[0]
+        for layer in layers:
+            attention, mlp = layer.self_attn, layer.mlp
+            if not (type(layer) is layer_class and type(attention) is attention_class and type(mlp) is mlp_class
+                    and attention.fused and not attention.qk_norm and mlp.fused
+                    and layer.input_layernorm.fused and layer.post_attention_layernorm.fused
+                    and layer.input_layernorm.eps == layer.post_attention_layernorm.eps == first.input_layernorm.eps
+                    and (attention.num_heads, attention.num_kv_heads)
+                    == (first.self_attn.num_heads, first.self_attn.num_kv_heads)):
+                return False
+            if any(module._forward_hooks or module._forward_pre_hooks for module in layer.modules()):
+                return False
+        return True
+
+    def run(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+            attn: Any) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(last layer's output, residual stream before it), or None where the call does not serve."""
+        arguments = getattr(attn, "layer_arguments", None)
+        if arguments is None:
+            return None
+        weights = [linear.weights for linear in self.linears]
+        if not all(type(w) is BlockWeights and w.bias is None and w.dtype == x.dtype for w in weights):
+            return None
+        k_caches, v_caches, windows, slots, block_table, row_begin, first_pos, scale = arguments()
+        return torch.ops.ember.decoder_layers(
+            x, [w.packed for w in weights], [w.bits for w in weights], [w.out_features for w in weights],
+            [norm.weight for norm in self.norms], self.eps, cos, sin, k_caches, v_caches, slots, block_table,
+            row_begin, first_pos, scale, windows, self.heads, self.kv_heads)
