@@ -70,15 +70,20 @@ template <>
 inline void block_scores<at::BFloat16>(const at::BFloat16* q, const at::BFloat16* kblock, int64_t D, float scale,
                                        float* out) {
 #if EMBER_AVX2
-  if (D % 4 == 0) {
+  if (D % 8 == 0 && D <= 512) {
+    alignas(32) float qf[512];  // q as floats, eight at a time (exact: a bfloat16 is a float's top half)
+    for (int64_t d = 0; d < D; d += 8) {
+      const __m128i halves = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + d));
+      _mm256_store_ps(qf + d, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(halves), 16)));
+    }
     __m256 acc[2][4];  // [keys 0-7, 8-15][chain: (pair % 2) * 2 + dim % 2]
     for (int half = 0; half < 2; ++half)
       for (int chain = 0; chain < 4; ++chain) acc[half][chain] = _mm256_setzero_ps();
     for (int64_t i = 0; i < D / 2; i += 2) {
       for (int step = 0; step < 2; ++step) {
         const int64_t pair = i + step;
-        const __m256 q0 = _mm256_set1_ps(bf16_to_float(q[2 * pair].x));
-        const __m256 q1 = _mm256_set1_ps(bf16_to_float(q[2 * pair + 1].x));
+        const __m256 q0 = _mm256_broadcast_ss(qf + 2 * pair);
+        const __m256 q1 = _mm256_broadcast_ss(qf + 2 * pair + 1);
         for (int half = 0; half < 2; ++half) {
           const __m256i pairs =
               _mm256_loadu_si256(reinterpret_cast<const __m256i*>(kblock + (pair * BLOCK + 8 * half) * 2));
@@ -108,13 +113,14 @@ inline void block_values<at::BFloat16>(const float* probs, const at::BFloat16* v
                                        float* values) {
 #if EMBER_AVX2
   if (D % 8 == 0) {  // eight dims at a time, every key in order (a lone last key: the even halves)
+    alignas(32) float rounded[BLOCK];  // the probabilities in bfloat16, once for every dim
+    for (int64_t key = 0; key < valid; ++key) rounded[key] = bf16_to_float(float_to_bf16(probs[key]));
     for (int64_t d = 0; d < D; d += 8) {
       __m256 sums = _mm256_loadu_ps(values + d);
       for (int64_t key = 0; key < valid; key += 2) {
         const __m256i pairs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(vblock + ((key / 2) * D + d) * 2));
-        sums = _mm256_fmadd_ps(_mm256_set1_ps(bf16_to_float(float_to_bf16(probs[key]))), even_halves(pairs), sums);
-        if (key + 1 < valid)
-          sums = _mm256_fmadd_ps(_mm256_set1_ps(bf16_to_float(float_to_bf16(probs[key + 1]))), odd_halves(pairs), sums);
+        sums = _mm256_fmadd_ps(_mm256_broadcast_ss(rounded + key), even_halves(pairs), sums);
+        if (key + 1 < valid) sums = _mm256_fmadd_ps(_mm256_broadcast_ss(rounded + key + 1), odd_halves(pairs), sums);
       }
       _mm256_storeu_ps(values + d, sums);
     }
