@@ -253,14 +253,20 @@ class EventStreamResponse(StreamingResponse):
                 logger.warning("a stream's client read nothing for %g s: the stream is cut off", self.stalled_timeout)
                 raise ClientGone() from None
 
+        watcher = asyncio.ensure_future(wait_for_disconnect(receive))
+
         async def stream() -> None:
             await deliver({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
             async for frame in self.frames:
+                # Cancelling this task is not enough to stop it: asyncio.wait_for before Python 3.12
+                # drops a cancellation that lands as its send finishes, and an ASGI server's send
+                # returns quietly once the client has gone, so the stream would run to its end.
+                if watcher.done():
+                    return
                 await deliver({"type": "http.response.body", "body": frame, "more_body": True})
             await deliver({"type": "http.response.body", "body": b"", "more_body": False})
 
         writer = asyncio.ensure_future(stream())
-        watcher = asyncio.ensure_future(wait_for_disconnect(receive))
         try:
             await asyncio.wait((writer, watcher), return_when=asyncio.FIRST_COMPLETED)
         finally:

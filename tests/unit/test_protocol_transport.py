@@ -10,6 +10,7 @@ from ember.protocols.errors import QueueTimeout, ServerOverloaded, ServerUnavail
 from ember.protocols.fields import Fields
 from ember.protocols.sse import KEEP_ALIVE, with_keep_alive
 from ember.server.admission import Admission
+from ember.server.pipeline import EventStreamResponse
 
 
 def run(coro):
@@ -88,6 +89,44 @@ def test_a_stream_cancelled_as_its_next_frame_arrives_still_cleans_up_its_source
         return list(closed)  # as of now: the loop's own shutdown would close it later
 
     assert run(scenario()) == [True]
+
+
+def test_a_stream_stops_at_its_next_frame_when_its_client_leaves_even_if_the_cancellation_is_lost():
+    """The client leaves after the first frame; the server's send swallows the cancellation meant to
+    stop the writer (what asyncio.wait_for does before Python 3.12 when a send finishes as it is
+    cancelled). The stream must still stop, close its frames and release its ticket."""
+
+    async def scenario():
+        produced, closed = [], []
+        left = asyncio.Event()
+
+        async def frames():
+            try:
+                for index in range(10_000):
+                    produced.append(index)
+                    yield b"data: {}\n\n"
+                    await asyncio.sleep(0)
+            finally:
+                closed.append("frames")
+
+        async def receive():
+            await left.wait()
+            return {"type": "http.disconnect"}
+
+        async def send(message):
+            if message.get("body"):
+                left.set()
+            try:
+                await asyncio.sleep(0)
+            except asyncio.CancelledError:
+                pass
+
+        response = EventStreamResponse(frames(), lambda: closed.append("ticket"), stalled_timeout=30)
+        await asyncio.wait_for(response({"type": "http"}, receive, send), 10)
+        return produced, closed
+
+    produced, closed = run(scenario())
+    assert len(produced) <= 3 and closed == ["frames", "ticket"]
 
 
 def test_admission_runs_waits_refuses_and_times_out():
