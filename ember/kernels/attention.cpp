@@ -51,18 +51,56 @@ struct State {
 template <typename T>
 inline void block_scores(const T* q, const T* kblock, int64_t D, float scale, float* out);
 
+// values = values * correction + the block's probabilities times its values, each dim over the keys in order.
 template <typename T>
-inline void block_values(const float* probs, const T* vblock, int64_t D, int64_t valid, float* values);
+inline void block_values(const float* probs, const T* vblock, int64_t D, int64_t valid, float correction,
+                         float* values);
 
 // The bfloat16 path without the bfloat16 dot-product instructions (with them, head_dim 64 and
 // 128 take attend_chunk below). On AVX2 a block's scores are a lane per key, summed in four
 // chains (even and odd dims of alternate pairs: one chain would wait on each fma in turn) that
-// are added at the end in a fixed order; its values a lane per dim, every key in order.
+// are added at the end in a fixed order; its values a lane per dim, every key in order. The
+// heads of a KV group share each block's loads, and a prompt tile's rows take each chunk in turn
+// while it is in L1: neither changes any head's arithmetic.
 #if EMBER_AVX2
 // A block's eight 32-bit lanes of bfloat16 pairs as floats: the even and the odd of each pair.
 inline __m256 even_halves(__m256i pairs) { return _mm256_castsi256_ps(_mm256_slli_epi32(pairs, 16)); }
 inline __m256 odd_halves(__m256i pairs) {
   return _mm256_castsi256_ps(_mm256_and_si256(pairs, _mm256_set1_epi32(int(0xffff0000u))));
+}
+
+// q's D bfloat16 values as floats, eight at a time (exact: a bfloat16 is a float's top half).
+inline void widen_query(const at::BFloat16* q, int64_t D, float* qf) {
+  for (int64_t d = 0; d < D; d += 8) {
+    const __m128i halves = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + d));
+    _mm256_store_ps(qf + d, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(halves), 16)));
+  }
+}
+
+// The scores of N heads' queries (as floats) against one block, keys 8 * half to 8 * half + 7 of
+// each: the four chains of block_scores per head, so a head's sums are the same as alone, while
+// the block's pairs are loaded and widened once for all N.
+template <int N>
+inline void heads_scores(const float* const* qf, const at::BFloat16* kblock, int64_t D, float scale, int half,
+                         float* const* out) {
+  __m256 acc[N][4];
+  for (int h = 0; h < N; ++h)
+    for (int chain = 0; chain < 4; ++chain) acc[h][chain] = _mm256_setzero_ps();
+  for (int64_t i = 0; i < D / 2; i += 2) {
+    for (int step = 0; step < 2; ++step) {
+      const int64_t pair = i + step;
+      const __m256i pairs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(kblock + (pair * BLOCK + 8 * half) * 2));
+      const __m256 even = even_halves(pairs), odd = odd_halves(pairs);
+      for (int h = 0; h < N; ++h) {
+        acc[h][2 * step] = _mm256_fmadd_ps(_mm256_broadcast_ss(qf[h] + 2 * pair), even, acc[h][2 * step]);
+        acc[h][2 * step + 1] = _mm256_fmadd_ps(_mm256_broadcast_ss(qf[h] + 2 * pair + 1), odd, acc[h][2 * step + 1]);
+      }
+    }
+  }
+  for (int h = 0; h < N; ++h) {
+    const __m256 sum = _mm256_add_ps(_mm256_add_ps(acc[h][0], acc[h][1]), _mm256_add_ps(acc[h][2], acc[h][3]));
+    _mm256_storeu_ps(out[h] + 8 * half, _mm256_mul_ps(sum, _mm256_set1_ps(scale)));
+  }
 }
 #endif
 
@@ -71,32 +109,11 @@ inline void block_scores<at::BFloat16>(const at::BFloat16* q, const at::BFloat16
                                        float* out) {
 #if EMBER_AVX2
   if (D % 8 == 0 && D <= 512) {
-    alignas(32) float qf[512];  // q as floats, eight at a time (exact: a bfloat16 is a float's top half)
-    for (int64_t d = 0; d < D; d += 8) {
-      const __m128i halves = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + d));
-      _mm256_store_ps(qf + d, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(halves), 16)));
-    }
-    __m256 acc[2][4];  // [keys 0-7, 8-15][chain: (pair % 2) * 2 + dim % 2]
-    for (int half = 0; half < 2; ++half)
-      for (int chain = 0; chain < 4; ++chain) acc[half][chain] = _mm256_setzero_ps();
-    for (int64_t i = 0; i < D / 2; i += 2) {
-      for (int step = 0; step < 2; ++step) {
-        const int64_t pair = i + step;
-        const __m256 q0 = _mm256_broadcast_ss(qf + 2 * pair);
-        const __m256 q1 = _mm256_broadcast_ss(qf + 2 * pair + 1);
-        for (int half = 0; half < 2; ++half) {
-          const __m256i pairs =
-              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(kblock + (pair * BLOCK + 8 * half) * 2));
-          acc[half][2 * step] = _mm256_fmadd_ps(q0, even_halves(pairs), acc[half][2 * step]);
-          acc[half][2 * step + 1] = _mm256_fmadd_ps(q1, odd_halves(pairs), acc[half][2 * step + 1]);
-        }
-      }
-    }
-    const __m256 vscale = _mm256_set1_ps(scale);
-    for (int half = 0; half < 2; ++half) {
-      const __m256 sum = _mm256_add_ps(_mm256_add_ps(acc[half][0], acc[half][1]), _mm256_add_ps(acc[half][2], acc[half][3]));
-      _mm256_storeu_ps(out + 8 * half, _mm256_mul_ps(sum, vscale));
-    }
+    alignas(32) float qf[512];
+    widen_query(q, D, qf);
+    const float* heads[1] = {qf};
+    float* outs[1] = {out};
+    for (int half = 0; half < 2; ++half) heads_scores<1>(heads, kblock, D, scale, half, outs);
     return;
   }
 #endif
@@ -108,25 +125,82 @@ inline void block_scores<at::BFloat16>(const at::BFloat16* q, const at::BFloat16
   }
 }
 
+#if EMBER_AVX2
+// Dims [d0, d0 + 8 NC) of N heads' weighted values over one block: a register of eight sums per
+// head and eight dims, so N * NC fma chains run side by side and the heads share each widened
+// pair of keys; each head's dim still takes every key in order, from its sum times correction.
+template <int N, int NC>
+inline void heads_values(const float* const* rounded, const at::BFloat16* vblock, int64_t D, int64_t d0,
+                         int64_t valid, const float* correction, float* const* values) {
+  __m256 sums[N][NC];
+  for (int h = 0; h < N; ++h) {
+    for (int c = 0; c < NC; ++c) sums[h][c] = _mm256_loadu_ps(values[h] + d0 + 8 * c);
+    if (correction[h] != 1.f)  // times one changes nothing: most blocks leave the running max where it was
+      for (int c = 0; c < NC; ++c) sums[h][c] = _mm256_mul_ps(sums[h][c], _mm256_set1_ps(correction[h]));
+  }
+  int64_t key = 0;
+  for (; key + 1 < valid; key += 2) {
+    const at::BFloat16* pairs_at = vblock + ((key / 2) * D + d0) * 2;
+    for (int c = 0; c < NC; ++c) {
+      const __m256i pairs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pairs_at + 16 * c));
+      const __m256 even = even_halves(pairs), odd = odd_halves(pairs);
+      for (int h = 0; h < N; ++h) {
+        sums[h][c] = _mm256_fmadd_ps(_mm256_broadcast_ss(rounded[h] + key), even, sums[h][c]);
+        sums[h][c] = _mm256_fmadd_ps(_mm256_broadcast_ss(rounded[h] + key + 1), odd, sums[h][c]);
+      }
+    }
+  }
+  if (key < valid) {  // a lone last key: the even halves
+    const at::BFloat16* pairs_at = vblock + ((key / 2) * D + d0) * 2;
+    for (int c = 0; c < NC; ++c) {
+      const __m256 even = even_halves(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(pairs_at + 16 * c)));
+      for (int h = 0; h < N; ++h) sums[h][c] = _mm256_fmadd_ps(_mm256_broadcast_ss(rounded[h] + key), even, sums[h][c]);
+    }
+  }
+  for (int h = 0; h < N; ++h)
+    for (int c = 0; c < NC; ++c) _mm256_storeu_ps(values[h] + d0 + 8 * c, sums[h][c]);
+}
+
+// Dims [d0, D) (a multiple of 8 of them), NC eights at a time while they last, then fewer.
+template <int N, int NC>
+inline void heads_values_from(const float* const* rounded, const at::BFloat16* vblock, int64_t D, int64_t d0,
+                              int64_t valid, const float* correction, float* const* values) {
+  for (; d0 + 8 * NC <= D; d0 += 8 * NC) heads_values<N, NC>(rounded, vblock, D, d0, valid, correction, values);
+  if constexpr (NC > 1)
+    if (d0 < D) heads_values_from<N, NC - 1>(rounded, vblock, D, d0, valid, correction, values);
+}
+
+// N heads' weighted values, with as many sums in registers as leave room for the widened keys.
+template <int N>
+inline void heads_block_values(const float* const* rounded, const at::BFloat16* vblock, int64_t D, int64_t valid,
+                               const float* correction, float* const* values) {
+  heads_values_from<N, N == 1 ? 8 : N == 2 ? 4 : 2>(rounded, vblock, D, 0, valid, correction, values);
+}
+
+// A block's 16 probabilities in bfloat16 (to nearest even; they are never NaN), as floats.
+inline void round_to_bf16(const float* probs, float* rounded) {
+  for (int half = 0; half < 2; ++half) {
+    const __m256i u = _mm256_castps_si256(_mm256_loadu_ps(probs + 8 * half));
+    const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    const __m256i up = _mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), odd));
+    _mm256_storeu_ps(rounded + 8 * half, _mm256_castsi256_ps(_mm256_and_si256(up, _mm256_set1_epi32(int(0xffff0000u)))));
+  }
+}
+#endif
+
 template <>
 inline void block_values<at::BFloat16>(const float* probs, const at::BFloat16* vblock, int64_t D, int64_t valid,
-                                       float* values) {
+                                       float correction, float* values) {
 #if EMBER_AVX2
-  if (D % 8 == 0) {  // eight dims at a time, every key in order (a lone last key: the even halves)
+  if (D % 8 == 0) {
     alignas(32) float rounded[BLOCK];  // the probabilities in bfloat16, once for every dim
-    for (int64_t key = 0; key < valid; ++key) rounded[key] = bf16_to_float(float_to_bf16(probs[key]));
-    for (int64_t d = 0; d < D; d += 8) {
-      __m256 sums = _mm256_loadu_ps(values + d);
-      for (int64_t key = 0; key < valid; key += 2) {
-        const __m256i pairs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(vblock + ((key / 2) * D + d) * 2));
-        sums = _mm256_fmadd_ps(_mm256_broadcast_ss(rounded + key), even_halves(pairs), sums);
-        if (key + 1 < valid) sums = _mm256_fmadd_ps(_mm256_broadcast_ss(rounded + key + 1), odd_halves(pairs), sums);
-      }
-      _mm256_storeu_ps(values + d, sums);
-    }
+    round_to_bf16(probs, rounded);
+    const float* heads[1] = {rounded};
+    heads_block_values<1>(heads, vblock, D, valid, &correction, &values);
     return;
   }
 #endif
+  for (int64_t d = 0; d < D; ++d) values[d] *= correction;
   for (int64_t key = 0; key < valid; ++key) {
     const float p = bf16_to_float(float_to_bf16(probs[key]));
     for (int64_t d = 0; d < D; ++d)
@@ -157,27 +231,50 @@ inline void block_scores<float>(const float* q, const float* kblock, int64_t D, 
 }
 
 template <>
-inline void block_values<float>(const float* probs, const float* vblock, int64_t D, int64_t valid, float* values) {
+inline void block_values<float>(const float* probs, const float* vblock, int64_t D, int64_t valid, float correction,
+                               float* values) {
+  for (int64_t d = 0; d < D; ++d) values[d] *= correction;
   for (int64_t key = 0; key < valid; ++key) axpy(probs[key], vblock + key * D, values, D);
 }
 
+// The largest of a block's scores [first, valid) (-inf for none).
+inline float visible_max(const float* scores, int64_t first, int64_t valid) {
+#if EMBER_AVX2
+  if (first == 0 && valid == BLOCK) {
+    __m256 m8 = _mm256_max_ps(_mm256_load_ps(scores), _mm256_load_ps(scores + 8));
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m8), _mm256_extractf128_ps(m8, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    return _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+  }
+#endif
+  float max = -std::numeric_limits<float>::infinity();
+  for (int64_t key = first; key < valid; ++key) max = std::max(max, scores[key]);
+  return max;
+}
+
 // The online softmax over one block: its keys [first, valid) are visible to the row.
-template <typename T>
-inline void attend_block(const T* q, const T* kblock, const T* vblock, int64_t D, int64_t first, int64_t valid,
-                         float scale, State& state) {
-  alignas(64) float scores[BLOCK];
-  block_scores<T>(q, kblock, D, scale, scores);
-  float block_max = -std::numeric_limits<float>::infinity();
-  for (int64_t key = first; key < valid; ++key) block_max = std::max(block_max, scores[key]);
-  const float max = std::max(state.max, block_max);
-  const float correction = std::exp(state.max - max);  // 0 on the first block (max was -inf)
+// The online softmax's step over one block whose keys [first, valid) the row sees: its scores
+// become weights (0 for unseen keys), the state's max and sum move on; returns the factor the
+// state's values must take before the block's weighted values are added.
+inline float softmax_weights(float* scores, int64_t first, int64_t valid, State& state) {
+  const float max = std::max(state.max, visible_max(scores, first, valid));
+  // 0 on the first block (max was -inf); exactly 1 when the max stays put, as it mostly does
+  const float correction = state.max == max && std::isfinite(max) ? 1.f : std::exp(state.max - max);
   const float sum = exp_and_sum(scores + first, valid - first, max);
   for (int64_t key = 0; key < first; ++key) scores[key] = 0.f;  // keys before the window weigh nothing
   for (int64_t key = valid; key < BLOCK; ++key) scores[key] = 0.f;  // keys past the row weigh nothing
   state.sum = std::fma(state.sum, correction, sum);
   state.max = max;
-  for (int64_t d = 0; d < D; ++d) state.values[d] *= correction;
-  block_values<T>(scores, vblock, D, valid, state.values);
+  return correction;
+}
+
+template <typename T>
+inline void attend_block(const T* q, const T* kblock, const T* vblock, int64_t D, int64_t first, int64_t valid,
+                         float scale, State& state) {
+  alignas(64) float scores[BLOCK];
+  block_scores<T>(q, kblock, D, scale, scores);
+  const float correction = softmax_weights(scores, first, valid, state);
+  block_values<T>(scores, vblock, D, valid, correction, state.values);
 }
 
 // Heads [0, G) of a row over one chunk of `count` blocks, block by block (float32, and bfloat16
@@ -190,6 +287,59 @@ inline void attend_chunk(const T* const* q, int64_t G, const T* const* kblocks, 
       attend_block<T>(q[g], kblocks[blk], vblocks[blk], D, std::max<int64_t>(0, first - blk * BLOCK),
                       std::min<int64_t>(BLOCK, valid - blk * BLOCK), scale, states[g]);
 }
+
+#if EMBER_AVX2 && !EMBER_BF16_DOT
+constexpr int64_t MAX_HEADS_AT_ONCE = 3;  // twelve sums in registers, with the block's two widened vectors
+
+// bfloat16 heads [0, G) of a row over one chunk, block by block: each head's query widened to
+// floats once for the chunk, the block's scores for up to three heads at a time, then each
+// head's softmax step: the bits of attend_block, head by head.
+template <>
+inline void attend_chunk<at::BFloat16>(const at::BFloat16* const* q, int64_t G, const at::BFloat16* const* kblocks,
+                                       const at::BFloat16* const* vblocks, int64_t count, int64_t D, int64_t first,
+                                       int64_t valid, float scale, State* states) {
+  constexpr int64_t MOST = 4096, MOST_HEADS = 64;  // the widened queries and the scores live on the stack
+  if (D % 8 != 0 || G * D > MOST || G > MOST_HEADS) {
+    for (int64_t blk = first / BLOCK; blk < count; ++blk)
+      for (int64_t g = 0; g < G; ++g)
+        attend_block<at::BFloat16>(q[g], kblocks[blk], vblocks[blk], D, std::max<int64_t>(0, first - blk * BLOCK),
+                                   std::min<int64_t>(BLOCK, valid - blk * BLOCK), scale, states[g]);
+    return;
+  }
+  alignas(32) float qf[MOST];
+  alignas(64) float scores[MOST_HEADS][BLOCK];
+  const float* heads[MOST_HEADS];
+  float* outs[MOST_HEADS];
+  float* values[MOST_HEADS];
+  float corrections[MOST_HEADS];
+  for (int64_t g = 0; g < G; ++g) {
+    widen_query(q[g], D, qf + g * D);
+    heads[g] = qf + g * D;
+    outs[g] = scores[g];
+    values[g] = states[g].values;
+  }
+  for (int64_t blk = first / BLOCK; blk < count; ++blk) {
+    for (int64_t g = 0; g < G; g += MAX_HEADS_AT_ONCE)
+      for (int half = 0; half < 2; ++half)
+        switch (std::min(MAX_HEADS_AT_ONCE, G - g)) {
+          case 1: heads_scores<1>(heads + g, kblocks[blk], D, scale, half, outs + g); break;
+          case 2: heads_scores<2>(heads + g, kblocks[blk], D, scale, half, outs + g); break;
+          default: heads_scores<3>(heads + g, kblocks[blk], D, scale, half, outs + g); break;
+        }
+    const int64_t seen = std::min<int64_t>(BLOCK, valid - blk * BLOCK);
+    for (int64_t g = 0; g < G; ++g) {
+      corrections[g] = softmax_weights(scores[g], std::max<int64_t>(0, first - blk * BLOCK), seen, states[g]);
+      round_to_bf16(scores[g], scores[g]);
+    }
+    for (int64_t g = 0; g < G; g += MAX_HEADS_AT_ONCE)
+      switch (std::min(MAX_HEADS_AT_ONCE, G - g)) {
+        case 1: heads_block_values<1>(outs + g, vblocks[blk], D, seen, corrections + g, values + g); break;
+        case 2: heads_block_values<2>(outs + g, vblocks[blk], D, seen, corrections + g, values + g); break;
+        default: heads_block_values<3>(outs + g, vblocks[blk], D, seen, corrections + g, values + g); break;
+      }
+  }
+}
+#endif
 
 #if EMBER_BF16_DOT
 // bfloat16 over one chunk of up to CHUNK / BLOCK blocks, for N heads of a group at once: they
@@ -334,27 +484,37 @@ constexpr int64_t partial_floats(int64_t D) { return 2 + D; }  // max, sum, valu
 // group, (max, sum, values) into partials[(row - r0) * G + g].
 template <typename T>
 void split_partials(const Batch& b, int64_t s, int64_t kvh, int64_t split, int64_t r0, int64_t r1, float* partials) {
-  const int64_t D = b.D, G = b.G, lo = split * SPLIT;
+  const int64_t D = b.D, G = b.G, lo = split * SPLIT, R = r1 - r0;
   const T* q = static_cast<const T*>(b.q);
   const T* keys = static_cast<const T*>(b.k_cache) + kvh * b.head_stride;
   const T* vals = static_cast<const T*>(b.v_cache) + kvh * b.head_stride;
   const int32_t* table = b.tables + s * b.table_width;
-  std::vector<State> states(G);
-  std::vector<const T*> rows(G);
+  std::vector<State> states(R * G);
+  std::vector<const T*> rows(R * G);
+  std::vector<int64_t> first_chunk(R), end(R), begin(R);
+  int64_t chunks = 0;  // the most any row of the tile takes
   for (int64_t r = r0; r < r1; ++r) {
-    const int64_t pos = b.first_pos[s] + (r - b.row_begin[s]);
-    const int64_t end = std::min<int64_t>(pos + 1, lo + SPLIT);
-    const int64_t begin = b.window > 0 ? std::max<int64_t>(0, pos + 1 - b.window) : 0;  // the row's first key
-    for (int64_t g = 0; g < G; ++g) {
-      float* p = partials + ((r - r0) * G + g) * partial_floats(D);
-      states[g] = State{-std::numeric_limits<float>::infinity(), 0.f, p + 2};
-      std::fill(p + 2, p + 2 + D, 0.f);
-      rows[g] = q + r * b.q_stride + (kvh * G + g) * D;
-    }
+    const int64_t i = r - r0, pos = b.first_pos[s] + (r - b.row_begin[s]);
+    end[i] = std::min<int64_t>(pos + 1, lo + SPLIT);
+    begin[i] = b.window > 0 ? std::max<int64_t>(0, pos + 1 - b.window) : 0;  // the row's first key
     // A window's chunks start at the block holding its first key (a position fixed by the row's),
     // so no block before the window is read.
-    for (int64_t chunk = std::max(lo, begin / BLOCK * BLOCK); chunk < end; chunk += CHUNK) {
-      const int64_t count = (std::min(end, chunk + CHUNK) - chunk + BLOCK - 1) / BLOCK;
+    first_chunk[i] = std::max(lo, begin[i] / BLOCK * BLOCK);
+    chunks = std::max(chunks, (end[i] - first_chunk[i] + CHUNK - 1) / CHUNK);
+    for (int64_t g = 0; g < G; ++g) {
+      float* p = partials + (i * G + g) * partial_floats(D);
+      states[i * G + g] = State{-std::numeric_limits<float>::infinity(), 0.f, p + 2};
+      std::fill(p + 2, p + 2 + D, 0.f);
+      rows[i * G + g] = q + r * b.q_stride + (kvh * G + g) * D;
+    }
+  }
+  // Chunk by chunk, every row of the tile in turn, so the rows share a chunk's keys and values
+  // while they are in L1; each row still takes its own chunks in order.
+  for (int64_t c = 0; c < chunks; ++c) {
+    for (int64_t i = 0; i < R; ++i) {
+      const int64_t chunk = first_chunk[i] + c * CHUNK;
+      if (chunk >= end[i]) continue;
+      const int64_t count = (std::min(end[i], chunk + CHUNK) - chunk + BLOCK - 1) / BLOCK;
       const T* kblocks[CHUNK / BLOCK];
       const T* vblocks[CHUNK / BLOCK];
       for (int64_t blk = 0; blk < count; ++blk) {
@@ -362,15 +522,16 @@ void split_partials(const Batch& b, int64_t s, int64_t kvh, int64_t split, int64
         kblocks[blk] = keys + base;
         vblocks[blk] = vals + base;
       }
-      attend_chunk<T>(rows.data(), G, kblocks, vblocks, count, D, std::max<int64_t>(0, begin - chunk),
-                      std::min(end, chunk + CHUNK) - chunk, b.scale, states.data());
-    }
-    for (int64_t g = 0; g < G; ++g) {
-      float* p = partials + ((r - r0) * G + g) * partial_floats(D);
-      p[0] = states[g].max;
-      p[1] = states[g].sum;
+      attend_chunk<T>(rows.data() + i * G, G, kblocks, vblocks, count, D, std::max<int64_t>(0, begin[i] - chunk),
+                      std::min(end[i], chunk + CHUNK) - chunk, b.scale, states.data() + i * G);
     }
   }
+  for (int64_t i = 0; i < R; ++i)
+    for (int64_t g = 0; g < G; ++g) {
+      float* p = partials + (i * G + g) * partial_floats(D);
+      p[0] = states[i * G + g].max;
+      p[1] = states[i * G + g].sum;
+    }
 }
 
 // out = sum_j e^(max_j - M) values_j / sum_j e^(max_j - M) sum_j over a row-head's splits, in order.

@@ -276,3 +276,43 @@ def test_torch_prefill_and_decode_keep_to_a_sliding_window(exact):
     attn = PagedAttention(cache, slots[-1:], [group], [])
     out = attn.attend(0, q[-1:], keys[:, -1:].transpose(0, 1), values[:, -1:].transpose(0, 1))
     torch.testing.assert_close(out, expected[-1:], rtol=1e-5, atol=1e-5)
+
+
+# ---- other head shapes: a group's heads share each block's loads, in passes ---------------------
+
+@pytest.mark.parametrize("heads, kv_heads, head_dim", [(4, 4, 64), (8, 4, 64), (8, 2, 128), (10, 2, 80), (12, 2, 32)])
+def test_the_bfloat16_kernel_keeps_its_promises_for_other_head_shapes(heads, kv_heads, head_dim):
+    """One, two, four, five and six query heads per KV head, head dims from 32 to 128: plain causal
+    attention's values, and a row's bits alone, in a prompt chunk, or among other sequences."""
+    from ember import kernels
+    assert kernels.available(), kernels.status()
+    length, block = 300, KERNEL_BLOCK  # past the kernel's first split of 256 keys
+    generator = torch.Generator().manual_seed(1)
+    num_blocks = length // block + 1
+    k_cache = torch.zeros(kv_heads, num_blocks, block * head_dim, dtype=torch.bfloat16)
+    v_cache = torch.zeros_like(k_cache)
+    keys, values = (torch.randn(length, kv_heads, head_dim, generator=generator).bfloat16() for _ in range(2))
+    torch.ops.ember.store_kv_(keys, values, k_cache, v_cache, torch.arange(length))
+    q = torch.randn(length, heads, head_dim, generator=generator).bfloat16()
+    table = torch.arange(num_blocks, dtype=torch.int32)[None]
+
+    def attend(sequences):  # (first position, rows) each
+        rows = torch.cat([rows for _, rows in sequences])
+        begins = torch.tensor([0] + [len(r) for _, r in sequences], dtype=torch.int32).cumsum(0).to(torch.int32)
+        firsts = torch.tensor([start for start, _ in sequences], dtype=torch.int32)
+        return torch.ops.ember.paged_attention(rows, k_cache, v_cache, table.expand(len(sequences), -1).contiguous(),
+                                               begins, firsts, head_dim ** -0.5, 0)
+
+    whole = attend([(0, q)])
+    group = heads // kv_heads
+    k = keys.float().repeat_interleave(group, 1).transpose(0, 1)
+    v = values.float().repeat_interleave(group, 1).transpose(0, 1)
+    scores = torch.einsum("lhd,hkd->hlk", q.float(), k) * head_dim ** -0.5
+    scores = scores.masked_fill(torch.ones(length, length, dtype=torch.bool).triu(1), float("-inf"))
+    expected = torch.einsum("hlk,hkd->lhd", scores.softmax(-1), v)
+    torch.testing.assert_close(whole.float(), expected, rtol=2e-2, atol=2e-2)
+    for position in (0, 17, 255, 256, 299):
+        assert torch.equal(attend([(position, q[position:position + 1])])[0], whole[position])
+    assert torch.equal(attend([(131, q[131:])]), whole[131:])
+    together = attend([(299, q[299:]), (40, q[40:90]), (7, q[7:8])])
+    assert torch.equal(together, torch.cat((whole[299:], whole[40:90], whole[7:8])))

@@ -1,0 +1,99 @@
+"""This tree's attention kernel against another version of its source, in one process.
+
+    git show HEAD~1:ember/kernels/attention.cpp > /tmp/attention_before.cpp
+    python bench/attention_versions.py /tmp/attention_before.cpp [--prompt 4000] [--rounds 5]
+
+The other source is built beside ember's kernels (with this tree's common.h) under an op namespace
+of its own, and both run the default model's attention shapes (9 query heads, 3 KV heads, head
+dim 64, bfloat16) on the same random cache: a whole prompt in chunks of 512 rows, as prefill runs
+it, and one decode row at the prompt's end. The two are timed in alternation, in a new random
+order each round; the table gives each one's median time for the model's 30 layers and the median
+of the per-round ratios, this tree over the other, and whether the outputs have the same bits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import shutil
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from ember import kernels
+
+HEADS, KV_HEADS, HEAD_DIM, LAYERS, CHUNK_ROWS, BLOCK = 9, 3, 64, 30, 512, 16
+
+
+def build_other(source: Path):
+    """The other attention source built under torch.ops.ember_attention_other."""
+    from torch.utils import cpp_extension
+
+    name = "ember_attention_other"
+    folder = Path(tempfile.mkdtemp(prefix="ember-attention-"))
+    shutil.copy(source, folder / "attention.cpp")
+    shutil.copy(Path(kernels.__file__).parent / "common.h", folder / "common.h")
+    cpp_extension.load(name=name, sources=[str(folder / "attention.cpp")],
+                       extra_cflags=["-O3", "-march=native", "-fopenmp", f"-DEMBER_OPS={name}"],
+                       extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
+    return getattr(torch.ops, name)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("other", type=Path, help="the other version of ember/kernels/attention.cpp")
+    parser.add_argument("--prompt", type=int, default=4000, help="prompt length in tokens")
+    parser.add_argument("--rounds", type=int, default=5)
+    args = parser.parse_args()
+    assert kernels.available(), kernels.status()
+    ops = {"this tree": torch.ops.ember, "other": build_other(args.other)}
+    generator = torch.Generator().manual_seed(0)
+    length = args.prompt
+    num_blocks = length // BLOCK + 1
+    k_cache, v_cache = (torch.randn(KV_HEADS, num_blocks, BLOCK * HEAD_DIM, generator=generator).bfloat16()
+                        for _ in range(2))
+    q = torch.randn(length, HEADS, HEAD_DIM, generator=generator).bfloat16()
+    table = torch.arange(num_blocks, dtype=torch.int32)[None]
+    scale = HEAD_DIM ** -0.5
+
+    def attend(op, first: int, rows: torch.Tensor) -> torch.Tensor:
+        return op.paged_attention(rows, k_cache, v_cache, table, torch.tensor([0, len(rows)], dtype=torch.int32),
+                                  torch.tensor([first], dtype=torch.int32), scale, 0)
+
+    def prompt(op) -> tuple[float, torch.Tensor]:
+        began = time.perf_counter()
+        out = torch.cat([attend(op, first, q[first:first + CHUNK_ROWS]) for first in range(0, length, CHUNK_ROWS)])
+        return time.perf_counter() - began, out
+
+    def decode(op, reps: int = 100) -> tuple[float, torch.Tensor]:
+        began = time.perf_counter()
+        for _ in range(reps):
+            out = attend(op, length - 1, q[-1:])
+        return (time.perf_counter() - began) / reps, out
+
+    kernels_of = {"prompt": prompt, "decode row": decode}
+    times = {(case, name): [] for case in kernels_of for name in ops}
+    outputs = {}
+    for round_index in range(args.rounds):
+        for name in random.Random(round_index).sample(list(ops), len(ops)):
+            for case, run in kernels_of.items():
+                seconds, outputs[case, name] = run(ops[name])
+                times[case, name].append(seconds)
+    print(f"attention of {LAYERS} layers, {HEADS} heads over {KV_HEADS} KV heads, head dim {HEAD_DIM}, bfloat16; "
+          f"a {length}-token prompt in chunks of {CHUNK_ROWS} rows, then a decode row at its end")
+    print("| case | this tree | other | this tree / other | same bits |")
+    print("| --- | --- | --- | --- | --- |")
+    for case in kernels_of:
+        unit, factor = ("s", 1.0) if case == "prompt" else ("ms", 1e3)
+        mine, theirs = times[case, "this tree"], times[case, "other"]
+        ratio = statistics.median(a / b for a, b in zip(mine, theirs))
+        same = torch.equal(outputs[case, "this tree"], outputs[case, "other"])
+        print(f"| {case} | {statistics.median(mine) * LAYERS * factor:.2f} {unit} | "
+              f"{statistics.median(theirs) * LAYERS * factor:.2f} {unit} | {ratio:.2f}x | {'yes' if same else 'no'} |")
+
+
+if __name__ == "__main__":
+    main()
