@@ -252,7 +252,6 @@ inline float visible_max(const float* scores, int64_t first, int64_t valid) {
   return max;
 }
 
-// The online softmax over one block: its keys [first, valid) are visible to the row.
 // The online softmax's step over one block whose keys [first, valid) the row sees: its scores
 // become weights (0 for unseen keys), the state's max and sum move on; returns the factor the
 // state's values must take before the block's weighted values are added.
@@ -277,15 +276,21 @@ inline void attend_block(const T* q, const T* kblock, const T* vblock, int64_t D
   block_values<T>(scores, vblock, D, valid, correction, state.values);
 }
 
-// Heads [0, G) of a row over one chunk of `count` blocks, block by block (float32, and bfloat16
-// without the bfloat16 dot-product instructions).
+// Heads [0, G) of a row over one chunk of `count` blocks, block by block and head by head.
 template <typename T>
-inline void attend_chunk(const T* const* q, int64_t G, const T* const* kblocks, const T* const* vblocks, int64_t count,
-                         int64_t D, int64_t first, int64_t valid, float scale, State* states) {
+inline void attend_blocks(const T* const* q, int64_t G, const T* const* kblocks, const T* const* vblocks,
+                          int64_t count, int64_t D, int64_t first, int64_t valid, float scale, State* states) {
   for (int64_t blk = first / BLOCK; blk < count; ++blk)
     for (int64_t g = 0; g < G; ++g)
       attend_block<T>(q[g], kblocks[blk], vblocks[blk], D, std::max<int64_t>(0, first - blk * BLOCK),
                       std::min<int64_t>(BLOCK, valid - blk * BLOCK), scale, states[g]);
+}
+
+// Heads [0, G) of a row over one chunk (float32; bfloat16 has its own paths below).
+template <typename T>
+inline void attend_chunk(const T* const* q, int64_t G, const T* const* kblocks, const T* const* vblocks, int64_t count,
+                         int64_t D, int64_t first, int64_t valid, float scale, State* states) {
+  attend_blocks<T>(q, G, kblocks, vblocks, count, D, first, valid, scale, states);
 }
 
 #if EMBER_AVX2 && !EMBER_BF16_DOT
@@ -299,13 +304,8 @@ inline void attend_chunk<at::BFloat16>(const at::BFloat16* const* q, int64_t G, 
                                        const at::BFloat16* const* vblocks, int64_t count, int64_t D, int64_t first,
                                        int64_t valid, float scale, State* states) {
   constexpr int64_t MOST = 4096, MOST_HEADS = 64;  // the widened queries and the scores live on the stack
-  if (D % 8 != 0 || G * D > MOST || G > MOST_HEADS) {
-    for (int64_t blk = first / BLOCK; blk < count; ++blk)
-      for (int64_t g = 0; g < G; ++g)
-        attend_block<at::BFloat16>(q[g], kblocks[blk], vblocks[blk], D, std::max<int64_t>(0, first - blk * BLOCK),
-                                   std::min<int64_t>(BLOCK, valid - blk * BLOCK), scale, states[g]);
-    return;
-  }
+  if (D % 8 != 0 || G * D > MOST || G > MOST_HEADS)
+    return attend_blocks<at::BFloat16>(q, G, kblocks, vblocks, count, D, first, valid, scale, states);
   alignas(32) float qf[MOST];
   alignas(64) float scores[MOST_HEADS][BLOCK];
   const float* heads[MOST_HEADS];
@@ -454,11 +454,7 @@ inline void attend_chunk<at::BFloat16>(const at::BFloat16* const* q, int64_t G, 
   switch (D) {
     case 64: return attend_chunk_passes<4>(pairs.data(), G, kblocks, vblocks, count, first, valid, scale, states);
     case 128: return attend_chunk_passes<8>(pairs.data(), G, kblocks, vblocks, count, first, valid, scale, states);
-    default:
-      for (int64_t blk = first / BLOCK; blk < count; ++blk)
-        for (int64_t g = 0; g < G; ++g)
-          attend_block<at::BFloat16>(q[g], kblocks[blk], vblocks[blk], D, std::max<int64_t>(0, first - blk * BLOCK),
-                                     std::min<int64_t>(BLOCK, valid - blk * BLOCK), scale, states[g]);
+    default: return attend_blocks<at::BFloat16>(q, G, kblocks, vblocks, count, D, first, valid, scale, states);
   }
 }
 #endif
