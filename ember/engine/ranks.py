@@ -62,7 +62,15 @@ def start_leader(settings: messages.WorkerSettings) -> TensorGroup:
     watcher = _Watcher(children)
     logger.info("tensor parallel: waiting for %d ranks at %s", world, address)
     group = join(0, world, address, local_rank=0)
-    group.on_close = watcher.close
+    threads = torch.get_num_threads()
+
+    def on_close() -> None:
+        # Rank 0 runs in the caller's process: once its group is gone, the process has its cores
+        # back (an engine built after it probes its row plans with the threads it will run on).
+        watcher.close()
+        torch.set_num_threads(threads)
+
+    group.on_close = on_close
     group.broadcast_bytes(messages.encode(settings))
     share_cores(config)
     return group

@@ -1,6 +1,7 @@
 """Engines on the real default model, shared by the engine tests; every test ends leak-free."""
 
 import pytest
+import torch
 
 from ember.llm import LLM
 
@@ -26,3 +27,13 @@ def _no_leaks(request):
             engine = request.getfixturevalue(name).engine
             assert not engine.has_unfinished(), "a test left requests running"
             engine.check_invariants()
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _threads_kept():
+    """A module leaves torch's CPU threads as it found them: the shared engines chose their row
+    plans for the threads they started with (a tensor-parallel group shares the cores while it
+    lives and gives them back when it closes)."""
+    threads = torch.get_num_threads()
+    yield
+    assert torch.get_num_threads() == threads, "a test module changed torch's CPU threads"
