@@ -14,14 +14,15 @@ import logging
 from typing import Any, AsyncIterator, Callable
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 
 from ember.constraint_spec import ConstraintSpec
 from ember.errors import EmberError
 from ember.protocols.errors import GenerationFailed
 from ember.protocols.json_body import parse_body
 from ember.protocols.neutral import Dialect, ResponseMeta, RunResult, choice_seeds, resolve_sampling
-from ember.protocols.sse import ServerEvent, encode, with_keep_alive
+from ember.protocols.sse import ServerEvent, encode
+from ember.server.event_stream import EventStreamResponse, wait_for_disconnect
 from ember.server.keys import DEFAULT_TENANT
 from ember.server.middleware import ClientGone
 from ember.server.request_record import RequestRecord
@@ -29,9 +30,6 @@ from ember.server.state import ServerState
 from ember.types import FinishReason, GenerationOutput, SamplingParams
 
 logger = logging.getLogger("ember.server")
-
-SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-
 
 class ChoiceRun:
     """Runs a request's choices on the engine and merges their outputs in arrival order.
@@ -135,7 +133,7 @@ async def serve_generation(request: Request, dialect: Dialect) -> Response:
                         report_progress=job.stream and job.return_progress, constraint=constraint)
         if job.stream:
             frames = stream_frames(renderer, result, run, state, record)
-            response = EventStreamResponse(with_keep_alive(frames, state.config.sse_keepalive), ticket.release,
+            response = EventStreamResponse(frames, ticket.release, state.config.sse_keepalive,
                                            state.config.stalled_client_timeout)
             ticket = None  # the stream releases it when it ends
             return response
@@ -187,13 +185,6 @@ async def collect_unless_gone(request: Request, run: ChoiceRun, result: RunResul
         await run.close()
 
 
-async def wait_for_disconnect(receive) -> None:
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            return
-
-
 async def stream_frames(renderer, result: RunResult, run: ChoiceRun, state: ServerState,
                         record: RequestRecord) -> AsyncIterator[bytes]:
     """SSE frames of one request: opening chunks, deltas, closing chunks; errors become events."""
@@ -230,54 +221,3 @@ async def stream_frames(renderer, result: RunResult, run: ChoiceRun, state: Serv
 
 def _frames(events: list[ServerEvent]) -> bytes:
     return b"".join(encode(event) for event in events)
-
-
-class EventStreamResponse(StreamingResponse):
-    """An SSE response that watches for the client leaving while it streams (whatever the ASGI
-    server's version), and always cleans up: its frames are closed, which aborts the engine run,
-    and its admission ticket is released, however the stream ends. A client that reads nothing
-    for `stalled_timeout` seconds (its socket's buffers full) is cut off the same way, so it cannot
-    hold a batch slot and KV blocks forever."""
-
-    def __init__(self, frames: AsyncIterator[bytes], on_close, stalled_timeout: float = 0.0) -> None:
-        super().__init__(frames, media_type="text/event-stream", headers=SSE_HEADERS)
-        self.frames = frames
-        self._on_close = on_close
-        self.stalled_timeout = stalled_timeout or None
-
-    async def __call__(self, scope, receive, send) -> None:
-        async def deliver(message) -> None:
-            try:
-                await asyncio.wait_for(send(message), self.stalled_timeout)
-            except asyncio.TimeoutError:
-                logger.warning("a stream's client read nothing for %g s: the stream is cut off", self.stalled_timeout)
-                raise ClientGone() from None
-
-        watcher = asyncio.ensure_future(wait_for_disconnect(receive))
-
-        async def stream() -> None:
-            await deliver({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
-            async for frame in self.frames:
-                # Cancelling this task is not enough to stop it: asyncio.wait_for before Python 3.12
-                # drops a cancellation that lands as its send finishes, and an ASGI server's send
-                # returns quietly once the client has gone, so the stream would run to its end.
-                if watcher.done():
-                    return
-                await deliver({"type": "http.response.body", "body": frame, "more_body": True})
-            await deliver({"type": "http.response.body", "body": b"", "more_body": False})
-
-        writer = asyncio.ensure_future(stream())
-        try:
-            await asyncio.wait((writer, watcher), return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            for task in (writer, watcher):
-                task.cancel()
-            await asyncio.gather(writer, watcher, return_exceptions=True)
-            try:
-                await self.frames.aclose()
-            finally:
-                self._on_close()
-        if writer.done() and not writer.cancelled() and writer.exception() is not None:
-            if isinstance(writer.exception(), ClientGone):
-                return  # the connection is dropped; the run has been aborted
-            raise writer.exception()

@@ -8,87 +8,129 @@ import pytest
 
 from ember.protocols.errors import QueueTimeout, ServerOverloaded, ServerUnavailable
 from ember.protocols.fields import Fields
-from ember.protocols.sse import KEEP_ALIVE, with_keep_alive
+from ember.protocols.sse import KEEP_ALIVE
 from ember.server.admission import Admission
-from ember.server.pipeline import EventStreamResponse
+from ember.server.event_stream import EventStreamResponse
 
 
 def run(coro):
     return asyncio.run(coro)
 
 
+async def _never_leaves():
+    await asyncio.Event().wait()
+
+
+def _bodies(messages: list[dict]) -> list[bytes]:
+    return [m["body"] for m in messages if m["type"] == "http.response.body" and m["body"]]
+
+
 def test_keep_alive_fills_idle_gaps_and_passes_frames_through():
-    gate = asyncio.Event
-
     async def scenario():
-        release = gate()
+        sent: list[dict] = []
+        release = asyncio.Event()
 
-        async def source():
+        async def frames():
             yield b"first"
             await release.wait()
             yield b"second"
 
-        received = []
-        async for frame in with_keep_alive(source(), interval=0.01):
-            received.append(frame)
-            if received.count(KEEP_ALIVE) == 3:
+        async def send(message):
+            sent.append(message)
+            if _bodies(sent).count(KEEP_ALIVE) == 3:
                 release.set()
-        return received
 
-    received = run(scenario())
-    assert received[0] == b"first" and received[-1] == b"second"
-    assert received.count(KEEP_ALIVE) >= 3
+        response = EventStreamResponse(frames(), lambda: None, keep_alive=0.01)
+        await asyncio.wait_for(response({"type": "http"}, _never_leaves, send), 10)
+        return sent
+
+    sent = run(scenario())
+    bodies = _bodies(sent)
+    assert sent[0]["type"] == "http.response.start" and sent[-1] == {"type": "http.response.body", "body": b"",
+                                                                     "more_body": False}
+    assert bodies[0] == b"first" and bodies[-1] == b"second" and bodies.count(KEEP_ALIVE) >= 3
 
 
-def test_closing_the_stream_cleans_up_its_source():
+def test_a_busy_stream_sends_no_keep_alive():
     async def scenario():
-        cleaned = asyncio.Event()
+        sent: list[dict] = []
 
-        async def source():
+        async def frames():
+            for _ in range(50):
+                await asyncio.sleep(0.002)
+                yield b"data: {}\n\n"
+
+        async def send(message):
+            sent.append(message)
+
+        response = EventStreamResponse(frames(), lambda: None, keep_alive=0.05)
+        await asyncio.wait_for(response({"type": "http"}, _never_leaves, send), 10)
+        return _bodies(sent)
+
+    bodies = run(scenario())
+    assert len(bodies) == 50 and KEEP_ALIVE not in bodies
+
+
+def test_a_client_leaving_an_idle_stream_cleans_up_its_source_and_ticket():
+    async def scenario():
+        closed, sent = [], []
+        left = asyncio.Event()
+
+        async def frames():
             try:
                 yield b"one"
                 await asyncio.sleep(3600)
                 yield b"never"
             finally:
-                cleaned.set()
+                closed.append("frames")
 
-        stream = with_keep_alive(source(), interval=0.01)
-        assert await stream.__anext__() == b"one"
-        assert await stream.__anext__() == KEEP_ALIVE  # the source is now waiting
-        await stream.aclose()
-        return cleaned.is_set()
+        async def receive():
+            await left.wait()
+            return {"type": "http.disconnect"}
 
-    assert run(scenario())
+        async def send(message):
+            sent.append(message)
+            if message.get("body") == KEEP_ALIVE:  # the source is waiting: the client goes
+                left.set()
+
+        response = EventStreamResponse(frames(), lambda: closed.append("ticket"), keep_alive=0.01)
+        await asyncio.wait_for(response({"type": "http"}, receive, send), 10)
+        return closed, _bodies(sent)
+
+    closed, bodies = run(scenario())
+    assert closed == ["frames", "ticket"] and bodies[0] == b"one" and b"never" not in bodies
 
 
-def test_a_stream_cancelled_as_its_next_frame_arrives_still_cleans_up_its_source():
-    """The client leaves in the same turn of the event loop as the source yields: the frame it
-    will never send is dropped, and the source is closed then, not whenever it is collected."""
+def test_a_client_that_stops_reading_is_cut_off_and_its_source_closed():
+    """The client's buffers are full: a send never returns. After stalled_timeout the stream ends,
+    its frames are closed (the engine run is aborted) and its ticket is released, whether the
+    stalled send is a frame's or a keep-alive comment's."""
 
-    async def scenario():
+    async def scenario(stuck_on: bytes):
         closed = []
-        ready = asyncio.Event()
 
-        async def source():
+        async def frames():
             try:
                 yield b"one"
-                await ready.wait()
-                yield b"two"
+                if stuck_on == b"two":
+                    yield b"two"
                 await asyncio.sleep(3600)
             finally:
-                closed.append(True)
+                closed.append("frames")
 
-        stream = with_keep_alive(source(), interval=60)
-        assert await stream.__anext__() == b"one"
-        reader = asyncio.ensure_future(stream.__anext__())
-        await asyncio.sleep(0)  # the reader now waits for the source
-        ready.set()
-        await asyncio.sleep(0)  # the source has yielded "two"; the reader has not woken yet
-        reader.cancel()
-        await asyncio.gather(reader, return_exceptions=True)
-        return list(closed)  # as of now: the loop's own shutdown would close it later
+        async def send(message):
+            if message.get("body") == stuck_on:
+                await asyncio.sleep(3600)
 
-    assert run(scenario()) == [True]
+        response = EventStreamResponse(frames(), lambda: closed.append("ticket"), keep_alive=0.02,
+                                       stalled_timeout=0.1)
+        began = asyncio.get_running_loop().time()
+        await asyncio.wait_for(response({"type": "http"}, _never_leaves, send), 10)
+        return closed, asyncio.get_running_loop().time() - began
+
+    for stuck_on in (b"two", KEEP_ALIVE):
+        closed, took = run(scenario(stuck_on))
+        assert closed == ["frames", "ticket"] and took >= 0.1, stuck_on
 
 
 def test_a_stream_stops_at_its_next_frame_when_its_client_leaves_even_if_the_cancellation_is_lost():
@@ -121,7 +163,7 @@ def test_a_stream_stops_at_its_next_frame_when_its_client_leaves_even_if_the_can
             except asyncio.CancelledError:
                 pass
 
-        response = EventStreamResponse(frames(), lambda: closed.append("ticket"), stalled_timeout=30)
+        response = EventStreamResponse(frames(), lambda: closed.append("ticket"), keep_alive=5, stalled_timeout=30)
         await asyncio.wait_for(response({"type": "http"}, receive, send), 10)
         return produced, closed
 
