@@ -1,6 +1,7 @@
 """Speculative decoding against plain decoding, engine-level, all numbers from one run.
 
     python bench/speculative.py [--output-len 128] [--rounds 3] [--no-draft-model]
+                                [--prompts FILE] [--sets repetitive,chat]
 
 Two prompt sets ship beside this script (speculative_prompts.json): repetitive work (editing
 code, quoting the input) and free chat. For each set, at 1 stream (one prompt at a time) and 8
@@ -36,12 +37,13 @@ import time
 from dataclasses import replace
 
 from ember import LLM, SamplingParams
-from ember.config import SpeculativeConfig
+from ember.config import MAX_TUNED_DRAFT_TOKENS, SpeculativeConfig
 from ember.engine.core import EngineCore
 from ember.engine.spec.draft_model import DraftModelProposer
+from ember.engine.spec.ngram import NgramIndex
 from ember.types import SpeculationCounts
 
-PROMPTS = json.loads((pathlib.Path(__file__).parent / "speculative_prompts.json").read_text())
+PROMPTS = pathlib.Path(__file__).parent / "speculative_prompts.json"
 SETTINGS = dict(max_model_len=2048, kv_cache_tokens=48 * 1024)
 _PASSES = 3  # at 8 streams, each set's prompts this many times over
 
@@ -124,12 +126,35 @@ def run_together(engines: dict[str, EngineCore], prompts: list[list[int]], strea
     return runs
 
 
+def lookup_ceiling(prompts: list[list[int]], replies: list[list[int]]) -> float:
+    """Decode tokens a step that n-gram lookup (the default suffix lengths) would make if it always
+    drafted the longest draft that holds, up to the tuned most, and verifying cost nothing: what the
+    text allows, before the row cost and the tuning take their share."""
+    config = SpeculativeConfig(mode="ngram")
+    tokens = steps = 0
+    for prompt, reply in zip(prompts, replies):
+        index, i = NgramIndex(config.ngram_min, config.ngram_max), 1  # the first token is the prefill's
+        while i < len(reply):
+            drafts, _ = index.propose(prompt + reply[:i], MAX_TUNED_DRAFT_TOKENS)
+            held = [a == b for a, b in zip(drafts, reply[i:])] + [False]
+            kept = held.index(False)
+            i, steps = i + kept + 1, steps + 1
+        tokens += len(reply) - 1
+    return tokens / max(steps, 1)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--no-draft-model", action="store_true")
+    parser.add_argument("--prompts", type=pathlib.Path, default=PROMPTS,
+                        help="a JSON object of prompt sets, each a list of user messages (default: the shipped sets)")
+    parser.add_argument("--sets", help="the sets to run, comma-separated (default: all in the file)")
     args = parser.parse_args()
+    prompt_sets = json.loads(args.prompts.read_text())
+    if args.sets:
+        prompt_sets = {name: prompt_sets[name] for name in args.sets.split(",")}
 
     llm = LLM(**SETTINGS)
     groups = [{"plain": llm.engine, "ngram": engine_like(llm, SpeculativeConfig(mode="ngram"))}]
@@ -141,7 +166,7 @@ def main() -> None:
                                                    draft)})
     engines = {name: engine for group in groups for name, engine in group.items()}
     encoded = {name: [llm.encode_prompt([{"role": "user", "content": text}]) for text in texts]
-               for name, texts in PROMPTS.items()}
+               for name, texts in prompt_sets.items()}
     print(f"output {args.output_len} tokens, greedy, {args.rounds} rounds; median tok/s (median ratio to "
           f"its plain engine), mean accepted length")
     for set_name, prompts in encoded.items():
@@ -159,6 +184,8 @@ def main() -> None:
                     speeds[name].append(speed)
                     decode_speeds[name].append(decode_speed)
                     seen[name] = (tokens, mode_run.counts, tokens_a_step)
+            print(f"  {set_name:10s} {streams} stream{'s' if streams > 1 else ' '}  lookup with free verification: "
+                  f"{lookup_ceiling(batch, seen['plain'][0]):.2f} tokens a decode step", flush=True)
             for name in engines:
                 baseline = "bf16 plain" if name.startswith("bf16") else "plain"
                 tokens, counts, tokens_a_step = seen[name]

@@ -187,8 +187,19 @@ def test_each_draft_position_is_learnt_apart_since_copies_run_on_or_break_at_onc
     for round_index in range(40):  # half the rounds keep all 8 drafts, half break at the first
         length.record(8, 8 if round_index % 2 else 0)
     holds = length.holds()
-    assert 0.4 < holds[0] < 0.6 and min(holds[1:8]) > 0.95
+    assert 0.4 < holds[0] < 0.6 and min(holds[1:8]) > 0.9
     assert holds[8] > 0.9  # not reached yet: as likely as the position before it
     # a geometric guess (p = 8 / 9 per token) would draft long as well; a round that reached 8
     # tokens every time it started is worth a long draft even at one chance in two to start
     assert best_draft_length(holds, 1, (1.0, 0.05, 0.0, 0.0), 16) >= 8
+
+
+def test_a_position_not_reached_for_a_while_forgets_an_old_miss():
+    length = DraftLength(None)
+    length.record(8, 3)  # an early round breaks at its fourth draft...
+    early = length.holds()[3]
+    for _ in range(30):  # ...then rounds of three drafts hold every time, never reaching the fourth
+        length.record(3, 3)
+    holds = length.holds()
+    assert early < 0.6 and holds[3] > 0.9  # the old miss has faded: as likely as the position before
+    assert best_draft_length(holds, 1, (1.0, 0.05, 0.0, 0.0), 16) > 3

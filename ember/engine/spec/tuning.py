@@ -226,9 +226,10 @@ class DraftLength:
     def record(self, proposed: int, accepted: int) -> None:
         """A verified round: `accepted` of its `proposed` drafts kept (positions up to the first
         miss were reached)."""
-        for i in range(min(accepted + 1, proposed, MAX_TUNED_DRAFT_TOKENS)):
-            self._reached[i] = self._reached[i] * _MEMORY + 1
-            self._kept[i] = self._kept[i] * _MEMORY + (i < accepted)
+        reached = min(accepted + 1, proposed, MAX_TUNED_DRAFT_TOKENS)
+        for i in range(MAX_TUNED_DRAFT_TOKENS):  # every position's evidence ages, reached or not
+            self._reached[i] = self._reached[i] * _MEMORY + (i < reached)
+            self._kept[i] = self._kept[i] * _MEMORY + (i < min(accepted, reached))
         if proposed and accepted == proposed:
             self._paused_for = _PAUSE_ROUNDS
             self._probe = True  # it held: worth probing again at once if the estimate still says no
