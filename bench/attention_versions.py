@@ -15,9 +15,7 @@ from __future__ import annotations
 
 import argparse
 import random
-import shutil
 import statistics
-import tempfile
 import time
 from pathlib import Path
 
@@ -28,20 +26,6 @@ from ember import kernels
 HEADS, KV_HEADS, HEAD_DIM, LAYERS, CHUNK_ROWS, BLOCK = 9, 3, 64, 30, 512, 16
 
 
-def build_other(source: Path):
-    """The other attention source built under torch.ops.ember_attention_other."""
-    from torch.utils import cpp_extension
-
-    name = "ember_attention_other"
-    folder = Path(tempfile.mkdtemp(prefix="ember-attention-"))
-    shutil.copy(source, folder / "attention.cpp")
-    shutil.copy(Path(kernels.__file__).parent / "common.h", folder / "common.h")
-    cpp_extension.load(name=name, sources=[str(folder / "attention.cpp")],
-                       extra_cflags=["-O3", "-march=native", "-fopenmp", f"-DEMBER_OPS={name}"],
-                       extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
-    return getattr(torch.ops, name)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("other", type=Path, help="the other version of ember/kernels/attention.cpp")
@@ -49,7 +33,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     args = parser.parse_args()
     assert kernels.available(), kernels.status()
-    ops = {"this tree": torch.ops.ember, "other": build_other(args.other)}
+    ops = {"this tree": torch.ops.ember, "other": kernels.kernel_copy(args.other, "ember_attention_other")}
     generator = torch.Generator().manual_seed(0)
     length = args.prompt
     num_blocks = length // BLOCK + 1

@@ -87,14 +87,27 @@ def status() -> str:
     return _status
 
 
-def plain_linear_copy():
-    """The linear kernel built a second time without vector instructions (the compiler's baseline
-    target), under the op namespace `ember_plain_copy`: for tests and benchmarks that hold a vector
-    path to its plain C++. Returns that namespace (torch.ops.ember_plain_copy)."""
+def kernel_copy(source: Path, namespace: str, native: bool = True):
+    """One kernel source built a second time, beside this tree's common.h, under the op namespace
+    `namespace`: for tests and benchmarks that hold one version or build of a kernel against
+    another in one process. `native`: for this processor (-march=native), as ember's own build;
+    else for the compiler's baseline target (no vector instructions). Returns torch.ops.<namespace>."""
+    import shutil
+    import tempfile
+
     from torch.utils import cpp_extension
 
-    name = "ember_plain_copy"
-    cpp_extension.load(name=f"{name}_linear", sources=[str(_FOLDER / "linear.cpp")],
-                       extra_cflags=["-O2", "-fopenmp", f"-DEMBER_OPS={name}"], extra_ldflags=["-fopenmp"],
-                       extra_include_paths=[str(_FOLDER)], is_python_module=False, verbose=False)
-    return getattr(torch.ops, name)
+    folder = Path(tempfile.mkdtemp(prefix=f"{namespace}-"))
+    shutil.copy(source, folder / source.name)
+    shutil.copy(_FOLDER / "common.h", folder / "common.h")
+    flags = ["-O3", "-march=native"] if native else ["-O2"]
+    cpp_extension.load(name=f"{namespace}_{source.stem}", sources=[str(folder / source.name)],
+                       extra_cflags=[*flags, "-fopenmp", f"-DEMBER_OPS={namespace}"], extra_ldflags=["-fopenmp"],
+                       is_python_module=False, verbose=False)
+    return getattr(torch.ops, namespace)
+
+
+def plain_linear_copy():
+    """The linear kernel built a second time without vector instructions, under the op namespace
+    `ember_plain_copy`: for tests and benchmarks that hold a vector path to its plain C++."""
+    return kernel_copy(_FOLDER / "linear.cpp", "ember_plain_copy", native=False)

@@ -213,15 +213,18 @@ inline void tile(const uint8_t* w, int64_t KB, int64_t nb0, int64_t N, const int
   }
 }
 
-// Column blocks [nb, nb + NB) against every row, four rows at a time and the last one to three
-// in one tile: the blocks' weights stay in L1 while the rows pass, and each tile unpacks them
-// once (a few rows, as in a drafted round's verification, cost little more than one). Every
-// tile asks for `next` (a repeated ask finds its lines on their way), so memory stays busy
-// however many tiles the rows take.
+// Column blocks [nb, nb + NB) against every row, in tiles of four rows; a remainder of one or two
+// joins the first tile (five or six rows) rather than taking a pass of its own, which would unpack
+// the weights once more for it, and a remainder of three takes the last tile. The blocks' weights
+// stay in L1 while the rows pass, and each tile unpacks them once (a few rows, as in a drafted
+// round's verification, cost little more than one). Every tile asks for `next` (a repeated ask
+// finds its lines on their way), so memory stays busy however many tiles the rows take.
 template <Format F, int NB, typename T>
 inline void column_blocks(const uint8_t* w, int64_t KB, int64_t nb, int64_t N, const int8_t* xq, const float* dx,
                           const float* sx, const int32_t* qsum, int64_t K, int64_t M, T* y, const uint8_t* next) {
-  int64_t m = 0;
+  int64_t m = M % 4 == 1 && M >= 5 ? 5 : M % 4 == 2 && M >= 6 ? 6 : 0;
+  if (m == 5) tile<F, 5, NB>(w, KB, nb, N, xq, dx, sx, qsum, K, 0, y, next);
+  if (m == 6) tile<F, 6, NB>(w, KB, nb, N, xq, dx, sx, qsum, K, 0, y, next);
   for (; m + 4 <= M; m += 4) tile<F, 4, NB>(w, KB, nb, N, xq, dx, sx, qsum, K, m, y, next);
   switch (M - m) {
     case 3: tile<F, 3, NB>(w, KB, nb, N, xq, dx, sx, qsum, K, m, y, next); break;

@@ -6,7 +6,8 @@ format once the checkpoint is loaded (`prepare_linears`).
 
 - DenseWeights: a plain tensor through F.linear (GPUs, float32, the reference).
 - PackedBF16Weights: bfloat16 prepacked once into oneDNN's blocked layout (CPU); the same bits as
-  dense, without a reorder of the whole weight at every call.
+  dense in calls of up to 32 rows (past that, dense rounds otherwise on an Intel Xeon with AMX),
+  without a reorder of the whole weight at every call.
 - BlockWeights: ember's block-quantized layouts for its CPU kernel
   (ember.kernels): 4-bit codes with a float16 scale and minimum per 32 weights (GGUF's Q4_0 and
   Q4_1 map onto it exactly), or 8-bit codes with a float16 scale per 32 (Q8_0 exactly).

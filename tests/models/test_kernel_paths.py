@@ -31,11 +31,11 @@ def test_the_vector_linear_gives_the_plain_bits(plain_ops, bits, dtype):
     weight = torch.randn(200, 320, generator=generator) * 0.05
     weight[3, :32] = 0  # an all-zero block: scale 0
     layer = BlockWeights(QuantBlocks.quantize(weight, bits), None, dtype)
-    x = torch.randn(9, 320, generator=generator) * 3
+    x = torch.randn(14, 320, generator=generator) * 3
     x[1, 32:64] = 0  # an all-zero activation block
     x[2, :32] *= 100  # codes at the int8 limits
     x = x.to(dtype)
-    for rows in (1, 2, 3, 4, 5, 8, 9):
+    for rows in (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 13, 14):  # every tile shape and mix of them
         vector = torch.ops.ember.quantized_linear(x[:rows], layer.packed, 200, bits)
         plain = plain_ops.quantized_linear(x[:rows], layer.packed, 200, bits)
         assert torch.equal(vector, plain), rows
