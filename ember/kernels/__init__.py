@@ -19,6 +19,8 @@ import functools
 import hashlib
 import logging
 import platform
+import shutil
+import tempfile
 import time
 from pathlib import Path
 
@@ -92,9 +94,6 @@ def kernel_copy(source: Path, namespace: str, native: bool = True):
     `namespace`: for tests and benchmarks that hold one version or build of a kernel against
     another in one process. `native`: for this processor (-march=native), as ember's own build;
     else for the compiler's baseline target (no vector instructions). Returns torch.ops.<namespace>."""
-    import shutil
-    import tempfile
-
     from torch.utils import cpp_extension
 
     folder = Path(tempfile.mkdtemp(prefix=f"{namespace}-"))

@@ -222,9 +222,14 @@ inline void tile(const uint8_t* w, int64_t KB, int64_t nb0, int64_t N, const int
 template <Format F, int NB, typename T>
 inline void column_blocks(const uint8_t* w, int64_t KB, int64_t nb, int64_t N, const int8_t* xq, const float* dx,
                           const float* sx, const int32_t* qsum, int64_t K, int64_t M, T* y, const uint8_t* next) {
-  int64_t m = M % 4 == 1 && M >= 5 ? 5 : M % 4 == 2 && M >= 6 ? 6 : 0;
-  if (m == 5) tile<F, 5, NB>(w, KB, nb, N, xq, dx, sx, qsum, K, 0, y, next);
-  if (m == 6) tile<F, 6, NB>(w, KB, nb, N, xq, dx, sx, qsum, K, 0, y, next);
+  int64_t m = 0;
+  if (M >= 5 && M % 4 == 1) {
+    tile<F, 5, NB>(w, KB, nb, N, xq, dx, sx, qsum, K, 0, y, next);
+    m = 5;
+  } else if (M >= 6 && M % 4 == 2) {
+    tile<F, 6, NB>(w, KB, nb, N, xq, dx, sx, qsum, K, 0, y, next);
+    m = 6;
+  }
   for (; m + 4 <= M; m += 4) tile<F, 4, NB>(w, KB, nb, N, xq, dx, sx, qsum, K, m, y, next);
   switch (M - m) {
     case 3: tile<F, 3, NB>(w, KB, nb, N, xq, dx, sx, qsum, K, m, y, next); break;
