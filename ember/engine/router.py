@@ -8,8 +8,11 @@ request it hashes the prompt's full blocks the way the KV manager does (kv_cache
 chained, with the request's cache salt) and counts, per worker, how many leading blocks that
 worker holds. The longest match wins if it covers more than half the prompt's blocks (less, such
 as a shared system prompt, is no reason to crowd one worker); ties go to the worker running
-fewer requests, then to the one chosen longest ago. A worker running more than `max_imbalance` requests over the least loaded
-one is passed over whatever it holds, so one hot prefix cannot pile every request on one worker.
+fewer requests, then to the one chosen longest ago. A worker running more than `max_imbalance`
+requests over the least loaded one is passed over whatever it holds, so one hot prefix cannot pile
+every request on one worker; nor is a worker whose seats (max_num_seqs) are all taken chosen while
+another has one free, so the server's admission (max_num_seqs times the workers) runs every
+admitted request at once.
 
 A worker that is down (restarting after a fault) gets no new requests while another serves; the
 requests it ran follow EngineClient's rules (run again once on it if the client has seen nothing).
@@ -67,14 +70,18 @@ def replica_launches(settings: WorkerSettings, count: int,
 
 
 def choose_worker(matched: Sequence[int], running: Sequence[int], last_chosen: Sequence[int],
-                  serving: Sequence[bool], max_imbalance: int = DEFAULT_MAX_IMBALANCE) -> int:
-    """The worker for a request: among those serving and within `max_imbalance` running requests
-    of the least loaded, the one whose cache holds the most leading blocks of the prompt
-    (`matched`), then the one running fewest, then the one chosen longest ago (`last_chosen`: the
-    number of the last request each was sent, -1 for none), then the first."""
+                  serving: Sequence[bool], max_imbalance: int = DEFAULT_MAX_IMBALANCE,
+                  seats: int | None = None) -> int:
+    """The worker for a request: among those serving, with a free seat when any has one (`seats`
+    each; None: no limit), and within `max_imbalance` running requests of the least loaded, the
+    one whose cache holds the most leading blocks of the prompt (`matched`), then the one running
+    fewest, then the one chosen longest ago (`last_chosen`: the number of the last request each
+    was sent, -1 for none), then the first."""
     candidates = [i for i, up in enumerate(serving) if up]
     if not candidates:
         raise EngineUnavailable("no engine worker is serving")
+    if seats is not None:
+        candidates = [i for i in candidates if running[i] < seats] or candidates
     least = min(running[i] for i in candidates)
     fair = [i for i in candidates if running[i] - least <= max_imbalance]
     return max(fair, key=lambda i: (matched[i], -running[i], -last_chosen[i], -i))
@@ -111,6 +118,7 @@ class EngineRouter:
             raise ValueError("a router needs at least two engine workers")
         self.clients = clients
         self.max_imbalance = max_imbalance
+        self.seats = clients[0].settings.engine.max_num_seqs  # each worker's; every worker runs the same settings
         self.running = [0] * len(clients)  # requests in flight on each worker
         self.routed = [0] * len(clients)  # requests sent to each worker, ever
         self.last_chosen = [-1] * len(clients)  # the number of the last request sent to each
@@ -206,7 +214,7 @@ class EngineRouter:
         matched = [leading_matches(hashes, client.cached_blocks) for client in self.clients]
         worth = [count if count > MIN_MATCH_SHARE * len(hashes) else 0 for count in matched]
         serving = [client.status == "ok" for client in self.clients]
-        index = choose_worker(worth, self.running, self.last_chosen, serving, self.max_imbalance)
+        index = choose_worker(worth, self.running, self.last_chosen, serving, self.max_imbalance, self.seats)
         return index, matched[index] * block_size
 
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams, *,

@@ -83,7 +83,8 @@ class ServerConfig:
 
     @property
     def max_running(self) -> int:
-        return self.engine.max_num_seqs
+        """Requests admitted to run at once: the seats of every data-parallel replica."""
+        return self.engine.max_num_seqs * self.data_parallel_size
 
 
 def is_loopback(host: str) -> bool:

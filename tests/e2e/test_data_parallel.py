@@ -1,6 +1,7 @@
 """Data parallelism under a real `ember serve --data-parallel-size 2`: a conversation keeps going
 to the worker that holds its prefix (the cached tokens in usage prove it), distinct prompts
-spread over both workers, per-worker metrics, and a killed worker leaves the other serving."""
+spread over both workers, both workers' seats run at once, `--seed` holds on every worker,
+per-worker metrics, and a killed worker leaves the other serving."""
 
 from __future__ import annotations
 
@@ -23,7 +24,8 @@ SYSTEM = ("You are a patient tutor. You explain one idea at a time, in plain wor
 
 @pytest.fixture(scope="module")
 def dp_server():
-    process = ServerProcess("--data-parallel-size", "2", "--max-model-len", "1024", "--max-num-seqs", "8").start()
+    process = ServerProcess("--data-parallel-size", "2", "--max-model-len", "1024", "--max-num-seqs", "2",
+                            "--seed", "7").start()
     yield process
     process.stop()
 
@@ -84,6 +86,45 @@ def test_distinct_prompts_spread_over_both_workers(dp_server):
     after = routed(dp_server)
     assert sum(after) - sum(before) == 4
     assert all(b > a for a, b in zip(before, after)), (before, after)
+
+
+def test_every_worker_s_seats_run_at_once(dp_server):
+    """Two workers of two seats each: four streams run together, none waits for a seat."""
+    client = openai.OpenAI(base_url=dp_server.url + "/v1", api_key="x", max_retries=0, timeout=300)
+    streams = [client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": f"Tell me a long story about {topic}."}],
+        max_tokens=400, temperature=0, stream=True, extra_body={"ignore_eos": True})
+        for topic in ("harbours", "violins", "glaciers", "lanterns")]
+    try:
+        for stream in streams:
+            next(iter(stream))  # each has been admitted and is producing
+        body = httpx.get(dp_server.url + "/health", timeout=30).json()
+        assert body["requests_running"] == 4 and body["requests_waiting"] == 0, body
+        assert body["streams"]["max"] == 4
+        assert [worker["requests_running"] for worker in body["workers"]] == [2, 2]
+    finally:
+        for stream in streams:
+            stream.close()
+    wait_idle(httpx.Client(base_url=dp_server.url, timeout=30))
+
+
+def test_the_seed_flag_is_the_seed_of_every_request_without_one(dp_server):
+    """`--seed 7`: sampled requests that bring no seed run with 7, on whichever worker, and say so."""
+    client = openai.OpenAI(base_url=dp_server.url + "/v1", api_key="x", max_retries=0, timeout=300)
+    story = [{"role": "user", "content": "Write one sentence about a fox."}]
+    replies, ids = [], []
+    for turn in range(3):
+        request_id = f"seed-flag-{turn}-{os.getpid()}"
+        ids.append(request_id)
+        reply = client.chat.completions.create(model=MODEL, messages=story, max_tokens=24, temperature=1.0,
+                                               extra_headers={"x-request-id": request_id})
+        replies.append(reply.choices[0].message.content)
+    assert replies[0] == replies[1] == replies[2]
+    seeded = client.chat.completions.create(model=MODEL, messages=story, max_tokens=24, temperature=1.0, seed=7)
+    assert seeded.choices[0].message.content == replies[0]
+    logged = {entry["request_id"]: entry["sampling"]["seed"]
+              for entry in httpx.get(dp_server.url + "/debug/requests", timeout=30).json()["data"]}
+    assert [logged[request_id] for request_id in ids] == [7, 7, 7]
 
 
 def test_metrics_are_labelled_by_worker(dp_server):

@@ -28,6 +28,13 @@ def test_a_worker_too_far_over_the_least_loaded_is_passed_over():
     assert choose_worker([9, 0], [4, 0], [0, 0], [True, True], max_imbalance=4) == 0
 
 
+def test_a_worker_with_every_seat_taken_is_passed_over_while_another_has_one():
+    assert choose_worker([9, 0], [2, 0], [0, 0], [True, True], seats=2) == 1
+    assert choose_worker([9, 0], [2, 1], [0, 0], [True, True], seats=2) == 1
+    assert choose_worker([9, 0], [1, 0], [0, 0], [True, True], seats=2) == 0
+    assert choose_worker([9, 0], [2, 2], [0, 0], [True, True], seats=2) == 0  # all full: as without seats
+
+
 def test_a_worker_that_is_down_gets_nothing():
     assert choose_worker([9, 0], [0, 3], [0, 0], [False, True]) == 1
     with pytest.raises(EngineUnavailable):
