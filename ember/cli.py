@@ -33,9 +33,10 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--revision", default=None, help=REVISION_HELP)
     parser.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32", "float16"],
                         help="weights and KV cache dtype (auto: bfloat16)")
-    parser.add_argument("--device", default="auto", help="cpu, cuda, cuda:1 ... (auto: cuda if available)")
+    parser.add_argument("--device", default="auto", help="cpu, cuda, cuda:1 ... (auto: the CPU; the CUDA path is not yet checked on a GPU)")
     parser.add_argument("--max-model-len", type=int, default=None, help="context window in tokens")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the engine's sampler")
+    parser.add_argument("--seed", type=int, default=None,
+                        help="the seed of sampled requests without --sample-seed (default: a fresh one each)")
     parser.add_argument("--log-level", default="warning", help="debug, info, warning or error")
 
 

@@ -204,8 +204,8 @@ class EngineConfig:
     # none dequantizes to the model dtype. Blocks need the CPU kernels (ember.kernels).
     quantization: str = "auto"
     dtype: str = "auto"  # auto: bfloat16 (batch-invariant and fastest on CPU and GPU)
-    device: str = "auto"  # auto: cuda when available, else cpu
-    seed: int = 0
+    device: str = "auto"  # auto: the CPU (the CUDA path is chosen by name until a GPU check runs in the suite)
+    seed: int | None = None  # of sampled requests that bring none; None: each draws a fresh one (SamplingParams.seeded)
     num_threads: int | None = None  # torch CPU threads; None: leave torch's choice (split between a launch's ranks)
     # Tensor parallelism (engine.parallel): the model split over this many ranks, which run as
     # processes of `nnodes` launches (nodes), tensor_parallel_size / nnodes each, meeting at

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import math
+import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -107,6 +109,15 @@ class SamplingParams:
     @property
     def uses_penalties(self) -> bool:
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+    def seeded(self, default_seed: int | None) -> SamplingParams:
+        """These settings as they run. A sampled request without a seed of its own takes
+        `default_seed` (`--seed`, EngineConfig.seed) or, when there is none, a fresh seed drawn
+        here, so that the seed used can be logged and the reply redone. Greedy requests need none.
+        The server and the Python API both decide a request's seed here, and nowhere else."""
+        if self.seed is not None or self.greedy:
+            return self
+        return dataclasses.replace(self, seed=default_seed if default_seed is not None else secrets.randbits(63))
 
 
 class TokenConstraint(Protocol):

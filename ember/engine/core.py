@@ -75,7 +75,7 @@ class EngineCore:
         cache = KVCache(model_config.num_hidden_layers, num_blocks, config.block_size,
                         self.num_kv_heads, model_config.head_dim, dtype, device,
                         kernel_layout=self.uses_cpu_kernels, layer_windows=model_config.layer_windows)
-        sampler = Sampler(model_config.vocab_size, device, config.seed,
+        sampler = Sampler(model_config.vocab_size, device,
                           cpu_kernel=config.cpu_kernels and device.type == "cpu" and kernels.available())
         self.runner = ModelRunner(model, cache, sampler, device, exact=config.batch_invariant and device.type == "cpu")
         if group is not None:
@@ -195,6 +195,7 @@ class EngineCore:
             raise InvalidRequest(f"the prompt holds a token id outside the vocabulary (0..{vocab - 1})",
                                  param="prompt")
         max_tokens = self.resolve_max_tokens(len(prompt_token_ids), params.max_tokens)
+        params = params.seeded(self.config.seed)
         request = Request(request_id, list(prompt_token_ids), params, max_tokens=max_tokens,
                           eos_token_ids=self.eos_token_ids, arrival_time=arrival_time or time.time(),
                           priority=params.priority, cache_salt=cache_salt, constraint=constraint)
@@ -372,8 +373,13 @@ def build_model(model_config: ModelConfig, dtype: torch.dtype, device: torch.dev
 
 
 def resolve_device(name: str) -> torch.device:
+    """`auto` is the CPU: ember's CUDA path has not yet been run on a GPU by its tests, so a GPU is
+    used only when named (`--device cuda`), and its presence is pointed out."""
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        if torch.cuda.is_available():
+            logger.warning("a CUDA device is present, but ember's CUDA path is not yet checked on a GPU by its "
+                           "tests: serving on the CPU (--device cuda chooses the GPU)")
+        return torch.device("cpu")
     return torch.device(name)
 
 

@@ -138,11 +138,15 @@ class Sampler:
         return greedy
 
     def _exponential_noise(self, shape: torch.Size, rows: list[SamplingRow]) -> torch.Tensor:
+        """Exp(1) noise, each row drawn once: a seeded row from its own generator, keyed by (seed,
+        output position); a row without a seed (only the Sampler's direct callers: the engine
+        seeds every sampled request) from the sampler's shared generator."""
         noise = torch.empty(shape, device=self.device)
-        noise.exponential_(generator=self.generator)
         for i, row in enumerate(rows):
             seed = row.params.seed
-            if seed is not None:
+            if seed is None:
+                noise[i].exponential_(generator=self.generator)
+            else:
                 self._row_generator.manual_seed((seed * _SEED_STRIDE + row.num_output_tokens) % (1 << 63))
                 noise[i].exponential_(generator=self._row_generator)
         return noise

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import secrets
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol, Union
@@ -71,6 +70,7 @@ class ModelInfo:
     kv_capacity_tokens: int | None = None  # the most tokens one request can hold in the KV cache
     sampling_defaults: dict[str, Any] = field(default_factory=dict)  # from the model's generation config
     chat: ChatFeatures = field(default_factory=ChatFeatures)  # reasoning markers and tool-call format
+    default_seed: int | None = None  # the seed of sampled requests that bring none (--seed); None: a fresh one each
     # text -> the id of the one token it encodes to, None when it takes more or fewer tokens
     single_token_id: Callable[[str], int | None] = lambda text: None
 
@@ -174,8 +174,9 @@ def resolve_sampling(request: GenerationRequest, num_prompt_tokens: int, model: 
                      ) -> tuple[SamplingParams, OutputFit]:
     """The request's SamplingParams (or a batch prompt's `params`) as they run: max_tokens fitted to
     the room the prompt leaves, by the rule in ember.context_window (over HTTP a max_tokens beyond
-    the room is capped), and a seed drawn for a sampled request that names none; and the fit."""
-    params = draw_seed(params if params is not None else request.params)
+    the room is capped), and the seed of a sampled request that names none (SamplingParams.seeded);
+    and the fit."""
+    params = (params if params is not None else request.params).seeded(model.default_seed)
     fit = fit_output(model.window, num_prompt_tokens, params.max_tokens, default_max_tokens=model.default_max_tokens,
                      prompt_param=prompt_param or request.prompt_param)
     if params.min_tokens > fit.max_tokens:
@@ -186,14 +187,6 @@ def resolve_sampling(request: GenerationRequest, num_prompt_tokens: int, model: 
     if isinstance(request.prompt, ChatPrompt) and request.prompt.cache_pins:  # chat prompts never batch
         params = dataclasses.replace(params, cache_pins=list(request.prompt.cache_pins))
     return params, fit
-
-
-def draw_seed(params: SamplingParams) -> SamplingParams:
-    """A sampled request without a seed gets a fresh one here, before the engine, so that the seed
-    it ran with can be logged and the reply reproduced. Greedy requests need none."""
-    if params.seed is not None or params.greedy:
-        return params
-    return dataclasses.replace(params, seed=secrets.randbits(63))
 
 
 def build_sampling_params(values: dict[str, Any], rename: dict[str, str] | None = None) -> SamplingParams:

@@ -15,7 +15,7 @@ from ember.errors import InvalidRequest
 from ember.protocols.fields import Fields, as_string, json_type
 
 SEED_RANGE = (-(1 << 63), (1 << 64) - 1)
-FRESH_SEED = -1  # asks for a seed drawn anew, like leaving it out (see neutral.draw_seed)
+FRESH_SEED = -1  # the same as leaving the seed out (SamplingParams.seeded decides the seed then)
 PRIORITIES = {"foreground": 0, "background": 1}  # the engine's ranks: larger values yield to smaller
 NUMBER_FIELDS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
 
@@ -61,7 +61,7 @@ def _stop_strings(f: Fields, name: str, limit: int) -> list[str]:
 
 
 def read_seed(f: Fields) -> int | None:
-    """The seed; None (a fresh one is drawn before the engine) when absent, null or -1."""
+    """The seed; None (the server's --seed, else a fresh one: SamplingParams.seeded) when absent, null or -1."""
     seed = f.integer("seed", low=SEED_RANGE[0], high=SEED_RANGE[1])
     return None if seed == FRESH_SEED else seed
 

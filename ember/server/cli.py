@@ -80,9 +80,10 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                        help="a Jinja chat template file to use instead of the model's own")
     model.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
                        help="weights and KV cache type (auto: bfloat16)")
-    model.add_argument("--device", default="auto", help="cpu, cuda, cuda:1 ... (auto: cuda when available)")
-    model.add_argument("--seed", type=int, default=0,
-                       help="seed of the engine's sampler, for requests without their own seed (default 0)")
+    model.add_argument("--device", default="auto", help="cpu, cuda, cuda:1 ... (auto: the CPU; the CUDA path is not yet checked on a GPU)")
+    model.add_argument("--seed", type=int, default=None,
+                       help="the seed of every sampled request that brings none, so that the same request gives the "
+                            "same reply (default: a fresh seed for each such request, logged with it)")
     model.add_argument("--quantization", default="auto", choices=["auto", "none", "int8", "int4"],
                        help="linear-layer weights on the CPU: auto keeps a GGUF file's own 4- or 8-bit blocks "
                             "(K-quants requantized to 4 or 8 bits) and bfloat16 otherwise; int8 / int4 quantize every "
@@ -497,9 +498,6 @@ def main(argv: list[str] | None = None) -> int:
     return run_serve(parser.parse_args(argv))
 
 
-if __name__ == "__main__":
-    sys.exit(main())
-
 
 _KEY_FLAG = "--api-key"
 _SHORTEST_KEY_PREFIX = "--api"  # argparse accepts unambiguous prefixes of a long flag
@@ -529,3 +527,7 @@ def redact_argv(argv: list[str], api_key: str | None = None) -> list[str]:
 
 def _is_key_flag(flag: str) -> bool:
     return len(flag) >= len(_SHORTEST_KEY_PREFIX) and _KEY_FLAG.startswith(flag)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -5,9 +5,13 @@ from __future__ import annotations
 import argparse
 import os
 import subprocess
+import sys
+
 import pytest
+import torch
 
 from conftest import serve_command
+from ember.engine.core import resolve_device
 from ember.server.cli import add_serve_parser, build_config
 
 FLAGS = ["--host", "--port", "--served-model-name", "--api-key", "--max-model-len", "--max-num-seqs",
@@ -27,6 +31,25 @@ def test_help_explains_every_flag():
     text = subprocess.run([*serve_command(), "--help"], capture_output=True, text=True, timeout=120).stdout
     for flag in FLAGS:
         assert flag in text, flag
+
+
+def test_the_serve_module_runs_as_a_program():
+    """`python -m ember.server.cli serve` gets as far as loading: a model that is not there ends it
+    with exit status 1 and the reason."""
+    done = subprocess.run([sys.executable, "-m", "ember.server.cli", "serve", "--port", "0", "/no/such/model.gguf"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1, done.stderr[-2000:]
+    assert "cannot load /no/such/model.gguf" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_device_auto_is_the_cpu_until_the_cuda_path_is_checked(monkeypatch, caplog):
+    """Even where CUDA is present (stood in for here: this machine has none), `auto` serves on the
+    CPU and says why; a GPU is used when named."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert build_config(parse(), environ={}).engine.device == "auto"
+    assert resolve_device("auto") == torch.device("cpu")
+    assert "--device cuda" in caplog.text
+    assert resolve_device("cuda:1") == torch.device("cuda", 1)
 
 
 def test_a_public_address_without_a_key_is_refused_at_start():

@@ -143,3 +143,24 @@ def test_counters_add_up_and_reset():
     engine.reset_counters()
     reset = engine.stats()
     assert (reset.num_steps, reset.generation_tokens, reset.prefix_cache_queries, reset.prefill_seconds) == (0, 0, 0, 0)
+
+
+def test_the_engine_seed_is_the_seed_of_sampled_requests_that_bring_none():
+    """EngineConfig.seed (`--seed`) seeds every sampled request without a seed of its own; without
+    it each such request draws a fresh seed, kept on the request; greedy requests get none."""
+    reference = _tiny_llama()
+    sampled = SamplingParams(max_tokens=6, temperature=1.0, ignore_eos=True)
+    fixed = _engine(reference, torch.float32, seed=5)
+    first, _ = _run(fixed, [[1, 2, 3], [1, 2, 3]], [sampled, sampled])
+    own, _ = _run(fixed, [[1, 2, 3]], [SamplingParams(max_tokens=6, temperature=1.0, ignore_eos=True, seed=5)])
+    assert first[0] == first[1] == own[0]
+
+    fresh = _engine(reference, torch.float32)
+    fresh.add_request("a", [1, 2, 3], sampled)
+    fresh.add_request("b", [1, 2, 3], sampled)
+    fresh.add_request("greedy", [1, 2, 3], SamplingParams(max_tokens=6, temperature=0.0))
+    seeds = {request_id: fresh.scheduler.requests[request_id].sampling_params.seed for request_id in ("a", "b", "greedy")}
+    assert isinstance(seeds["a"], int) and isinstance(seeds["b"], int) and seeds["a"] != seeds["b"]
+    assert seeds["greedy"] is None
+    fresh.abort(["a", "b", "greedy"])
+    fresh.check_invariants()

@@ -11,7 +11,7 @@ from ember.parsers.events import ThinkMarkers
 from ember.parsers.hermes import HERMES
 from ember.protocols.anthropic_messages import parse_messages
 from ember.protocols.chat_reply import ChatFeatures
-from ember.protocols.neutral import ChoiceResult, ModelInfo, draw_seed, resolve_sampling
+from ember.protocols.neutral import ChoiceResult, ModelInfo, resolve_sampling
 from ember.protocols.openai_chat import parse_chat
 from ember.protocols.openai_completions import parse_completion
 from ember.protocols.openai_responses import parse_responses
@@ -132,7 +132,7 @@ def test_n_is_one_only_on_responses_and_messages(parse):
 # ---- seeds -----------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("parse", [chat, completion, responses, messages])
-def test_seed_minus_one_or_null_asks_for_a_fresh_seed(parse):
+def test_seed_minus_one_or_null_is_the_same_as_no_seed(parse):
     assert parse(seed=-1).params.seed is None
     assert parse(seed=None).params.seed is None
     assert parse(seed=7).params.seed == 7
@@ -140,12 +140,22 @@ def test_seed_minus_one_or_null_asks_for_a_fresh_seed(parse):
 
 def test_a_fresh_seed_is_drawn_once_before_the_engine_for_sampled_requests_only():
     sampled = SamplingParams(temperature=0.8, seed=None)
-    first, second = draw_seed(sampled), draw_seed(sampled)
+    first, second = sampled.seeded(None), sampled.seeded(None)
     assert isinstance(first.seed, int) and first.seed >= 0 and first.seed != second.seed
-    assert draw_seed(SamplingParams(temperature=0.8, seed=5)).seed == 5
-    assert draw_seed(SamplingParams(temperature=0.0)).seed is None  # greedy needs none
+    assert SamplingParams(temperature=0.8, seed=5).seeded(None).seed == 5
+    assert SamplingParams(temperature=0.0).seeded(None).seed is None  # greedy needs none
     params, _ = resolve_sampling(chat(temperature=1.0), 10, MODEL)
     assert params.seed is not None
+
+
+def test_the_server_seed_is_the_seed_of_sampled_requests_that_bring_none():
+    """`--seed N` (ModelInfo.default_seed): every sampled request without a seed, or with -1, runs
+    with N; a request's own seed wins; greedy requests need none."""
+    fixed = ModelInfo(name="served", max_model_len=512, vocab_size=1000, default_seed=11)
+    assert resolve_sampling(chat(temperature=1.0), 10, fixed)[0].seed == 11
+    assert resolve_sampling(chat(temperature=1.0, seed=-1), 10, fixed)[0].seed == 11
+    assert resolve_sampling(chat(temperature=1.0, seed=3), 10, fixed)[0].seed == 3
+    assert resolve_sampling(chat(temperature=0.0), 10, fixed)[0].seed is None
 
 
 # ---- zero output limit -----------------------------------------------------------------------------

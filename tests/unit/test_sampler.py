@@ -135,3 +135,13 @@ def test_a_sampler_on_the_cpu_kernel_draws_what_the_torch_sampler_draws():
     plain = Sampler(VOCAB, torch.device("cpu"))
     assert with_kernel(x, params).token_ids == plain(x, params).token_ids
     assert with_kernel.argmax(x) == plain.argmax(x) == x.argmax(-1).tolist()
+
+
+def test_a_seeded_row_draws_its_noise_once_from_its_own_generator():
+    """Only rows without a seed take noise from the sampler's shared generator."""
+    sampler = Sampler(VOCAB, torch.device("cpu"))
+    before = sampler.generator.get_state()
+    sampler(logits(3, seed=4), rows(*[SamplingParams(temperature=1.0, seed=s) for s in (1, 2, 3)]))
+    assert torch.equal(sampler.generator.get_state(), before)
+    sampler(logits(2, seed=4), rows(SamplingParams(temperature=1.0, seed=1), SamplingParams(temperature=1.0)))
+    assert not torch.equal(sampler.generator.get_state(), before)
