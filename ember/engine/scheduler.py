@@ -193,7 +193,7 @@ class Scheduler:
                 budget += self._preempt(victim, scheduled)
                 preempted.append(victim)
             self.waiting.pop(self.num_steps)
-            if request.num_cached_tokens < 0:
+            if request.status is RequestStatus.WAITING:  # its first admission: a preempted one waits as PREEMPTED
                 request.num_cached_tokens = min(num_hit_tokens, request.num_prompt_tokens)
             request.num_computed_tokens = num_hit_tokens
             request.status = RequestStatus.RUNNING
