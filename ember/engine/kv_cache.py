@@ -5,23 +5,22 @@ tokens are all computed gets a hash chained from its parent's hash, so a later r
 same prefix (and the same cache salt) can reuse it. Free blocks sit in an LRU queue; a free block
 that still has a hash stays findable until allocation takes it from the front of the queue.
 
-Pins (a request's `SamplingParams.cache_pins`, from cache breakpoints) keep the full blocks of a
-prompt's first N tokens out of that queue for a TTL: an idle pinned block waits aside, never
-evicted by other requests' allocations, and goes back to the queue when its pin expires. Reading a
-pinned block renews its pin for its own TTL. At most `max_pinned_share` of the pool is pinned; a
-pin beyond that is refused (the block stays an ordinary cached block). Pins give way only to a
-request that holds the pool alone and still cannot fit, so they never block the engine.
+A pinned block (engine.kv_pins) that no request holds waits aside, out of that queue, until its
+pin expires. Pins give way only to a request that holds the pool alone and still cannot fit, so
+they never block the engine. The changes to the set of cached hashes go to a feed
+(engine.kv_changes) that the data-parallel router reads.
 """
 
 from __future__ import annotations
 
 import hashlib
-import heapq
 import time
 from array import array
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 
+from ember.engine.kv_changes import CacheChangeFeed
+from ember.engine.kv_pins import PinTable
 from ember.engine.request import Request
 
 DEFAULT_MAX_PINNED_SHARE = 0.25
@@ -69,6 +68,8 @@ class KVCacheManager:
             raise ValueError(f"num_blocks must be at least 2 (block 0 is reserved), got {num_blocks}")
         if block_size < 1:
             raise ValueError(f"block_size must be positive, got {block_size}")
+        if not 0.0 <= max_pinned_share <= 1.0:
+            raise ValueError(f"max_pinned_share must be between 0 and 1, got {max_pinned_share}")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
@@ -80,18 +81,9 @@ class KVCacheManager:
         self._holders: dict[str, Request] = {}  # requests holding blocks, for check_invariants
         self.prefix_cache_queries = 0  # tokens looked up at admission
         self.prefix_cache_hits = 0  # tokens found
-        if not 0.0 <= max_pinned_share <= 1.0:
-            raise ValueError(f"max_pinned_share must be between 0 and 1, got {max_pinned_share}")
-        self.max_pinned_blocks = int(max_pinned_share * self.num_allocatable_blocks)
-        self._clock = clock
-        self._pins: dict[bytes, tuple[float, float]] = {}  # block hash -> (expires at, its TTL in seconds)
-        self._pin_expiries: list[tuple[float, bytes]] = []  # heap; entries no longer in _pins are stale
+        self.pins = PinTable(int(max_pinned_share * self.num_allocatable_blocks), clock)
         self._pinned_idle: set[int] = set()  # pinned blocks no request holds: out of the free queue
-        self.num_pins_refused = 0  # blocks a pin could not keep: the pinned share was full
-        # Changes to the set of cached hashes since the last take_cache_changes (hash -> cached now),
-        # kept only once record_cache_changes is called (a data-parallel router reads them)
-        self._changes: dict[bytes, bool] | None = None
-        self._cleared = False
+        self._changes = CacheChangeFeed()
 
     @property
     def num_allocatable_blocks(self) -> int:
@@ -108,7 +100,7 @@ class KVCacheManager:
 
     @property
     def num_pinned_blocks(self) -> int:
-        return len(self._pins)
+        return len(self.pins)
 
     @property
     def num_used_blocks(self) -> int:
@@ -166,8 +158,7 @@ class KVCacheManager:
         for block_id in new_computed_blocks:
             block = self.blocks[block_id]
             if block_id in self._free:
-                del self._free[block_id]
-                self._num_cached_free -= 1
+                self._unqueue_cached(block_id)
             self._pinned_idle.discard(block_id)
             block.ref_count += 1
             request.block_ids.append(block_id)
@@ -175,16 +166,11 @@ class KVCacheManager:
         if new_computed_blocks:
             self._apply_pins(request, 0)
         for _ in range(num_new_blocks):
-            block_id = self._take_free_block(request.block_ids[-1] + 1 if request.block_ids else 0)
-            block = self.blocks[block_id]
+            block = self.blocks[self._take_free_block(request.block_ids[-1] + 1 if request.block_ids else 0)]
             if block.hash is not None:
-                del self.cached_block_ids[block.hash]
-                if self._changes is not None:
-                    self._changes[block.hash] = False
-                block.hash = None
-                self._num_cached_free -= 1
+                self._evict(block)
             block.ref_count = 1
-            request.block_ids.append(block_id)
+            request.block_ids.append(block.block_id)
         if request.block_ids:
             self._holders[request.request_id] = request
         return True
@@ -201,6 +187,18 @@ class KVCacheManager:
             return wanted
         return self._free.popitem(last=False)[0]
 
+    def _unqueue_cached(self, block_id: int) -> None:
+        """Take a cached block out of the free queue, keeping its hash."""
+        del self._free[block_id]
+        self._num_cached_free -= 1
+
+    def _evict(self, block: Block) -> None:
+        """Forget the hash of a cached block just taken from the free queue."""
+        del self.cached_block_ids[block.hash]
+        self._changes.removed(block.hash)
+        block.hash = None
+        self._num_cached_free -= 1
+
     def cache_full_blocks(self, request: Request) -> None:
         """Hash and register each block that became full and computed since the last call."""
         if not self.enable_prefix_caching:
@@ -216,8 +214,7 @@ class KVCacheManager:
             if parent not in self.cached_block_ids:
                 self.cached_block_ids[parent] = block.block_id
                 block.hash = parent
-                if self._changes is not None:
-                    self._changes[parent] = True
+                self._changes.stored(parent)
         if len(hashes) > first_new:
             self._apply_pins(request, first_new)
 
@@ -254,7 +251,7 @@ class KVCacheManager:
         block = self.blocks[block_id]
         block.ref_count -= 1
         if block.ref_count == 0:
-            if block.hash is not None and block.hash in self._pins:
+            if block.hash in self.pins:
                 self._pinned_idle.add(block_id)
                 return
             self._free[block_id] = None
@@ -272,24 +269,68 @@ class KVCacheManager:
             self.blocks[block_id].hash = None
         self.cached_block_ids.clear()
         self._num_cached_free = 0
-        if self._changes is not None:
-            self._changes.clear()
-            self._cleared = True
+        self._changes.cleared()
         return True
 
     def record_cache_changes(self) -> None:
         """Keep the changes to the set of cached block hashes from now on (take_cache_changes)."""
-        if self._changes is None:
-            self._cleared = True  # a reader starts from an empty set and the hashes cached now
-            self._changes = dict.fromkeys(self.cached_block_ids, True)
+        self._changes.start(self.cached_block_ids)
 
     def take_cache_changes(self) -> tuple[bool, list[bytes], list[bytes]]:
-        """(cleared, stored, removed) since the last call: a reader that empties its copy when
-        `cleared`, then drops `removed` and adds `stored`, holds this manager's cached hashes."""
-        changes, cleared = self._changes or {}, self._cleared
-        self._changes, self._cleared = ({} if self._changes is not None else None), False
-        return (cleared, [h for h, cached in changes.items() if cached],
-                [h for h, cached in changes.items() if not cached])
+        """(cleared, stored, removed) since the last call (engine.kv_changes.CacheChangeFeed.take)."""
+        return self._changes.take()
+
+    def num_blocks_freed_by(self, requests: Iterable[Request]) -> int:
+        """Blocks that would join the free queue if these requests were freed (held by them alone,
+        and not pinned)."""
+        holders = Counter(block_id for request in requests for block_id in request.block_ids)
+        return sum(1 for block_id, count in holders.items()
+                   if self.blocks[block_id].ref_count == count and self.blocks[block_id].hash not in self.pins)
+
+    # ---- pins ------------------------------------------------------------------------------------
+
+    def _apply_pins(self, request: Request, first_index: int) -> None:
+        """Pin (or renew) the request's cached blocks from `first_index` on, under its own pins."""
+        size = self.block_size
+        cache_pins = request.sampling_params.cache_pins
+        blocks = [(block_hash, (index + 1) * size)
+                  for index, block_hash in enumerate(request.block_hashes[first_index:], first_index)
+                  if block_hash in self.cached_block_ids]  # else its cached copy was evicted: this one is plain
+        for block_hash in self.pins.pin_blocks(blocks, cache_pins):
+            block_id = self.cached_block_ids[block_hash]
+            if block_id in self._free:  # an idle copy found through another request's hash
+                self._unqueue_cached(block_id)
+                self._pinned_idle.add(block_id)
+        if cache_pins:
+            reach = max(pin.num_tokens for pin in cache_pins) // size
+            request.num_pinned_tokens = self.pins.num_leading_pinned(request.block_hashes, reach) * size
+
+    def _expire_pins(self) -> None:
+        for block_hash in self.pins.expire():
+            self._requeue_if_idle(block_hash)
+
+    def _unpin_idle(self, count: int, keep: Sequence[int] = ()) -> bool:
+        """Unpin the idle pinned blocks that expire soonest (other than `keep`), `count` of them;
+        False, unpinning none, if there are fewer."""
+        candidates = self._pinned_idle.difference(keep)
+        if count > len(candidates):
+            return False
+        soonest = sorted(candidates, key=lambda block_id: self.pins.expires_at(self.blocks[block_id].hash))
+        for block_id in soonest[:count]:
+            block_hash = self.blocks[block_id].hash
+            self.pins.unpin(block_hash)
+            self._requeue_if_idle(block_hash)
+        return True
+
+    def _requeue_if_idle(self, block_hash: bytes) -> None:
+        """An unpinned block no request holds goes back to the queue as the most recently freed."""
+        block_id = self.cached_block_ids[block_hash]
+        if block_id in self._pinned_idle:
+            self._pinned_idle.remove(block_id)
+            self._free[block_id] = None
+            self._num_cached_free += 1
+
+    # ---- invariants ------------------------------------------------------------------------------
 
     def check_invariants(self) -> None:
         """Raise AssertionError naming the first broken invariant of the pool."""
@@ -310,7 +351,7 @@ class KVCacheManager:
             is_free = block.block_id in self._free
             is_pinned_idle = block.block_id in self._pinned_idle
             assert not (is_free and block.ref_count), f"free block {block.block_id} has ref_count {block.ref_count}"
-            assert not (is_pinned_idle and (is_free or block.ref_count or block.hash not in self._pins)), \
+            assert not (is_pinned_idle and (is_free or block.ref_count or block.hash not in self.pins)), \
                 f"idle pinned block {block.block_id} is also free, in use, or not pinned"
             assert is_free or is_pinned_idle or block.ref_count or block.block_id == 0, \
                 f"block {block.block_id} is neither free nor in use (leaked)"
@@ -329,88 +370,7 @@ class KVCacheManager:
         assert num_plain_free + num_cached_free + num_used + num_idle == self.num_allocatable_blocks, \
             f"free {num_plain_free} + cached {num_cached_free} + used {num_used} + pinned {num_idle} " \
             f"!= pool {self.num_allocatable_blocks}"
-        assert len(self._pins) <= self.max_pinned_blocks, \
-            f"{len(self._pins)} blocks pinned, above the share of {self.max_pinned_blocks}"
-        for block_hash in self._pins:
+        assert len(self.pins) <= self.pins.max_blocks, \
+            f"{len(self.pins)} blocks pinned, above the share of {self.pins.max_blocks}"
+        for block_hash in self.pins:
             assert block_hash in self.cached_block_ids, "a pin names a hash no block holds"
-
-    # ---- pins ------------------------------------------------------------------------------------
-
-    def num_blocks_freed_by(self, requests: Iterable[Request]) -> int:
-        """Blocks that would join the free queue if these requests were freed (held by them alone,
-        and not pinned)."""
-        holders = Counter(block_id for request in requests for block_id in request.block_ids)
-        return sum(1 for block_id, count in holders.items()
-                   if self.blocks[block_id].ref_count == count and self.blocks[block_id].hash not in self._pins)
-
-    def _leading_pinned_tokens(self, request: Request) -> int:
-        """How many of the prompt's first tokens sit in blocks pinned under the request's own pins."""
-        reach = max(pin.num_tokens for pin in request.sampling_params.cache_pins)
-        count = 0
-        for block_hash in request.block_hashes:
-            if (count + 1) * self.block_size > reach or block_hash not in self._pins:
-                break
-            count += 1
-        return count * self.block_size
-
-    def _apply_pins(self, request: Request, first_index: int) -> None:
-        """Pin (or renew) the request's blocks from `first_index` on: those its pins cover, for the
-        longest TTL that covers each, and those already pinned, for their own TTL."""
-        pins = request.sampling_params.cache_pins
-        now = self._clock()
-        for index in range(first_index, len(request.block_hashes)):
-            block_hash = request.block_hashes[index]
-            end = (index + 1) * self.block_size
-            ttl = max((pin.ttl_s for pin in pins if pin.num_tokens >= end), default=None)
-            if ttl is None:
-                if block_hash not in self._pins:
-                    continue
-                ttl = self._pins[block_hash][1]
-            self._pin(block_hash, ttl, now)
-        if pins:
-            request.num_pinned_tokens = self._leading_pinned_tokens(request)
-
-    def _pin(self, block_hash: bytes, ttl: float, now: float) -> None:
-        block_id = self.cached_block_ids.get(block_hash)
-        if block_id is None:  # its cached copy was evicted; this request's copy is plain
-            return
-        current = self._pins.get(block_hash)
-        if current is None and len(self._pins) >= self.max_pinned_blocks:
-            self.num_pins_refused += 1
-            return
-        expires = max(now + ttl, current[0] if current else 0.0)
-        longest = max(ttl, current[1] if current else 0.0)
-        if current != (expires, longest):
-            self._pins[block_hash] = (expires, longest)
-            heapq.heappush(self._pin_expiries, (expires, block_hash))
-        if block_id in self._free:  # an idle copy found through another request's hash
-            del self._free[block_id]
-            self._num_cached_free -= 1
-            self._pinned_idle.add(block_id)
-
-    def _expire_pins(self) -> None:
-        now = self._clock()
-        while self._pin_expiries and self._pin_expiries[0][0] <= now:
-            expires, block_hash = heapq.heappop(self._pin_expiries)
-            current = self._pins.get(block_hash)
-            if current is not None and current[0] == expires:
-                self._unpin(block_hash)
-
-    def _unpin(self, block_hash: bytes) -> None:
-        del self._pins[block_hash]
-        block_id = self.cached_block_ids[block_hash]
-        if block_id in self._pinned_idle:  # back to the queue as the most recently freed cached block
-            self._pinned_idle.remove(block_id)
-            self._free[block_id] = None
-            self._num_cached_free += 1
-
-    def _unpin_idle(self, count: int, keep: Sequence[int] = ()) -> bool:
-        """Release the idle pinned blocks that expire soonest (other than `keep`), `count` of them;
-        False, releasing none, if there are fewer."""
-        candidates = self._pinned_idle.difference(keep)
-        if count > len(candidates):
-            return False
-        soonest = sorted(candidates, key=lambda block_id: self._pins[self.blocks[block_id].hash][0])
-        for block_id in soonest[:count]:
-            self._unpin(self.blocks[block_id].hash)
-        return True

@@ -60,7 +60,7 @@ class Request:
         self.priority = priority  # lower is more important
         self.cache_salt = cache_salt
         self.num_computed_tokens = 0  # tokens whose KV is in the cache
-        self.num_cached_tokens = -1  # prompt tokens served by the prefix cache; -1 until first scheduled
+        self.num_cached_tokens = 0  # prompt tokens the prefix cache served at its first admission
         self.block_ids: list[int] = []
         self.block_hashes: list[bytes] = []
         self.status = RequestStatus.WAITING

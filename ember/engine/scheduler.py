@@ -2,38 +2,28 @@
 
 There is no prefill or decode phase: a long prompt is paid in chunks, a decode owes one token,
 and prefix-cache hits simply arrive already computed. Running requests are paid first; then
-waiting requests are admitted by (priority, arrival) while budget, seats and blocks last.
+waiting requests are admitted in the waiting queue's order (engine.waiting_queue) while budget,
+seats and blocks last. What a chunk costs is engine.step_budget's arithmetic; its attention term
+counts only while some request decodes.
 
 Running requests that decode go before those still prefilling, and every one of them gets its
-token each step, even past the budget. While any request decodes, the budget counts what tokens
-cost, not only how many there are: with `attention_cost_tokens` (K) set, a token attending to c
-keys costs 1 + c / K, K being the context at which its attention costs as much as the rest of
-its layer. A step of max_num_batched_tokens short-context tokens and a step holding one chunk of
-a 20,000-token prompt then take about the same time, so the streams running beside a long
-prompt keep the pace of a short step while it prefills. With no stream to protect, every token
-costs 1 and prompts prefill in full-budget chunks.
-
-Priorities: 0 is foreground, larger values are background work (SamplingParams.priority). A step
-serves decodes, then foreground prefills, then waiting foreground requests, and only then
-background prefills and waiting background requests. A waiting request that finds no seat or no
-blocks preempts running requests of a larger rank, the least important first, when that makes
-the room; the victims wait again and later resume from what they had (their tokens are kept and
-their prompt blocks usually come back from the prefix cache). Starvation bound: a background
-request that has spent `background_wait_steps` steps waiting, summed over every time it waited,
-is promoted: from the next step on it ranks as a foreground request that arrived when it did, so
-no later foreground request passes it in the queue or preempts it for room.
+token each step, even past the budget. A step serves decodes, then foreground prefills, then
+waiting foreground requests, and only then background prefills and waiting background requests.
+A waiting request that finds no seat or no blocks preempts running requests of a larger served
+priority, the least important first, when that makes the room; the victims wait again and later
+resume from what they had (their tokens are kept and their prompt blocks usually come back from
+the prefix cache).
 """
 
 from __future__ import annotations
 
-import heapq
-import itertools
-import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from ember.engine.kv_cache import KVCacheManager
 from ember.engine.request import Request, RequestStatus
+from ember.engine.step_budget import chunk_cost, tokens_within
+from ember.engine.waiting_queue import WaitingQueue, served_priority
 
 
 DEFAULT_BACKGROUND_WAIT_STEPS = 256
@@ -44,41 +34,11 @@ class SchedulerConfig:
     max_num_seqs: int
     max_num_batched_tokens: int  # the step budget, in token costs
     max_model_len: int
-    attention_cost_tokens: int | None = None  # K above; None: every token costs 1
-    # a background request that has waited this many steps in all is served as foreground (above)
+    attention_cost_tokens: int | None = None  # K of engine.step_budget; None: every token costs 1
+    # a background request that has waited this many steps in all is served as foreground (engine.waiting_queue)
     background_wait_steps: int = DEFAULT_BACKGROUND_WAIT_STEPS
     # every layer's sliding window is at most this: blocks behind it are given back as requests advance
     release_window: int | None = None
-
-
-def rank(request: Request) -> int:
-    """The priority a request is served at: its own, or 0 (foreground) once promoted."""
-    return 0 if request.promoted else request.priority
-
-
-def chunk_cost(start: int, count: int, attention_cost_tokens: int | None) -> float:
-    """What `count` tokens from position `start` cost: each 1, plus its keys / K."""
-    if attention_cost_tokens is None:
-        return float(count)
-    keys = count * start + count * (count + 1) / 2  # token i attends start + i + 1 keys
-    return count + keys / attention_cost_tokens
-
-
-def tokens_within(start: int, wanted: int, budget: float, attention_cost_tokens: int | None) -> int:
-    """The most tokens of `wanted` from `start` that the budget pays for (at least one if any budget
-    is left, so a lone long decode is never starved)."""
-    if budget <= 0 or wanted <= 0:
-        return 0
-    if attention_cost_tokens is None:
-        return max(1, min(wanted, int(budget)))
-    k = attention_cost_tokens
-    # count^2 / 2K + count (1 + (start + 1/2) / K) - budget = 0
-    linear = 1 + (start + 0.5) / k
-    count = int((-linear + math.sqrt(linear * linear + 2 * budget / k)) * k)
-    count = max(1, min(wanted, count))
-    while count > 1 and chunk_cost(start, count, k) > budget:
-        count -= 1
-    return count
 
 
 @dataclass(slots=True)
@@ -111,56 +71,6 @@ class SchedulerOutput:
     preempted: list[Request]
 
 
-class WaitingQueue:
-    """Requests by rank; within a rank, preempted requests first (the latest preempted in front),
-    then new ones by arrival.
-
-    Each waiting request has one live heap entry; entries left behind by a promotion (reorder) and
-    requests finished while waiting (aborted) are dropped lazily when they reach the front.
-    """
-
-    def __init__(self) -> None:
-        self._heap: list[tuple[int, int, float, int, Request]] = []  # (rank, group, key, seq, request)
-        self._live: dict[str, tuple[int, int, float]] = {}  # request id -> its live entry's (seq, group, key)
-        self._order = itertools.count()
-
-    def push(self, request: Request) -> None:
-        self._push(request, 1, request.arrival_time)
-
-    def push_front(self, request: Request) -> None:
-        self._push(request, 0, -next(self._order))
-
-    def reorder(self, request: Request) -> None:
-        """Its rank changed: the same place within its group, under the new rank."""
-        _, group, key = self._live[request.request_id]
-        self._push(request, group, key)
-
-    def holds(self, request: Request) -> bool:
-        return request.request_id in self._live and not request.status.is_finished
-
-    def _push(self, request: Request, group: int, key: float) -> None:
-        seq = next(self._order)
-        self._live[request.request_id] = (seq, group, key)
-        heapq.heappush(self._heap, (rank(request), group, key, seq, request))
-
-    def peek(self) -> Request | None:
-        while self._heap:
-            _, _, _, seq, request = self._heap[0]
-            live = self._live.get(request.request_id)
-            if live is not None and live[0] == seq:
-                if not request.status.is_finished:
-                    return request
-                del self._live[request.request_id]
-            heapq.heappop(self._heap)
-        return None
-
-    def pop(self) -> Request:
-        """Remove the request peek() returned."""
-        request = heapq.heappop(self._heap)[4]
-        del self._live[request.request_id]
-        return request
-
-
 class Scheduler:
     """Not thread-safe: the engine's one thread calls it."""
 
@@ -170,10 +80,8 @@ class Scheduler:
         self.requests: dict[str, Request] = {}  # every unfinished request
         self.running: list[Request] = []
         self._attention_cost_tokens: int | None = None  # this step's K: the config's while a request decodes
-        self.waiting = WaitingQueue()
+        self.waiting = WaitingQueue(config.background_wait_steps)
         self.num_steps = 0  # schedule() calls so far
-        self._promotions: list[tuple[int, int, int, Request]] = []  # (due step, waiting since, seq, request)
-        self._order = itertools.count()
 
     @property
     def num_running(self) -> int:
@@ -198,12 +106,11 @@ class Scheduler:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request
-        self._start_waiting(request)
-        self.waiting.push(request)
+        self.waiting.push(request, self.num_steps)
 
     def schedule(self) -> SchedulerOutput:
         self.num_steps += 1
-        self._promote_due()
+        self.waiting.promote_due(self.num_steps)
         scheduled: list[ScheduledRequest] = []
         preempted: list[Request] = []
         decoding = any(r.num_tokens - r.num_computed_tokens == 1 for r in self.running)
@@ -248,7 +155,7 @@ class Scheduler:
                     budget -= self._cost(start, 1 + len(drafts))
                     continue
             while not self.kv_cache.allocate_slots(request, num_new_tokens):
-                victim = max(self.running, key=_importance_rank)
+                victim = max(self.running, key=_preemption_order)
                 budget += self._preempt(victim, scheduled)  # a victim already paid this step is refunded
                 preempted.append(victim)
                 if victim is request:
@@ -270,7 +177,7 @@ class Scheduler:
                        foreground_only: bool) -> float:
         while budget > 0:
             request = self.waiting.peek()
-            if request is None or (foreground_only and rank(request) > 0):
+            if request is None or (foreground_only and served_priority(request) > 0):
                 break
             # waiting requests (new or preempted) have num_computed_tokens == 0
             while True:
@@ -285,9 +192,8 @@ class Scheduler:
                     return budget
                 budget += self._preempt(victim, scheduled)
                 preempted.append(victim)
-            self.waiting.pop()
-            request.num_waiting_steps += self.num_steps - request.waiting_since_step - 1
-            if request.num_cached_tokens < 0:
+            self.waiting.pop(self.num_steps)
+            if request.status is RequestStatus.WAITING:  # its first admission: a preempted one waits as PREEMPTED
                 request.num_cached_tokens = min(num_hit_tokens, request.num_prompt_tokens)
             request.num_computed_tokens = num_hit_tokens
             request.status = RequestStatus.RUNNING
@@ -298,28 +204,14 @@ class Scheduler:
 
     def _yielding_victim(self, request: Request, num_tokens: int, num_hit_blocks: int) -> Request | None:
         """The running request that gives way to `request`: the least important of those of a
-        larger rank (background, not promoted), if giving way can seat it and cover its blocks."""
-        weaker = [r for r in self.running if rank(r) > rank(request)]
+        larger served priority, if giving way can seat it and cover its blocks."""
+        weaker = [r for r in self.running if served_priority(r) > served_priority(request)]
         if not weaker:
             return None
         needed = -(-num_tokens // self.kv_cache.block_size) - num_hit_blocks
         if self.kv_cache.num_free_blocks + self.kv_cache.num_blocks_freed_by(weaker) < needed:
             return None  # even all of them would not free enough: none is preempted for nothing
-        return max(weaker, key=_importance_rank)
-
-    def _start_waiting(self, request: Request) -> None:
-        request.waiting_since_step = self.num_steps
-        if rank(request) > 0:
-            # promoted at the start of the step by which it will have waited the bound in all
-            due = self.num_steps + 1 + self.config.background_wait_steps - request.num_waiting_steps
-            heapq.heappush(self._promotions, (due, self.num_steps, next(self._order), request))
-
-    def _promote_due(self) -> None:
-        while self._promotions and self._promotions[0][0] <= self.num_steps:
-            _, since, _, request = heapq.heappop(self._promotions)
-            if request.waiting_since_step == since and not request.promoted and self.waiting.holds(request):
-                request.promoted = True
-                self.waiting.reorder(request)
+        return max(weaker, key=_preemption_order)
 
     def update_from_output(self, output: SchedulerOutput, sampled: dict[str, list[int]],
                            accepted: dict[str, int] | None = None) -> list[Request]:
@@ -408,8 +300,7 @@ class Scheduler:
         request.num_computed_tokens = 0
         request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1
-        self._start_waiting(request)
-        self.waiting.push_front(request)
+        self.waiting.push_front(request, self.num_steps)
         return refund
 
 
@@ -417,9 +308,9 @@ def _step_order(request: Request) -> int:
     """0: it decodes; 1: a foreground prompt prefilling; 2: a background one."""
     if request.num_tokens - request.num_computed_tokens <= 1:
         return 0
-    return 1 if rank(request) == 0 else 2
+    return 1 if served_priority(request) == 0 else 2
 
 
-def _importance_rank(request: Request) -> tuple[int, float]:
-    """Higher is less important: a larger rank, then a later arrival."""
-    return rank(request), request.arrival_time
+def _preemption_order(request: Request) -> tuple[int, float]:
+    """The largest is preempted first: a larger served priority, then a later arrival."""
+    return served_priority(request), request.arrival_time

@@ -115,14 +115,14 @@ def test_the_longest_covering_ttl_wins_per_block(make_kv, clock):
 
 def test_the_pinned_share_of_the_pool_is_bounded(make_kv):
     kv = make_kv(num_blocks=8, max_pinned_share=0.3)  # int(0.3 * 7) = 2 blocks
-    assert kv.max_pinned_blocks == 2
+    assert kv.pins.max_blocks == 2
     big = make_request("big", range(13), pins=[(12, 300.0)])  # three full blocks asked for
     run(kv, big)
-    assert kv.num_pinned_blocks == 2 and kv.num_pins_refused == 1
+    assert kv.num_pinned_blocks == 2 and kv.pins.num_refused == 1
     assert big.num_pinned_tokens == 8  # what the share allowed, reported as it is
     other = make_request("other", range(100, 109), pins=[(8, 300.0)])
     run(kv, other)
-    assert other.num_pinned_tokens == 0 and kv.num_pinned_blocks == 2 and kv.num_pins_refused == 3
+    assert other.num_pinned_tokens == 0 and kv.num_pinned_blocks == 2 and kv.pins.num_refused == 3
     kv.free(big)
     kv.free(other)
     assert kv.num_used_blocks == 0 and kv.num_cached_blocks == 5

@@ -7,7 +7,8 @@ import pytest
 
 from ember.engine.kv_cache import KVCacheManager
 from ember.engine.request import Request, RequestStatus
-from ember.engine.scheduler import Scheduler, SchedulerConfig, chunk_cost, tokens_within
+from ember.engine.scheduler import Scheduler, SchedulerConfig
+from ember.engine.step_budget import chunk_cost, tokens_within
 from ember.types import FinishReason, SamplingParams
 
 BLOCK_SIZE = 4
