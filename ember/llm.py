@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import itertools
+import time
 from pathlib import Path
-from typing import Any, Iterator, Sequence, Union
+from typing import Any, Iterable, Iterator, Sequence, Union
 
 from ember.config import EngineConfig
 from ember.engine.core import EngineCore
+from ember.engine.driver import EngineDriver
+from ember.engine.messages import Abort, Add
 from ember.engine.outputs import RequestTracker
 from ember.errors import InvalidRequest
 from ember.loaders import source_opener
@@ -40,8 +43,12 @@ class LLM:
 
             group = start_leader(WorkerSettings(model, str(cache_dir) if cache_dir else None, revision,
                                                 str(ollama_models) if ollama_models else None, None, config))
-        self.engine = EngineCore.from_source(self.source, config, open_source, group)
+        self.driver = EngineDriver(EngineCore.from_source(self.source, config, open_source, group), self.tokenizer)
         self._ids = itertools.count()
+
+    @property
+    def engine(self) -> EngineCore:
+        return self.driver.core
 
     def close(self) -> None:
         """Stop a tensor-parallel group's other ranks (nothing to do on one rank)."""
@@ -59,47 +66,39 @@ class LLM:
         params = [sampling_params] * len(batch) if isinstance(sampling_params, SamplingParams) else list(sampling_params)
         if len(params) != len(batch):
             raise InvalidRequest(f"got {len(batch)} prompts but {len(params)} sampling params", param="sampling_params")
-        trackers: dict[str, RequestTracker] = {}
-        order: list[str] = []
-        results: dict[str, GenerationOutput] = {}
-        try:
-            for prompt, p in zip(batch, params):
-                token_ids = self.encode_prompt(prompt)
-                request_id = f"llm-{next(self._ids)}"
-                self.engine.add_request(request_id, token_ids, p)
-                trackers[request_id] = RequestTracker(request_id, token_ids, p, self.tokenizer.hf.backend_tokenizer)
-                order.append(request_id)
-            while len(results) < len(order):
-                for step in self.engine.step():
-                    tracker = trackers[step.request_id]
-                    output = tracker.update(step)
-                    if tracker.stopped_by_string:
-                        self.engine.abort([step.request_id])
-                    if output.finished:
-                        results[step.request_id] = output
-        finally:  # on an error or KeyboardInterrupt, give every block back
-            unfinished = [r for r in order if r not in results]
-            if unfinished:
-                self.engine.abort(unfinished)
-        return [results[r] for r in order]
+        finals = {output.request_id: output for output in self._run(zip(batch, params)) if output.finished}
+        return list(finals.values())
 
     def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> Iterator[GenerationOutput]:
         """Generate for one prompt, yielding an output (with its text delta) at every step."""
-        params = sampling_params or SamplingParams()
-        token_ids = self.encode_prompt(prompt)
-        request_id = f"llm-{next(self._ids)}"
-        self.engine.add_request(request_id, token_ids, params)
-        tracker = RequestTracker(request_id, token_ids, params, self.tokenizer.hf.backend_tokenizer)
-        finished = False
+        return self._run([(prompt, sampling_params or SamplingParams())])
+
+    def _run(self, requests: Iterable[tuple[Prompt, SamplingParams]]) -> Iterator[GenerationOutput]:
+        """Add every request, then step until all have finished, yielding each step's outputs (the
+        finished ones in the order the requests were given, as `generate` returns them). A stop
+        string aborts its request in the engine; leaving early aborts every live one."""
+        trackers: dict[str, RequestTracker] = {}
+        finished: dict[str, GenerationOutput] = {}
         try:
-            while not finished:
-                for step in self.engine.step():
+            for prompt, params in requests:
+                token_ids = self.encode_prompt(prompt)
+                add = Add(f"llm-{next(self._ids)}", token_ids, params, arrival_time=time.time())
+                self.driver.admit(add)
+                trackers[add.request_id] = RequestTracker(add.request_id, token_ids, params,
+                                                          self.tokenizer.hf.backend_tokenizer, add.arrival_time)
+            while len(finished) < len(trackers):
+                for step in self.driver.step():
+                    tracker = trackers[step.request_id]
                     output = tracker.update(step)
-                    finished = output.finished
-                    yield output
-        finally:
-            if not finished or tracker.stopped_by_string:
-                self.engine.abort([request_id])
+                    if tracker.stopped_by_string:
+                        self.driver.abort(Abort([step.request_id]))
+                    if output.finished:
+                        finished[step.request_id] = output
+                    else:
+                        yield output
+            yield from (finished[request_id] for request_id in trackers)
+        finally:  # on an error, KeyboardInterrupt or a consumer that left, give every block back
+            self.driver.abort(Abort([request_id for request_id in trackers if request_id not in finished]))
 
     def chat(self, messages: list[Message], sampling_params: SamplingParams | None = None) -> GenerationOutput:
         return self.generate([messages], sampling_params)[0]

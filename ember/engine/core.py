@@ -227,7 +227,7 @@ class EngineCore:
             if request.request_id not in self._scheduled_at:  # first admission
                 self._scheduled_at[request.request_id] = now
                 counters.admitted_prompt_tokens += request.num_prompt_tokens
-                counters.cached_prompt_tokens += max(request.num_cached_tokens, 0)
+                counters.cached_prompt_tokens += request.num_cached_tokens
         forward_began = time.perf_counter()
         result = self.runner.execute(plan.scheduled)
         if self.speculator is not None and all(item.samples and item.num_new_tokens == 1 + len(item.draft_token_ids)
@@ -265,7 +265,7 @@ class EngineCore:
                 logprobs=result.logprobs.get(request.request_id),
                 finish_reason=request.finish_reason if finished else None,
                 num_prompt_tokens=request.num_prompt_tokens,
-                num_cached_tokens=max(request.num_cached_tokens, 0),
+                num_cached_tokens=request.num_cached_tokens,
                 scheduled_time=self._scheduled_at[request.request_id],
                 stop_token_id=request.stop_reason if finished else None,
                 num_pinned_tokens=request.num_pinned_tokens,
@@ -282,7 +282,7 @@ class EngineCore:
 
     def _progress_output(self, request: Request) -> StepOutput:
         return StepOutput(request.request_id, [], None, None, request.num_prompt_tokens,
-                          max(request.num_cached_tokens, 0), scheduled_time=self._scheduled_at[request.request_id],
+                          request.num_cached_tokens, scheduled_time=self._scheduled_at[request.request_id],
                           num_computed_prompt_tokens=min(request.num_computed_tokens, request.num_prompt_tokens),
                           num_pinned_tokens=request.num_pinned_tokens)
 
@@ -292,7 +292,7 @@ class EngineCore:
 
     def _finish_all(self, request_ids: list[str], reason: FinishReason, error: str | None = None) -> list[StepOutput]:
         finished = self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
-        outputs = [StepOutput(r.request_id, [], None, reason, r.num_prompt_tokens, max(r.num_cached_tokens, 0),
+        outputs = [StepOutput(r.request_id, [], None, reason, r.num_prompt_tokens, r.num_cached_tokens,
                               scheduled_time=self._scheduled_at.get(r.request_id), error=error)
                    for r in finished]
         for request in finished:

@@ -1,48 +1,33 @@
 """The in-process asyncio engine: the core runs in a thread of this process.
 
-The front end's event loop never waits on model work. It sends AddRequest / AbortRequest /
-CallInEngine / Shutdown into the engine thread's inbox, and step outputs come back through
-`loop.call_soon_threadsafe`. Detokenizing and stop strings happen on the front end's side.
-The server runs its engine in a supervised worker process instead (ember.engine.client, with the
-same `generate`); this one serves the Python API, offline benchmarks and `--no-engine-worker`.
+The front end's event loop never waits on model work. It sends the engine worker's own messages
+(Add, Abort, Shutdown: engine.messages) and CallInEngine into the engine thread's inbox, which
+applies them as the worker does (engine.driver); step outputs come back through
+`loop.call_soon_threadsafe`. Detokenizing and stop strings happen on the front end's side
+(engine.streams). The server runs its engine in a supervised worker process instead
+(engine.client, the same contract: engine.contract); this one serves the Python API, offline
+benchmarks and `--no-engine-worker`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import itertools
 import logging
 import queue
 import threading
-import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable, TypeVar
 
 from ember.constraint_spec import ConstraintSpec
 from ember.engine.core import EngineCore
-from ember.engine.messages import EngineInfo, engine_info
-from ember.engine.outputs import open_stream
-from ember.errors import EmberError, EngineUnavailable
+from ember.engine.driver import EngineDriver
+from ember.engine.messages import Abort, Add, EngineInfo, Shutdown, engine_info
+from ember.engine.streams import RequestStreams
+from ember.errors import EngineUnavailable
 from ember.types import FinishReason, GenerationOutput, SamplingParams, StepOutput
 
 logger = logging.getLogger("ember.engine")
-
-
-@dataclass(slots=True)
-class AddRequest:
-    request_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    cache_salt: str | None = None
-    arrival_time: float = field(default_factory=time.time)
-    constraint: ConstraintSpec | None = None
-    report_progress: bool = False
-
-
-@dataclass(slots=True)
-class AbortRequest:
-    request_ids: list[str]
 
 
 @dataclass(slots=True)
@@ -51,11 +36,6 @@ class CallInEngine:
 
     fn: Callable[[EngineCore], Any]
     future: concurrent.futures.Future
-
-
-@dataclass(slots=True)
-class Shutdown:
-    pass
 
 
 T = TypeVar("T")
@@ -87,27 +67,25 @@ def build_off_thread(factory: Callable[[], T]) -> T:
 
 
 class AsyncEngine:
-    def __init__(self, core: EngineCore, tokenizer, constraints=None) -> None:
+    def __init__(self, core: EngineCore, tokenizer) -> None:
         self.core = core
         self.tokenizer = tokenizer
-        self.constraints = constraints  # a grammar.realize.ConstraintBuilder; built when first needed
+        self.driver = EngineDriver(core, tokenizer)
         self.info: EngineInfo = engine_info(core)
         self.failed: str | None = None  # the fault that stopped the engine, if any
+        self.streams = RequestStreams(tokenizer)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
-        self._streams: dict[str, asyncio.Queue] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
-        self._ids = itertools.count()
         # The engine's counters as of its last step or message, published by the engine thread so
         # that readers (health, metrics) never wait for a step to end.
         self.latest_stats = core.stats()
-        self._handlers = {
-            AddRequest: self._handle_add,
-            AbortRequest: self._handle_abort,
-            CallInEngine: self._handle_call,
-        }
 
     # ---- front end side (the event loop) -------------------------------------------------------
+
+    def launch(self) -> EngineInfo:
+        """Nothing to load: the core was built before this engine."""
+        return self.info
 
     def start(self) -> None:
         """Start the engine thread; call from inside the running event loop."""
@@ -118,54 +96,25 @@ class AsyncEngine:
         self._thread.start()
 
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams, *,
-                       request_id: str | None = None,
-                       cache_salt: str | None = None,
-                       constraint: ConstraintSpec | None = None,
-                       report_progress: bool = False,
+                       request_id: str | None = None, cache_salt: str | None = None,
+                       constraint: ConstraintSpec | None = None, report_progress: bool = False,
                        may_retry: Callable[[], bool] | None = None) -> AsyncIterator[GenerationOutput]:
-        """Submit a request and yield its outputs until it finishes.
-
-        Refusals (context length, cache size) raise before the first output. Leaving the
-        iteration early (a client gone, a cancelled task) aborts the request in the engine.
-        With `report_progress`, prefill chunks that produce no token also yield an output, with
-        no new tokens and `num_computed_prompt_tokens` set.
-        """
+        """engine.contract.Engine.generate (a thread never restarts: `may_retry` has nothing to decide)."""
         if self.failed:
             raise EngineUnavailable(f"the engine stopped after a fault: {self.failed}")
         self.start()
         self.core.resolve_max_tokens(len(prompt_token_ids), params.max_tokens)
-        request_id = request_id or f"req-{next(self._ids)}"
-        stream, tracker = open_stream(self._streams, request_id, prompt_token_ids, params, self.tokenizer)
-        self._inbox.put(AddRequest(request_id, prompt_token_ids, params, cache_salt,
-                                   tracker.timings.arrival, constraint, report_progress))
-        finished = False
-        try:
-            while not finished:
-                step: StepOutput = await stream.get()
-                output = tracker.update(step)
-                finished = output.finished
-                if tracker.stopped_by_string:
-                    self._inbox.put(AbortRequest([request_id]))
-                yield output
-        finally:
-            del self._streams[request_id]
-            if not finished:
-                self._inbox.put(AbortRequest([request_id]))
+        add = self.streams.new_request(prompt_token_ids, params, request_id=request_id, cache_salt=cache_salt,
+                                       constraint=constraint, report_progress=report_progress)
+        async for output in self.streams.follow(add, self._inbox.put):
+            yield output
 
     def abort(self, request_id: str) -> None:
-        self._inbox.put(AbortRequest([request_id]))
+        self._inbox.put(Abort([request_id]))
 
     async def check_constraint(self, spec: ConstraintSpec) -> None:
         """Raise InvalidRequest (naming the field) unless the spec's grammar compiles (cached)."""
-        await asyncio.to_thread(self._constraint_builder().compile, spec)
-
-    def _constraint_builder(self):
-        if self.constraints is None:
-            from ember.grammar.realize import load_constraint_builder
-
-            self.constraints = load_constraint_builder(self.tokenizer, self.core.model_config.vocab_size,
-                                                       self.core.eos_token_ids)
-        return self.constraints
+        await asyncio.to_thread(self.driver.constraints.compile, spec)
 
     @property
     def status(self) -> str:
@@ -192,31 +141,27 @@ class AsyncEngine:
         self._thread.join(timeout)
         self._thread = None
 
-    def _deliver(self, outputs: list[StepOutput]) -> None:
-        for step in outputs:
-            stream = self._streams.get(step.request_id)
-            if stream is not None:
-                stream.put_nowait(step)
-
     # ---- engine side (the engine thread) -------------------------------------------------------
 
     def _run(self) -> None:
-        core = self.core
+        core, driver = self.core, self.driver
         while True:
             try:
                 message = self._inbox.get(block=not core.has_unfinished())
             except queue.Empty:
                 message = None
+            outputs: list[StepOutput] = []
             while message is not None:
-                if isinstance(message, Shutdown):
-                    self._send(core.abort(list(core.scheduler.requests)))
+                if type(message) is Shutdown:
+                    self._send(outputs + driver.abort_all())
                     return
-                self._handlers[type(message)](message)
+                outputs += self._call(message) if type(message) is CallInEngine else self._handle(message)
                 try:
                     message = self._inbox.get_nowait()
                 except queue.Empty:
                     message = None
             self.latest_stats = core.stats()
+            self._send(outputs)
             if not core.has_unfinished():
                 continue
             try:
@@ -230,35 +175,20 @@ class AsyncEngine:
 
     def _send(self, outputs: list[StepOutput]) -> None:
         if outputs:
-            self._loop.call_soon_threadsafe(self._deliver, outputs)
+            self._loop.call_soon_threadsafe(self.streams.deliver, outputs)
 
-    def _handle_add(self, message: AddRequest) -> None:
-        if self.failed:
-            self._reject(message, self.failed)
-            return
-        try:
-            constraint = self._constraint_builder().build(message.constraint) if message.constraint else None
-            self.core.add_request(message.request_id, message.prompt_token_ids, message.params,
-                                  message.cache_salt, message.arrival_time,
-                                  constraint, message.report_progress)
-        except EmberError as exc:
-            self._reject(message, exc.message)
-
-    def _reject(self, message: AddRequest, error: str) -> None:
-        self._send([StepOutput(message.request_id, [], None, FinishReason.ERROR, len(message.prompt_token_ids), 0,
-                               error=error)])
-
-    def _handle_abort(self, message: AbortRequest) -> None:
+    def _handle(self, message: Add | Abort) -> list[StepOutput]:
+        if self.failed and type(message) is Add:
+            return [StepOutput(message.request_id, [], None, FinishReason.ERROR, len(message.prompt_token_ids), 0,
+                               error=self.failed)]
         # A stream that left already is gone; one aborted from elsewhere learns it ended.
-        self._send(self.core.abort(message.request_ids))
+        return self.driver.handle(message)
 
-    def _handle_call(self, message: CallInEngine) -> None:
+    def _call(self, message: CallInEngine) -> list[StepOutput]:
         # The caller may have given up waiting (a timed-out statistics read): then there is nothing to do.
-        if not message.future.set_running_or_notify_cancel():
-            return
-        try:
-            result = message.fn(self.core)
-        except Exception as exc:
-            message.future.set_exception(exc)
-        else:
-            message.future.set_result(result)
+        if message.future.set_running_or_notify_cancel():
+            try:
+                message.future.set_result(message.fn(self.core))
+            except Exception as exc:
+                message.future.set_exception(exc)
+        return []

@@ -4,7 +4,9 @@ Every message is a typed msgspec Struct, tagged by its class name, sent as msgpa
 sockets (ember.engine.client, ember.engine.worker). Nothing here is a live object: tcp:// reaches
 a worker on another host as well as ipc:// one on this host.
 
-    front end -> worker   Add, Abort, Query, Shutdown
+    front end -> worker   Add, Abort, Query, Shutdown (AsyncEngine's thread takes the same Add,
+                          Abort and Shutdown through a queue, and applies them the same way:
+                          engine.driver)
     worker -> front end   Ready (once loaded), Outputs (after each step, with the statistics
                           and, for a data-parallel router, the changes to its prefix cache),
                           Answer (to a Query), Fatal (the worker cannot go on; it exits after it)
@@ -12,6 +14,7 @@ a worker on another host as well as ipc:// one on this host.
 
 from __future__ import annotations
 
+import enum
 from typing import Any
 
 import msgspec
@@ -23,6 +26,8 @@ from ember.types import SamplingParams, StepOutput
 
 
 class Add(msgspec.Struct, tag=True):
+    """A request for the engine: the one message that adds one, whichever engine runs it."""
+
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams  # its priority included
@@ -36,12 +41,17 @@ class Abort(msgspec.Struct, tag=True):
     request_ids: list[str]
 
 
+class QueryKind(enum.Enum):
+    STATS = "stats"  # the engine's statistics (EngineStats)
+    CHECK_INVARIANTS = "check_invariants"  # an error naming a leaked block, else True
+    CHECK_CONSTRAINT = "check_constraint"  # whether `constraint` compiles (an error naming the field), else True
+
+
 class Query(msgspec.Struct, tag=True):
-    """A question answered between steps: "stats", "check_invariants" (an error on leaked blocks)
-    or "check_constraint" (whether `constraint` compiles; the error names the field if not)."""
+    """A question answered between steps (engine.driver answers each kind through its table)."""
 
     query_id: int
-    name: str
+    kind: QueryKind
     constraint: ConstraintSpec | None = None
 
 

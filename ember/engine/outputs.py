@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import time
 
 from ember.tokenization.detokenizer import IncrementalDetokenizer, StopStringMatcher
@@ -74,7 +73,7 @@ class RequestTracker:
             logprobs=self.logprobs,
             new_logprobs=step_logprobs if self.logprobs is not None else None,
             finish_reason=finish,
-            num_cached_tokens=max(step.num_cached_tokens, 0),
+            num_cached_tokens=step.num_cached_tokens,
             timings=self.timings,
             stop_reason=self.stop_reason,
             error=step.error,
@@ -93,14 +92,3 @@ class RequestTracker:
             if stop is not None:
                 return new_ids[:count], delta, stop
         return new_ids, delta, None
-
-
-def open_stream(streams: dict[str, asyncio.Queue], request_id: str, prompt_token_ids: list[int],
-                params: SamplingParams, tokenizer) -> tuple[asyncio.Queue, RequestTracker]:
-    """Register a new request's output queue under its id (a 400 if the id is running) and its tracker."""
-    from ember.errors import EmberError
-
-    if request_id in streams:
-        raise EmberError(f"request id {request_id!r} is already running", param="request_id", status=400)
-    streams[request_id] = asyncio.Queue()
-    return streams[request_id], RequestTracker(request_id, prompt_token_ids, params, tokenizer.hf.backend_tokenizer)

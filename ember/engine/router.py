@@ -33,7 +33,7 @@ import msgspec
 from ember.constraint_spec import ConstraintSpec
 from ember.engine.client import EngineClient
 from ember.engine.kv_cache import hash_block
-from ember.engine.messages import EngineInfo, WorkerSettings
+from ember.engine.messages import EngineInfo, QueryKind, WorkerSettings
 from ember.engine.stats import EngineStats
 from ember.errors import EngineUnavailable
 from ember.types import GenerationOutput, SamplingParams
@@ -110,8 +110,7 @@ def leading_matches(hashes: Sequence[bytes], cached: set[bytes]) -> int:
 
 
 class EngineRouter:
-    """What the server calls `engine` under data parallelism: the interface of one EngineClient
-    (generate, abort, check_constraint, status, wait_ready, health, info, latest_stats) over several."""
+    """engine.contract.Engine over several EngineClients: what the server holds under data parallelism."""
 
     def __init__(self, clients: list[EngineClient], max_imbalance: int = DEFAULT_MAX_IMBALANCE) -> None:
         if len(clients) < 2:
@@ -212,9 +211,9 @@ class EngineRouter:
         block_size = self.info.block_size
         hashes = prompt_block_hashes(prompt_token_ids, block_size, cache_salt)
         matched = [leading_matches(hashes, client.cached_blocks) for client in self.clients]
-        worth = [count if count > MIN_MATCH_SHARE * len(hashes) else 0 for count in matched]
+        counted = [count if count > MIN_MATCH_SHARE * len(hashes) else 0 for count in matched]
         serving = [client.status == "ok" for client in self.clients]
-        index = choose_worker(worth, self.running, self.last_chosen, serving, self.max_imbalance, self.seats)
+        index = choose_worker(counted, self.running, self.last_chosen, serving, self.max_imbalance, self.seats)
         return index, matched[index] * block_size
 
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams, *,
@@ -253,7 +252,7 @@ class EngineRouter:
             raise EngineUnavailable("no engine worker is serving")
         await self.clients[min(serving, key=lambda i: self.running[i])].check_constraint(spec)
 
-    async def query(self, name: str, constraint: ConstraintSpec | None = None) -> list:
+    async def query(self, kind: QueryKind, constraint: ConstraintSpec | None = None) -> list:
         """Every serving worker's answer, in worker order."""
-        return list(await asyncio.gather(*(client.query(name, constraint) for client in self.clients
+        return list(await asyncio.gather(*(client.query(kind, constraint) for client in self.clients
                                            if client.status == "ok")))

@@ -20,20 +20,21 @@ import zmq
 
 from ember.engine import messages
 from ember.engine.parent_death import die_with_parent
-from ember.engine.messages import Abort, Add, Answer, CacheChanges, Fatal, Outputs, Query, Ready, Shutdown, WorkerSettings
+from ember.engine.driver import EngineDriver
+from ember.engine.messages import CacheChanges, Fatal, Outputs, Query, Ready, Shutdown, WorkerSettings
 from ember.errors import EmberError
-from ember.types import FinishReason, SamplingParams, StepOutput
+from ember.types import SamplingParams, StepOutput
 
 logger = logging.getLogger("ember.worker")
 
 _IDLE_POLL_MS = 500  # how often an idle worker checks that its parent is alive
 
 
-def load_engine(settings: WorkerSettings):
-    """(EngineCore, ConstraintBuilder) for the settings: the model built, warmed up, counters zeroed."""
+def load_engine(settings: WorkerSettings) -> EngineDriver:
+    """The settings' engine, ready to drive: the model built and warmed up, counters zeroed, the
+    constraint builder made (so the first structured request does not wait for it)."""
 
     from ember.engine.core import EngineCore
-    from ember.grammar.realize import load_constraint_builder
     from ember.loaders import source_opener
 
     open_source = source_opener(settings.cache_dir, settings.ollama_models)
@@ -45,10 +46,10 @@ def load_engine(settings: WorkerSettings):
         from ember.engine.ranks import start_leader
 
         group = start_leader(settings)
-    core = EngineCore.from_source(source, settings.engine, open_source, group)
-    builder = load_constraint_builder(source.tokenizer, core.model_config.vocab_size, core.eos_token_ids)
-    warm_up(core, source.tokenizer)
-    return core, builder
+    driver = EngineDriver(EngineCore.from_source(source, settings.engine, open_source, group), source.tokenizer)
+    _ = driver.constraints
+    warm_up(driver.core, source.tokenizer)
+    return driver
 
 
 def warm_up(core, tokenizer) -> None:
@@ -61,10 +62,10 @@ def warm_up(core, tokenizer) -> None:
 
 
 class Worker:
-    def __init__(self, core, builder, inbox: zmq.Socket, outbox: zmq.Socket, fault=None,
+    def __init__(self, driver: EngineDriver, inbox: zmq.Socket, outbox: zmq.Socket, fault=None,
                  report_cache_changes: bool = False) -> None:
-        self.core = core
-        self.builder = builder
+        self.driver = driver
+        self.core = driver.core
         self.inbox = inbox
         self.outbox = outbox
         self.fault = fault
@@ -72,10 +73,10 @@ class Worker:
         self.parent = os.getppid()
         self.report_cache_changes = report_cache_changes
         if report_cache_changes:
-            core.kv_manager.record_cache_changes()
+            self.core.kv_manager.record_cache_changes()
 
     def serve(self) -> None:
-        core = self.core
+        core, driver = self.core, self.driver
         while True:
             if not core.has_unfinished():
                 while not self.inbox.poll(_IDLE_POLL_MS):
@@ -89,49 +90,19 @@ class Worker:
                     message = messages.to_worker.decode(self.inbox.recv(zmq.NOBLOCK))
                 except zmq.Again:
                     break
-                if isinstance(message, Shutdown):
-                    self._send(core.abort(list(core.scheduler.requests)))
+                if type(message) is Shutdown:
+                    self._send(outputs + driver.abort_all())
                     return
-                outputs += self._handle(message)
+                if type(message) is Query:
+                    self.outbox.send(messages.encode(driver.answer(message)))
+                else:
+                    outputs += driver.handle(message)
             if core.has_unfinished():
                 self.num_model_steps += 1
                 if self.fault is not None:
                     self.fault.at_step(self.num_model_steps)
                 outputs += core.step()
             self._send(outputs)
-
-    def _handle(self, message) -> list[StepOutput]:
-        if isinstance(message, Add):
-            try:
-                constraint = self.builder.build(message.constraint)
-                self.core.add_request(message.request_id, message.prompt_token_ids, message.params,
-                                      message.cache_salt, message.arrival_time or None,
-                                      constraint, message.report_progress)
-            except EmberError as exc:
-                return [StepOutput(message.request_id, [], None, FinishReason.ERROR, len(message.prompt_token_ids),
-                                   0, error=exc.message)]
-            return []
-        if isinstance(message, Abort):
-            return self.core.abort(message.request_ids)
-        if isinstance(message, Query):
-            self.outbox.send(messages.encode(self._answer(message)))
-        return []
-
-    def _answer(self, query: Query) -> Answer:
-        try:
-            if query.name == "stats":
-                return Answer(query.query_id, self.core.stats())
-            if query.name == "check_invariants":
-                self.core.check_invariants()
-                return Answer(query.query_id, True)
-            if query.name == "check_constraint":
-                self.builder.compile(query.constraint)
-                return Answer(query.query_id, True)
-            return Answer(query.query_id, error=f"unknown query {query.name!r}")
-        except AssertionError as exc:
-            return Answer(query.query_id, error=f"AssertionError: {exc}")
-        except EmberError as exc:
-            return Answer(query.query_id, error=exc.message, param=exc.param, code=exc.code)
 
     def _send(self, outputs: list[StepOutput]) -> None:
         cache = None
@@ -163,7 +134,7 @@ def main(argv: list[str]) -> int:
         fault.at_load()
     began = time.monotonic()
     try:
-        core, builder = load_engine(settings)
+        driver = load_engine(settings)
     except Exception as exc:
         logger.error("loading the model failed: %s", exc, exc_info=not isinstance(exc, EmberError))
         error = exc if isinstance(exc, EmberError) else None
@@ -171,8 +142,9 @@ def main(argv: list[str]) -> int:
                                           param=error.param if error else None)))
         return 1
     logger.info("engine worker %d ready in %.1f s", os.getpid(), time.monotonic() - began)
+    core = driver.core
     outbox.send(messages.encode(Ready(os.getpid(), messages.engine_info(core), core.stats())))
-    worker = Worker(core, builder, inbox, outbox, fault, settings.report_cache_changes)
+    worker = Worker(driver, inbox, outbox, fault, settings.report_cache_changes)
     try:
         worker.serve()
         if core.group is not None:

@@ -14,6 +14,7 @@ from typing import Any, Callable
 
 import ember
 from ember.constraint_spec import ConstraintSpec
+from ember.engine.contract import Engine
 from ember.errors import EmberError
 from ember.protocols.errors import ModelLoading, ServerUnavailable
 from ember.protocols.chat_reply import ChatFeatures, ReplyPlan, plan_reply
@@ -33,10 +34,10 @@ _PROMPT_TAIL_TOKENS = 16  # enough to see whether the prompt leaves a think bloc
 
 @dataclass(slots=True)
 class LoadedModel:
-    """A model ready to serve: its engine (an EngineClient, supervising a worker process, or an
-    in-process AsyncEngine; both have generate, abort, status, wait_ready, health, info, latest_stats)."""
+    """A model ready to serve: its engine (engine.contract: a supervised worker process, several
+    behind a router, or a thread of this process) and what requests need to know of it."""
 
-    engine: Any
+    engine: Engine
     tokenizer: Any
     name: str
     max_model_len: int
@@ -71,32 +72,34 @@ def load_model(config: ServerConfig) -> LoadedModel:
         batch_invariance=info.batch_invariance)
 
 
-def _start_engine(config: ServerConfig, source):
-    if config.engine_worker:
-        from ember.engine.client import EngineClient
-        from ember.engine.messages import WorkerSettings
+def _start_engine(config: ServerConfig, source) -> Engine:
+    engine = _make_engine(config, source)
+    engine.launch()
+    return engine
 
-        settings = WorkerSettings(config.model, config.cache_dir, config.revision, config.ollama_models,
-                                  config.chat_template, config.engine, logging.getLogger().getEffectiveLevel(),
-                                  config.inject_fault)
-        if config.data_parallel_size > 1:
-            from ember.engine.router import EngineRouter, replica_launches
 
-            engine = EngineRouter([EngineClient(replica, source.tokenizer, env)
-                                   for replica, env in replica_launches(settings, config.data_parallel_size)])
-        else:
-            engine = EngineClient(settings, source.tokenizer)
-        engine.launch()
-        return engine
-    from ember.engine.core import EngineCore
-    from ember.engine.engine import AsyncEngine
-    from ember.engine.worker import warm_up
+def _make_engine(config: ServerConfig, source) -> Engine:
+    if not config.engine_worker:
+        from ember.engine.core import EngineCore
+        from ember.engine.engine import AsyncEngine
+        from ember.engine.worker import warm_up
+        from ember.loaders import source_opener
 
-    from ember.loaders import source_opener
+        core = EngineCore.from_source(source, config.engine, source_opener(config.cache_dir, config.ollama_models))
+        warm_up(core, source.tokenizer)
+        return AsyncEngine(core, source.tokenizer)
+    from ember.engine.client import EngineClient
+    from ember.engine.messages import WorkerSettings
 
-    core = EngineCore.from_source(source, config.engine, source_opener(config.cache_dir, config.ollama_models))
-    warm_up(core, source.tokenizer)
-    return AsyncEngine(core, source.tokenizer)
+    settings = WorkerSettings(config.model, config.cache_dir, config.revision, config.ollama_models,
+                              config.chat_template, config.engine, logging.getLogger().getEffectiveLevel(),
+                              config.inject_fault)
+    if config.data_parallel_size == 1:
+        return EngineClient(settings, source.tokenizer)
+    from ember.engine.router import EngineRouter, replica_launches
+
+    return EngineRouter([EngineClient(replica, source.tokenizer, env)
+                         for replica, env in replica_launches(settings, config.data_parallel_size)])
 
 
 def _single_token_id(tokenizer, vocab_size: int, text: str) -> int | None:

@@ -11,7 +11,7 @@ from ember.constraint_spec import STRUCTURAL_TAG, ConstraintSpec, SteeringSpec
 from ember.engine import messages
 from ember.engine.client import _Replay
 from ember.engine.faults import FaultPlan
-from ember.engine.messages import Abort, Add, Outputs, Query, WorkerSettings
+from ember.engine.messages import Abort, Add, Outputs, Query, QueryKind, WorkerSettings
 from ember.engine.stats import EngineCounters, EngineStats
 from ember.errors import EngineRestarted
 from ember.types import FinishReason, SamplingParams, StepOutput, TokenLogprob
@@ -45,7 +45,7 @@ def test_step_outputs_and_statistics_come_back_equal():
 
 
 def test_the_other_messages_and_the_settings_come_back_equal():
-    for message in (Abort(["a", "b"]), Query(7, "stats"), messages.Shutdown()):
+    for message in (Abort(["a", "b"]), Query(7, QueryKind.STATS), messages.Shutdown()):
         assert messages.to_worker.decode(messages.encode(message)) == message
     settings = WorkerSettings("model.gguf", None, None, None, "{{ messages }}", EngineConfig(max_model_len=512),
                               fault="kill@3")
