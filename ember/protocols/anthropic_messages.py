@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from ember.constraint_spec import GrammarSpec
 from ember.errors import InvalidRequest
 from ember.parsers.events import ToolSpec
 from ember.protocols.anthropic_errors import ANTHROPIC_ERRORS
@@ -25,7 +26,7 @@ from ember.protocols.errors import unsupported
 from ember.protocols.fields import Fields, as_string, json_type
 from ember.protocols.neutral import ChatPrompt, Dialect, GenerationRequest, ModelInfo, build_sampling_params
 from ember.protocols.sampling_fields import read_max_tokens, read_sampling_fields, read_single_choice
-from ember.protocols.structured import GrammarSpec, check_grammar_with_tools, read_flat_format
+from ember.protocols.structured import check_grammar_with_tools, read_flat_format
 from ember.protocols.thinking import read_preserve_thinking, settle_thinking
 from ember.protocols.unknown_fields import reads_fields
 

@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol, Union
 
+from ember.constraint_spec import GrammarSpec
 from ember.context_window import ContextWindow, OutputFit, fit_output
 from ember.errors import EmberError, InvalidRequest
 from ember.parsers.events import ContentText, ParsedReply, ReplyEvent
@@ -22,7 +23,6 @@ from ember.protocols.cache_hints import Breakpoint, cache_pins
 from ember.protocols.chat_reply import ChatFeatures, ChatOptions, ReplyPlan
 from ember.protocols.errors import ErrorShape
 from ember.protocols.sse import ServerEvent
-from ember.protocols.structured import GrammarSpec
 from ember.tokenization.chat_prompt import drop_closed_reasoning, prepare_conversation
 from ember.types import (CachePin, FinishReason, GenerationOutput, RequestTimings, SamplingParams, SpeculationCounts,
                          TokenLogprob)

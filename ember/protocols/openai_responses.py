@@ -12,6 +12,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from ember.constraint_spec import GrammarSpec
 from ember.errors import EmberError, InvalidRequest
 from ember.parsers.events import (
     TEXT_EVENTS, ContentText, ReasoningText, ReplyEvent, ToolCall, ToolCallDelta, ToolCallStart, streamed_call,
@@ -31,7 +32,7 @@ from ember.protocols.reasoning_seal import ReasoningSeal
 from ember.protocols.sampling_fields import read_max_tokens, read_priority, read_single_choice
 from ember.protocols.responses_items import new_item_id, read_input, to_messages
 from ember.protocols.responses_tools import ToolRef, read_tool_choice, read_tools, unwrap_call
-from ember.protocols.structured import GrammarSpec, check_grammar_with_tools, read_flat_format
+from ember.protocols.structured import check_grammar_with_tools, read_flat_format
 from ember.protocols.sse import ServerEvent
 from ember.types import FinishReason, GenerationOutput
 from ember.protocols.unknown_fields import reads_fields

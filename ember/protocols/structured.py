@@ -1,5 +1,5 @@
-"""Structured outputs, read from any dialect into one neutral `GrammarSpec`: plain data that the
-server compiles (ember/grammar) and enforces token by token.
+"""Structured outputs, read from any dialect into one neutral `GrammarSpec` (ember.constraint_spec):
+plain data that the server compiles (ember/grammar) and enforces token by token.
 
     OpenAI Chat and Completions   response_format {"type": "json_schema", "json_schema": {name, schema,
                                   strict}} | {"type": "json_object"} | {"type": "text"};
@@ -16,14 +16,12 @@ At most one of these fields may be set; each refusal names the field at fault.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from typing import Any
 
+from ember.constraint_spec import CHOICE, GRAMMAR, JSON_OBJECT, JSON_SCHEMA, REGEX, GrammarSpec
 from ember.errors import InvalidRequest
 from ember.protocols.fields import Fields, as_string, json_type
 
-JSON_SCHEMA, JSON_OBJECT, REGEX, CHOICE, GRAMMAR = "json_schema", "json_object", "regex", "choice", "grammar"
-KINDS = (JSON_SCHEMA, JSON_OBJECT, REGEX, CHOICE, GRAMMAR)
 MAX_CHOICES = 1024
 MAX_GRAMMAR_CHARS = 256 * 1024  # any one schema, pattern or grammar text
 
@@ -32,20 +30,6 @@ _TOP_LEVEL = (("guided_json", JSON_SCHEMA), ("guided_regex", REGEX), ("guided_ch
               ("guided_grammar", GRAMMAR), ("json_schema", JSON_SCHEMA), ("grammar", GRAMMAR))
 _STRUCTURED_OUTPUTS = (("json", JSON_SCHEMA), ("json_object", JSON_OBJECT), ("regex", REGEX), ("choice", CHOICE),
                        ("grammar", GRAMMAR))
-
-
-@dataclass(frozen=True, slots=True)
-class GrammarSpec:
-    """What the reply must match. `text` is the schema as JSON text (json_schema), empty (json_object),
-    the pattern (regex), a JSON array of the strings (choice) or the EBNF grammar (grammar)."""
-
-    kind: str
-    text: str
-    param: str  # the request field it came from, named when it cannot be compiled
-
-    def __post_init__(self) -> None:
-        if self.kind not in KINDS:
-            raise ValueError(f"unknown grammar kind {self.kind!r}")
 
 
 # ---- neutral builders (every dialect) -------------------------------------------------------------
