@@ -121,16 +121,3 @@ def framing_only(text: str, closer: str = "") -> bool:
     if closer and rest.startswith(closer):
         rest = rest[len(closer):].strip()
     return not rest or CLOSER.startswith(rest)
-
-
-class PlainScanner:
-    """Finds the first closing tag, whatever surrounds it."""
-
-    def __init__(self) -> None:
-        self.body = ""
-
-    def feed(self, text: str) -> int | None:
-        start = max(len(self.body) - len(CLOSER) + 1, 0)
-        self.body += text
-        found = self.body.find(CLOSER, start)
-        return None if found < 0 else found
