@@ -11,8 +11,9 @@ from ember.parsers.events import ContentText, ReasoningText, ThinkMarkers, ToolC
 from ember.parsers.hermes import HERMES
 from ember.protocols.chat_reply import FUNCTION, NONE, REQUIRED, ChatFeatures
 from ember.protocols.neutral import ModelInfo, ResponseMeta, RunResult
-from ember.protocols.openai_responses import ResponsesRenderer, parse_responses
+from ember.protocols.openai_responses import parse_responses
 from ember.protocols.reasoning_seal import ReasoningSeal, SealError
+from ember.protocols.responses_render import ResponsesRenderer
 from ember.server.response_store import ResponseStore, StoredResponse
 from ember.server.responses_routes import list_page, make_context
 from ember.types import FinishReason
