@@ -78,7 +78,8 @@ def _parse(body: Any, model: ModelInfo, *, counting: bool) -> MessagesRequest:
     max_tokens, max_tokens_param = (None, "max_tokens") if counting else read_max_tokens(f, MAX_TOKENS_NAMES)
     marks = AnthropicBreakpoints()
     tools, tools_ttl = read_tools(f, marks)
-    messages = join_leading_system(read_system(f, marks), read_messages(f, marks))
+    conversation, last_turn = read_messages(f, marks)
+    messages = join_leading_system(read_system(f, marks), conversation)
     read_request_cache_control(f, marks, messages)
     if tools and model.chat.tool_format is None:
         raise unsupported("tools", "tool calling is turned off on this server (--tool-call-parser none)")
@@ -87,7 +88,7 @@ def _parse(body: Any, model: ModelInfo, *, counting: bool) -> MessagesRequest:
     effort, grammar = read_output_config(f, model.chat)
     check_grammar_with_tools(grammar, choice, "tool_choice")
     clear_old_thinking(f, messages)
-    prefill = read_prefill(messages, thinking_enabled=budget is not None)
+    prefill = read_prefill(messages, last_turn, thinking_enabled=budget is not None)
     if prefill and grammar is not None:
         raise InvalidRequest(f"{grammar.param} cannot be combined with a prefill (a final assistant turn of text): "
                              "the format holds the whole answer", param=grammar.param)
@@ -167,12 +168,16 @@ def join_leading_system(system: list[dict[str, Any]], messages: list[dict[str, A
 
 @dataclass(slots=True)
 class _Turn:
+    """Consecutive messages of one role, read; kept beside the neutral messages made from it (the
+    last turn tells whether the conversation ends with a prefill)."""
+
     role: str
     blocks: list[tuple[str, Fields, float | None]]  # (kind, the block, its cache_control TTL) in order
     path: str  # of the first message of the turn
 
 
-def read_messages(f: Fields, marks: AnthropicBreakpoints) -> list[dict[str, Any]]:
+def read_messages(f: Fields, marks: AnthropicBreakpoints) -> tuple[list[dict[str, Any]], _Turn]:
+    """(the neutral messages, the last turn they were made from)."""
     items = f.array("messages", non_empty=True)
     if items is None:
         raise InvalidRequest("messages is required: a non-empty array of messages", param="messages")
@@ -192,7 +197,7 @@ def read_messages(f: Fields, marks: AnthropicBreakpoints) -> list[dict[str, Any]
     messages: list[dict[str, Any]] = []
     for turn in turns:
         messages.extend(turn_messages(turn))
-    return messages
+    return messages, turns[-1]
 
 
 def read_blocks(m: Fields, role: str, marks: AnthropicBreakpoints, *,
@@ -314,8 +319,6 @@ def turn_messages(turn: _Turn) -> list[dict[str, Any]]:
              for kind, block, _ in turn.blocks if kind == "tool_use"]
     if calls:
         message["tool_calls"] = calls
-    message["ember_blocks"] = [kind for kind, _, _ in turn.blocks]
-    message["ember_path"] = turn.path
     return [_marked(message, text_cuts + [(None, ttl) for ttl in whole_ttls])]
 
 
@@ -339,31 +342,25 @@ def read_request_cache_control(f: Fields, marks: AnthropicBreakpoints, messages:
     mark(messages[-1], None, marks.read(f))
 
 
-def read_prefill(messages: list[dict[str, Any]], *, thinking_enabled: bool) -> bool:
-    """Whether the conversation ends with an assistant turn the reply continues. Drops the
-    bookkeeping keys turn_messages left on assistant messages."""
-    last = messages[-1] if messages else None
-    prefill = False
-    if last is not None and last["role"] == "assistant":
-        kinds, path = last["ember_blocks"], last["ember_path"]
-        if any(kind != "text" for kind in kinds):
-            raise InvalidRequest(f"{path}: the conversation ends with an assistant turn holding "
-                                 f"{', '.join(sorted(set(k for k in kinds if k != 'text')))} blocks; a final "
-                                 "assistant turn is a prefill and may hold text only", param=path)
-        if last["content"]:
-            if last["content"] != last["content"].rstrip():
-                raise InvalidRequest(f"{path}: a final assistant turn (a prefill) may not end with whitespace",
-                                     param=path)
-            if thinking_enabled:
-                raise InvalidRequest("thinking cannot be enabled when the final assistant turn is a prefill",
-                                     param="thinking")
-            prefill = True
-        else:
-            messages.pop()  # an empty prefill: an ordinary reply
-    for message in messages:
-        message.pop("ember_blocks", None)
-        message.pop("ember_path", None)
-    return prefill
+def read_prefill(messages: list[dict[str, Any]], last_turn: _Turn, *, thinking_enabled: bool) -> bool:
+    """Whether the conversation ends with an assistant turn the reply continues; `last_turn` is the
+    turn its last message was made from. An empty final assistant turn is dropped."""
+    if last_turn.role != "assistant":
+        return False
+    kinds, path = [kind for kind, _, _ in last_turn.blocks], last_turn.path
+    if any(kind != "text" for kind in kinds):
+        raise InvalidRequest(f"{path}: the conversation ends with an assistant turn holding "
+                             f"{', '.join(sorted(set(k for k in kinds if k != 'text')))} blocks; a final "
+                             "assistant turn is a prefill and may hold text only", param=path)
+    text = messages[-1]["content"]
+    if not text:
+        messages.pop()  # an empty prefill: an ordinary reply
+        return False
+    if text != text.rstrip():
+        raise InvalidRequest(f"{path}: a final assistant turn (a prefill) may not end with whitespace", param=path)
+    if thinking_enabled:
+        raise InvalidRequest("thinking cannot be enabled when the final assistant turn is a prefill", param="thinking")
+    return True
 
 
 def clear_old_thinking(f: Fields, messages: list[dict[str, Any]]) -> None:
