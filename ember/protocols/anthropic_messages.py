@@ -140,7 +140,7 @@ def read_system(f: Fields, marks: AnthropicBreakpoints) -> list[dict[str, Any]]:
         kind = block.string("type")
         if kind != "text":
             raise InvalidRequest(f"{block.path} has type {kind!r}; system takes text blocks only", param=block.path)
-        text = as_string(block.raw("text"), block.at("text"))
+        text = as_string(block.raw("text"), block.path_of("text"))
         ttl = marks.read(block)
         if j == 0 and text.startswith(BILLING_HEADER):
             continue  # Claude Code's per-request attribution (and its mark): kept out so the prefix stays cacheable
@@ -186,9 +186,10 @@ def read_messages(f: Fields, marks: AnthropicBreakpoints) -> tuple[list[dict[str
         m = Fields(raw, f"messages[{i}]")
         role = m.string("role")
         if role is None:
-            raise InvalidRequest(f"{m.at('role')} is required", param=m.at("role"))
+            raise InvalidRequest(f"{m.path_of('role')} is required", param=m.path_of("role"))
         if role not in ROLES:
-            raise InvalidRequest(f"{m.at('role')} must be user, assistant or system; got '{role}'", param=m.at("role"))
+            raise InvalidRequest(f"{m.path_of('role')} must be user, assistant or system; got '{role}'",
+                                 param=m.path_of("role"))
         blocks = read_blocks(m, role, marks, final=i == len(items) - 1)
         if turns and turns[-1].role == role:
             turns[-1].blocks.extend(blocks)  # consecutive turns of one role are one turn
@@ -203,7 +204,7 @@ def read_messages(f: Fields, marks: AnthropicBreakpoints) -> tuple[list[dict[str
 def read_blocks(m: Fields, role: str, marks: AnthropicBreakpoints, *,
                 final: bool) -> list[tuple[str, Fields, float | None]]:
     content = m.raw("content")
-    path = m.at("content")
+    path = m.path_of("content")
     if content is None:
         raise InvalidRequest(f"{path} is required", param=path)
     if isinstance(content, str):
@@ -220,12 +221,12 @@ def read_blocks(m: Fields, role: str, marks: AnthropicBreakpoints, *,
         block = Fields(item, f"{path}[{j}]")
         kind = block.string("type")
         if kind is None:
-            raise InvalidRequest(f"{block.at('type')} is required", param=block.at("type"))
+            raise InvalidRequest(f"{block.path_of('type')} is required", param=block.path_of("type"))
         check_block(block, kind, role)
         ttl = marks.read(block)
         if kind == "tool_result":  # a mark inside the result counts for the result
             for k, inner in enumerate(block.raw("content") if isinstance(block.raw("content"), list) else []):
-                inner_ttl = marks.read(Fields(inner, block.at("content") + f"[{k}]"))
+                inner_ttl = marks.read(Fields(inner, block.path_of("content") + f"[{k}]"))
                 ttl = inner_ttl if ttl is None else max(ttl, inner_ttl or 0.0)
         blocks.append((kind, block, ttl))
     return blocks
@@ -245,25 +246,25 @@ def check_block(block: Fields, kind: str, role: str) -> None:
     if role not in _ALLOWED[kind]:
         raise InvalidRequest(f"{block.path}: a {kind} block cannot appear in a {role} message", param=block.path)
     if kind == "text":
-        as_string(block.raw("text"), block.at("text"))
+        as_string(block.raw("text"), block.path_of("text"))
     elif kind == "thinking":
-        as_string(block.raw("thinking"), block.at("thinking"))
+        as_string(block.raw("thinking"), block.path_of("thinking"))
         block.string("signature")
     elif kind == "tool_use":
         for name in ("id", "name"):
             if block.string(name, non_empty=True) is None:
-                raise InvalidRequest(f"{block.at(name)} is required", param=block.at(name))
+                raise InvalidRequest(f"{block.path_of(name)} is required", param=block.path_of(name))
         block.object("input")
     else:
         if block.string("tool_use_id", non_empty=True) is None:
-            raise InvalidRequest(f"{block.at('tool_use_id')} is required", param=block.at("tool_use_id"))
+            raise InvalidRequest(f"{block.path_of('tool_use_id')} is required", param=block.path_of("tool_use_id"))
         block.boolean("is_error")
         tool_result_text(block)
 
 
 def tool_result_text(block: Fields) -> str:
     content = block.raw("content")
-    path = block.at("content")
+    path = block.path_of("content")
     if content is None:
         text = ""
     elif isinstance(content, str):
@@ -277,7 +278,7 @@ def tool_result_text(block: Fields) -> str:
                 reason = REFUSED_BLOCKS.get(kind or "", "a tool result may hold text blocks only")
                 raise InvalidRequest(f"{part.path}: {kind} blocks are not supported in a tool result: {reason}",
                                      param=part.path, code="unsupported_content")
-            parts.append(as_string(part.raw("text"), part.at("text")))
+            parts.append(as_string(part.raw("text"), part.path_of("text")))
         text = "".join(parts)
     else:
         raise InvalidRequest(f"{path} must be a string or an array of text blocks, not {json_type(content)}",
@@ -370,7 +371,7 @@ def clear_old_thinking(f: Fields, messages: list[dict[str, Any]]) -> None:
     if management is None:
         return
     for k, raw in enumerate(management.array("edits") or []):
-        edit = Fields(raw, management.at("edits") + f"[{k}]")
+        edit = Fields(raw, management.path_of("edits") + f"[{k}]")
         kind = edit.string("type")
         if kind is None or not kind.startswith("clear_thinking"):
             continue
@@ -381,10 +382,10 @@ def clear_old_thinking(f: Fields, messages: list[dict[str, Any]]) -> None:
         if keep is not None:
             spec = edit.object("keep")
             if spec.string("type", choices=("thinking_turns",)) is None:
-                raise InvalidRequest(f"{spec.at('type')} is required", param=spec.at("type"))
+                raise InvalidRequest(f"{spec.path_of('type')} is required", param=spec.path_of("type"))
             turns = spec.integer("value", low=0)
             if turns is None:
-                raise InvalidRequest(f"{spec.at('value')} is required", param=spec.at("value"))
+                raise InvalidRequest(f"{spec.path_of('value')} is required", param=spec.path_of("value"))
         thinking = [m for m in messages if m["role"] == "assistant" and m.get("reasoning_content")]
         for message in thinking[:max(len(thinking) - turns, 0)]:
             del message["reasoning_content"]
@@ -401,8 +402,9 @@ def read_tools(f: Fields, marks: AnthropicBreakpoints) -> tuple[list[ToolSpec], 
         tool = Fields(raw, f"tools[{i}]")
         kind = tool.string("type")
         if kind not in (None, "custom"):
-            raise unsupported(tool.at("type"), f"{tool.path} is a '{kind}' tool, which runs on Anthropic's servers; "
-                                               "ember calls client tools only (name, description, input_schema)")
+            raise unsupported(tool.path_of("type"),
+                              f"{tool.path} is a '{kind}' tool, which runs on Anthropic's servers; ember calls client "
+                              "tools only (name, description, input_schema)")
         name = tool_name(tool)
         schema = tool_schema(tool, "input_schema", {"type": "object", "properties": {}})
         tool.boolean("eager_input_streaming")

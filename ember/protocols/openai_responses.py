@@ -191,10 +191,10 @@ def read_metadata(f: Fields) -> dict[str, str]:
             raise InvalidRequest(f"metadata key '{key[:20]}...' is {len(key)} characters; at most 64 are allowed",
                                  param="metadata")
         if metadata.string(key) is None:
-            raise InvalidRequest(f"metadata.{key} must be a string, not null", param=metadata.at(key))
+            raise InvalidRequest(f"metadata.{key} must be a string, not null", param=metadata.path_of(key))
         if len(value) > 512:
             raise InvalidRequest(f"metadata.{key} is {len(value)} characters; at most 512 are allowed",
-                                 param=metadata.at(key))
+                                 param=metadata.path_of(key))
     return dict(metadata.obj)
 
 

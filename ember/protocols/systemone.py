@@ -141,7 +141,7 @@ def parse_systemone(body: Any, model: ModelInfo) -> GenerationRequest:
     if not 1 <= len(questions.obj) <= MAX_QUESTIONS:
         raise InvalidRequest(f"questions holds {len(questions.obj)} questions; send 1 to {MAX_QUESTIONS}",
                              param="questions")
-    read = [_read_question(Fields(q, questions.at(name)), name) for name, q in questions.obj.items()]
+    read = [_read_question(Fields(q, questions.path_of(name)), name) for name, q in questions.obj.items()]
     if not model.has_chat_template:
         raise InvalidRequest("the model has no chat template; /v1/systemone needs one", param=None,
                              code="no_chat_template")
@@ -151,7 +151,7 @@ def parse_systemone(body: Any, model: ModelInfo) -> GenerationRequest:
         params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, logprobs=0, logprob_token_ids=ids)
         prompt = ChatPrompt([{"role": "user", "content": _question_prompt(prompt_text(state), text)}],
                             {"enable_thinking": False})
-        runs.append(PromptRun(prompt, params, questions.at(question.name)))
+        runs.append(PromptRun(prompt, params, questions.path_of(question.name)))
     return GenerationRequest(runs[0].prompt, runs[0].params, prompt_param=runs[0].prompt_param, batch=runs,
                              dialect_options=[q for q, _ in read])
 
@@ -159,7 +159,7 @@ def parse_systemone(body: Any, model: ModelInfo) -> GenerationRequest:
 def _refuse_unknown(f: Fields, known: tuple[str, ...]) -> None:
     for key in f.obj:
         if key not in known:
-            raise InvalidRequest(f"{f.at(key)} is not a field of /v1/systemone", param=f.at(key))
+            raise InvalidRequest(f"{f.path_of(key)} is not a field of /v1/systemone", param=f.path_of(key))
 
 
 def _check_text_value(value: Any, path: str, allow_null: bool = True) -> None:
@@ -176,15 +176,15 @@ def _read_question(q: Fields, name: str) -> tuple[Question, str]:
     _refuse_unknown(q, _QUESTION_FIELDS)
     kind = q.raw("type")
     if kind == "box":
-        raise unsupported(q.at("type"), "box questions are not supported by this server")
+        raise unsupported(q.path_of("type"), "box questions are not supported by this server")
     kind = q.string("type", choices=KINDS)
     if kind is None:
-        raise InvalidRequest(f"{q.at('type')} is required: choice, score or noul", param=q.at("type"))
+        raise InvalidRequest(f"{q.path_of('type')} is required: choice, score or noul", param=q.path_of("type"))
     instructions = q.obj.get("instructions")
-    _check_text_value(instructions, q.at("instructions"))
+    _check_text_value(instructions, q.path_of("instructions"))
     lines = [f"Question: {prompt_text(instructions)}"] if instructions not in (None, "") else []
     criteria = q.obj.get("criteria")
-    path = q.at("criteria")
+    path = q.path_of("criteria")
     if kind == CHOICE:
         if not isinstance(criteria, dict):
             raise InvalidRequest(f"{path} must map 1 to {MAX_OPTIONS} option names to descriptions", param=path)
@@ -213,8 +213,9 @@ def _read_question(q: Fields, name: str) -> tuple[Question, str]:
         c = Fields(criteria, path)
         for key in c.obj:
             if key not in ("true", "false"):
-                raise InvalidRequest(f"{c.at(key)} is not a {YES_NO} criterion (true, false)", param=c.at(key))
-            _check_text_value(c.obj[key], c.at(key))
+                raise InvalidRequest(f"{c.path_of(key)} is not a {YES_NO} criterion (true, false)",
+                                     param=c.path_of(key))
+            _check_text_value(c.obj[key], c.path_of(key))
         for key, label in zip(("true", "false"), YES_NO_LABELS):
             if c.obj.get(key) not in (None, ""):
                 lines.append(f"{label} means: {prompt_text(c.obj[key])}")
