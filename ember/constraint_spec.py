@@ -3,14 +3,32 @@
 The front end decides how a reply is steered (a thinking budget, a forced tool call, a grammar) and
 writes it down here; the engine compiles it into a live constraint (ember.grammar.realize) next to
 the model, with its own grammar cache. Nothing in here is a live object, so a spec can be
-serialized to an engine in another process or on another host.
+serialized to an engine in another process or on another host. Both sides import this module
+(and nothing of the other side): it imports no torch and no dialect.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+# The kinds of structured output a GrammarSpec holds (the dialects read them in ember.protocols.structured)
+JSON_SCHEMA, JSON_OBJECT, REGEX, CHOICE, GRAMMAR = "json_schema", "json_object", "regex", "choice", "grammar"
+KINDS = (JSON_SCHEMA, JSON_OBJECT, REGEX, CHOICE, GRAMMAR)
 STRUCTURAL_TAG = "structural_tag"  # grammar_kind of an xgrammar structural tag (tool calls), as JSON text
+
+
+@dataclass(frozen=True, slots=True)
+class GrammarSpec:
+    """What the reply must match. `text` is the schema as JSON text (json_schema), empty (json_object),
+    the pattern (regex), a JSON array of the strings (choice) or the EBNF grammar (grammar)."""
+
+    kind: str
+    text: str
+    param: str  # the request field it came from, named when it cannot be compiled
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"unknown grammar kind {self.kind!r}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,7 +48,7 @@ class SteeringSpec:
 @dataclass(frozen=True, slots=True)
 class ConstraintSpec:
     """A steering alone, a grammar alone, or a grammar whose answer starts after the steered
-    reasoning. `grammar_kind` is a structured-output kind (ember.protocols.structured) or
+    reasoning. `grammar_kind` is a structured-output kind (a GrammarSpec's) or
     STRUCTURAL_TAG; `grammar_param` is the request field named if it cannot be compiled."""
 
     steering: SteeringSpec | None = None

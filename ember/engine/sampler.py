@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ember.grammar.bitmask import unpack_bitmask
 from ember.types import ConstraintFailed, SamplingParams, TokenConstraint, TokenLogprob
 
 _SEED_STRIDE = 1_000_003  # mixes the output position into a request's seed
@@ -188,12 +189,6 @@ def _bitmask_kernel():
     except ImportError:
         return None
     return apply_token_bitmask_inplace
-
-
-def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """(rows, words) int32 packed bits -> (rows, vocab_size) bool: bit j of word i is id 32 * i + j."""
-    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
-    return ((bitmask[:, :, None] >> shifts) & 1).flatten(1)[:, :vocab_size].bool()
 
 
 def _keep_only(logits: torch.Tensor, row: int, ids: list[int]) -> None:

@@ -15,8 +15,8 @@ from collections import OrderedDict
 from collections.abc import Iterable
 from typing import Any
 
+from ember.constraint_spec import CHOICE, GRAMMAR, JSON_OBJECT, JSON_SCHEMA, REGEX, STRUCTURAL_TAG, GrammarSpec
 from ember.errors import InvalidRequest
-from ember.protocols.structured import CHOICE, GRAMMAR, JSON_OBJECT, JSON_SCHEMA, REGEX, GrammarSpec
 
 logger = logging.getLogger("ember.grammar")
 
@@ -61,7 +61,7 @@ class Grammars:
         return self.compile_structural_tag_text(structural_tag_text(tag), param)
 
     def compile_structural_tag_text(self, text: str, param: str) -> Any:
-        return self._cached(("structural_tag", text), param, lambda: self.compiler.compile_structural_tag(text))
+        return self._cached((STRUCTURAL_TAG, text), param, lambda: self.compiler.compile_structural_tag(text))
 
     def matcher(self, compiled: Any) -> Any:
         return self._xgr.GrammarMatcher(compiled)

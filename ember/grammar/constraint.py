@@ -12,6 +12,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import torch
+
+from ember.grammar.bitmask import unpack_bitmask
 from ember.parsers.constraint import ReplyConstraint
 from ember.tokenization.vocab import TokenBytes
 from ember.types import ConstraintFailed
@@ -52,10 +55,6 @@ class GrammarConstraint:
             return self.reply.allowed_token_ids(output_token_ids)
         if self.matcher.is_terminated():  # an end token was accepted and decoding goes on (ignore_eos)
             return self.stop_token_ids
-        import torch
-
-        from ember.engine.sampler import unpack_bitmask
-
         bitmask = torch.full((1, -(-self.vocab_size // 32)), -1, dtype=torch.int32)
         self.matcher.fill_next_token_bitmask(bitmask, 0)
         return unpack_bitmask(bitmask, self.vocab_size)[0].nonzero().flatten().tolist()

@@ -8,14 +8,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from ember.constraint_spec import STRUCTURAL_TAG, ConstraintSpec, SteeringSpec
+from ember.constraint_spec import STRUCTURAL_TAG, ConstraintSpec, GrammarSpec, SteeringSpec
 from ember.errors import InvalidRequest
 from ember.grammar.compiler import Grammars, grammar_unavailable
 from ember.grammar.constraint import GrammarConstraint
 from ember.parsers import TOOL_PARSERS
 from ember.parsers.constraint import ForcedCall, ReplyConstraint
 from ember.parsers.events import ThinkMarkers
-from ember.protocols.structured import GrammarSpec
 from ember.tokenization.vocab import TokenBytes
 from ember.types import TokenConstraint
 

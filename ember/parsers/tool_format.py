@@ -3,13 +3,14 @@
 Both formats ember reads wrap each call in `<tool_call>` ... `</tool_call>`; they differ in the
 body. A format knows how to find the block's real end (a closing tag inside a string value does not
 end it), how to read a body into a call, what text opens a call up to the function name (for
-forced calls), and how to describe tools to a model whose template cannot.
+forced calls), and how to write a past call as the model would have (for a template that cannot
+take tools; ember.parsers.tool_prompt writes the rest).
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any, Protocol
 
 from ember.parsers.events import ToolSpec
@@ -120,49 +121,3 @@ def framing_only(text: str, closer: str = "") -> bool:
     if closer and rest.startswith(closer):
         rest = rest[len(closer):].strip()
     return not rest or CLOSER.startswith(rest)
-
-
-class PlainScanner:
-    """Finds the first closing tag, whatever surrounds it."""
-
-    def __init__(self) -> None:
-        self.body = ""
-
-    def feed(self, text: str) -> int | None:
-        start = max(len(self.body) - len(CLOSER) + 1, 0)
-        self.body += text
-        found = self.body.find(CLOSER, start)
-        return None if found < 0 else found
-
-
-def tool_system_prompt(tools: Sequence[ToolSpec], tool_format: "ToolFormat") -> str:
-    """Instructions for a model whose chat template cannot list tools itself. The example call
-    uses the first tool's own parameters, which small models copy far better than a placeholder."""
-    lines = ["You may call functions to answer. Each one is described by a JSON schema inside <tools></tools>:",
-             "<tools>"]
-    for tool in tools:
-        entry: dict[str, Any] = {"name": tool.name}
-        if tool.description:
-            entry["description"] = tool.description
-        entry["parameters"] = tool.parameters or {"type": "object", "properties": {}}
-        lines.append(json.dumps({"type": "function", "function": entry}, ensure_ascii=False))
-    lines.append("</tools>")
-    lines.append("To call a function, reply with its name and arguments inside <tool_call></tool_call> tags, "
-                 "for example:")
-    lines.append(tool_format.render_call(tools[0].name, example_arguments(tools[0])))
-    return "\n".join(lines)
-
-
-_PLACEHOLDERS = {"string": "...", "integer": 1, "number": 1.5, "boolean": True, "array": [], "object": {}}
-
-
-def example_arguments(tool: ToolSpec) -> dict[str, Any]:
-    properties = tool.parameters.get("properties")
-    if not isinstance(properties, dict):
-        return {}
-    example = {}
-    for name, schema in properties.items():
-        kind = schema.get("type") if isinstance(schema, dict) else None
-        enum = schema.get("enum") if isinstance(schema, dict) else None
-        example[name] = enum[0] if isinstance(enum, list) and enum else _PLACEHOLDERS.get(kind, "...")
-    return example

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from ember.constraint_spec import GrammarSpec
 from ember.errors import InvalidRequest
 from ember.parsers.events import ToolSpec
 from ember.protocols.anthropic_errors import ANTHROPIC_ERRORS
@@ -25,7 +26,7 @@ from ember.protocols.errors import unsupported
 from ember.protocols.fields import Fields, as_string, json_type
 from ember.protocols.neutral import ChatPrompt, Dialect, GenerationRequest, ModelInfo, build_sampling_params
 from ember.protocols.sampling_fields import read_max_tokens, read_sampling_fields, read_single_choice
-from ember.protocols.structured import GrammarSpec, check_grammar_with_tools, read_flat_format
+from ember.protocols.structured import check_grammar_with_tools, read_flat_format
 from ember.protocols.thinking import read_preserve_thinking, settle_thinking
 from ember.protocols.unknown_fields import reads_fields
 
@@ -77,7 +78,8 @@ def _parse(body: Any, model: ModelInfo, *, counting: bool) -> MessagesRequest:
     max_tokens, max_tokens_param = (None, "max_tokens") if counting else read_max_tokens(f, MAX_TOKENS_NAMES)
     marks = AnthropicBreakpoints()
     tools, tools_ttl = read_tools(f, marks)
-    messages = join_leading_system(read_system(f, marks), read_messages(f, marks))
+    conversation, last_turn = read_messages(f, marks)
+    messages = join_leading_system(read_system(f, marks), conversation)
     read_request_cache_control(f, marks, messages)
     if tools and model.chat.tool_format is None:
         raise unsupported("tools", "tool calling is turned off on this server (--tool-call-parser none)")
@@ -86,7 +88,7 @@ def _parse(body: Any, model: ModelInfo, *, counting: bool) -> MessagesRequest:
     effort, grammar = read_output_config(f, model.chat)
     check_grammar_with_tools(grammar, choice, "tool_choice")
     clear_old_thinking(f, messages)
-    prefill = read_prefill(messages, thinking_enabled=budget is not None)
+    prefill = read_prefill(messages, last_turn, thinking_enabled=budget is not None)
     if prefill and grammar is not None:
         raise InvalidRequest(f"{grammar.param} cannot be combined with a prefill (a final assistant turn of text): "
                              "the format holds the whole answer", param=grammar.param)
@@ -138,7 +140,7 @@ def read_system(f: Fields, marks: AnthropicBreakpoints) -> list[dict[str, Any]]:
         kind = block.string("type")
         if kind != "text":
             raise InvalidRequest(f"{block.path} has type {kind!r}; system takes text blocks only", param=block.path)
-        text = as_string(block.raw("text"), block.at("text"))
+        text = as_string(block.raw("text"), block.path_of("text"))
         ttl = marks.read(block)
         if j == 0 and text.startswith(BILLING_HEADER):
             continue  # Claude Code's per-request attribution (and its mark): kept out so the prefix stays cacheable
@@ -166,12 +168,16 @@ def join_leading_system(system: list[dict[str, Any]], messages: list[dict[str, A
 
 @dataclass(slots=True)
 class _Turn:
+    """Consecutive messages of one role, read; kept beside the neutral messages made from it (the
+    last turn tells whether the conversation ends with a prefill)."""
+
     role: str
     blocks: list[tuple[str, Fields, float | None]]  # (kind, the block, its cache_control TTL) in order
     path: str  # of the first message of the turn
 
 
-def read_messages(f: Fields, marks: AnthropicBreakpoints) -> list[dict[str, Any]]:
+def read_messages(f: Fields, marks: AnthropicBreakpoints) -> tuple[list[dict[str, Any]], _Turn]:
+    """(the neutral messages, the last turn they were made from)."""
     items = f.array("messages", non_empty=True)
     if items is None:
         raise InvalidRequest("messages is required: a non-empty array of messages", param="messages")
@@ -180,9 +186,10 @@ def read_messages(f: Fields, marks: AnthropicBreakpoints) -> list[dict[str, Any]
         m = Fields(raw, f"messages[{i}]")
         role = m.string("role")
         if role is None:
-            raise InvalidRequest(f"{m.at('role')} is required", param=m.at("role"))
+            raise InvalidRequest(f"{m.path_of('role')} is required", param=m.path_of("role"))
         if role not in ROLES:
-            raise InvalidRequest(f"{m.at('role')} must be user, assistant or system; got '{role}'", param=m.at("role"))
+            raise InvalidRequest(f"{m.path_of('role')} must be user, assistant or system; got '{role}'",
+                                 param=m.path_of("role"))
         blocks = read_blocks(m, role, marks, final=i == len(items) - 1)
         if turns and turns[-1].role == role:
             turns[-1].blocks.extend(blocks)  # consecutive turns of one role are one turn
@@ -191,13 +198,13 @@ def read_messages(f: Fields, marks: AnthropicBreakpoints) -> list[dict[str, Any]
     messages: list[dict[str, Any]] = []
     for turn in turns:
         messages.extend(turn_messages(turn))
-    return messages
+    return messages, turns[-1]
 
 
 def read_blocks(m: Fields, role: str, marks: AnthropicBreakpoints, *,
                 final: bool) -> list[tuple[str, Fields, float | None]]:
     content = m.raw("content")
-    path = m.at("content")
+    path = m.path_of("content")
     if content is None:
         raise InvalidRequest(f"{path} is required", param=path)
     if isinstance(content, str):
@@ -214,12 +221,12 @@ def read_blocks(m: Fields, role: str, marks: AnthropicBreakpoints, *,
         block = Fields(item, f"{path}[{j}]")
         kind = block.string("type")
         if kind is None:
-            raise InvalidRequest(f"{block.at('type')} is required", param=block.at("type"))
+            raise InvalidRequest(f"{block.path_of('type')} is required", param=block.path_of("type"))
         check_block(block, kind, role)
         ttl = marks.read(block)
         if kind == "tool_result":  # a mark inside the result counts for the result
             for k, inner in enumerate(block.raw("content") if isinstance(block.raw("content"), list) else []):
-                inner_ttl = marks.read(Fields(inner, block.at("content") + f"[{k}]"))
+                inner_ttl = marks.read(Fields(inner, block.path_of("content") + f"[{k}]"))
                 ttl = inner_ttl if ttl is None else max(ttl, inner_ttl or 0.0)
         blocks.append((kind, block, ttl))
     return blocks
@@ -239,25 +246,25 @@ def check_block(block: Fields, kind: str, role: str) -> None:
     if role not in _ALLOWED[kind]:
         raise InvalidRequest(f"{block.path}: a {kind} block cannot appear in a {role} message", param=block.path)
     if kind == "text":
-        as_string(block.raw("text"), block.at("text"))
+        as_string(block.raw("text"), block.path_of("text"))
     elif kind == "thinking":
-        as_string(block.raw("thinking"), block.at("thinking"))
+        as_string(block.raw("thinking"), block.path_of("thinking"))
         block.string("signature")
     elif kind == "tool_use":
         for name in ("id", "name"):
             if block.string(name, non_empty=True) is None:
-                raise InvalidRequest(f"{block.at(name)} is required", param=block.at(name))
+                raise InvalidRequest(f"{block.path_of(name)} is required", param=block.path_of(name))
         block.object("input")
     else:
         if block.string("tool_use_id", non_empty=True) is None:
-            raise InvalidRequest(f"{block.at('tool_use_id')} is required", param=block.at("tool_use_id"))
+            raise InvalidRequest(f"{block.path_of('tool_use_id')} is required", param=block.path_of("tool_use_id"))
         block.boolean("is_error")
         tool_result_text(block)
 
 
 def tool_result_text(block: Fields) -> str:
     content = block.raw("content")
-    path = block.at("content")
+    path = block.path_of("content")
     if content is None:
         text = ""
     elif isinstance(content, str):
@@ -271,7 +278,7 @@ def tool_result_text(block: Fields) -> str:
                 reason = REFUSED_BLOCKS.get(kind or "", "a tool result may hold text blocks only")
                 raise InvalidRequest(f"{part.path}: {kind} blocks are not supported in a tool result: {reason}",
                                      param=part.path, code="unsupported_content")
-            parts.append(as_string(part.raw("text"), part.at("text")))
+            parts.append(as_string(part.raw("text"), part.path_of("text")))
         text = "".join(parts)
     else:
         raise InvalidRequest(f"{path} must be a string or an array of text blocks, not {json_type(content)}",
@@ -313,8 +320,6 @@ def turn_messages(turn: _Turn) -> list[dict[str, Any]]:
              for kind, block, _ in turn.blocks if kind == "tool_use"]
     if calls:
         message["tool_calls"] = calls
-    message["ember_blocks"] = [kind for kind, _, _ in turn.blocks]
-    message["ember_path"] = turn.path
     return [_marked(message, text_cuts + [(None, ttl) for ttl in whole_ttls])]
 
 
@@ -338,31 +343,25 @@ def read_request_cache_control(f: Fields, marks: AnthropicBreakpoints, messages:
     mark(messages[-1], None, marks.read(f))
 
 
-def read_prefill(messages: list[dict[str, Any]], *, thinking_enabled: bool) -> bool:
-    """Whether the conversation ends with an assistant turn the reply continues. Drops the
-    bookkeeping keys turn_messages left on assistant messages."""
-    last = messages[-1] if messages else None
-    prefill = False
-    if last is not None and last["role"] == "assistant":
-        kinds, path = last["ember_blocks"], last["ember_path"]
-        if any(kind != "text" for kind in kinds):
-            raise InvalidRequest(f"{path}: the conversation ends with an assistant turn holding "
-                                 f"{', '.join(sorted(set(k for k in kinds if k != 'text')))} blocks; a final "
-                                 "assistant turn is a prefill and may hold text only", param=path)
-        if last["content"]:
-            if last["content"] != last["content"].rstrip():
-                raise InvalidRequest(f"{path}: a final assistant turn (a prefill) may not end with whitespace",
-                                     param=path)
-            if thinking_enabled:
-                raise InvalidRequest("thinking cannot be enabled when the final assistant turn is a prefill",
-                                     param="thinking")
-            prefill = True
-        else:
-            messages.pop()  # an empty prefill: an ordinary reply
-    for message in messages:
-        message.pop("ember_blocks", None)
-        message.pop("ember_path", None)
-    return prefill
+def read_prefill(messages: list[dict[str, Any]], last_turn: _Turn, *, thinking_enabled: bool) -> bool:
+    """Whether the conversation ends with an assistant turn the reply continues; `last_turn` is the
+    turn its last message was made from. An empty final assistant turn is dropped."""
+    if last_turn.role != "assistant":
+        return False
+    kinds, path = [kind for kind, _, _ in last_turn.blocks], last_turn.path
+    if any(kind != "text" for kind in kinds):
+        raise InvalidRequest(f"{path}: the conversation ends with an assistant turn holding "
+                             f"{', '.join(sorted(set(k for k in kinds if k != 'text')))} blocks; a final "
+                             "assistant turn is a prefill and may hold text only", param=path)
+    text = messages[-1]["content"]
+    if not text:
+        messages.pop()  # an empty prefill: an ordinary reply
+        return False
+    if text != text.rstrip():
+        raise InvalidRequest(f"{path}: a final assistant turn (a prefill) may not end with whitespace", param=path)
+    if thinking_enabled:
+        raise InvalidRequest("thinking cannot be enabled when the final assistant turn is a prefill", param="thinking")
+    return True
 
 
 def clear_old_thinking(f: Fields, messages: list[dict[str, Any]]) -> None:
@@ -372,7 +371,7 @@ def clear_old_thinking(f: Fields, messages: list[dict[str, Any]]) -> None:
     if management is None:
         return
     for k, raw in enumerate(management.array("edits") or []):
-        edit = Fields(raw, management.at("edits") + f"[{k}]")
+        edit = Fields(raw, management.path_of("edits") + f"[{k}]")
         kind = edit.string("type")
         if kind is None or not kind.startswith("clear_thinking"):
             continue
@@ -383,10 +382,10 @@ def clear_old_thinking(f: Fields, messages: list[dict[str, Any]]) -> None:
         if keep is not None:
             spec = edit.object("keep")
             if spec.string("type", choices=("thinking_turns",)) is None:
-                raise InvalidRequest(f"{spec.at('type')} is required", param=spec.at("type"))
+                raise InvalidRequest(f"{spec.path_of('type')} is required", param=spec.path_of("type"))
             turns = spec.integer("value", low=0)
             if turns is None:
-                raise InvalidRequest(f"{spec.at('value')} is required", param=spec.at("value"))
+                raise InvalidRequest(f"{spec.path_of('value')} is required", param=spec.path_of("value"))
         thinking = [m for m in messages if m["role"] == "assistant" and m.get("reasoning_content")]
         for message in thinking[:max(len(thinking) - turns, 0)]:
             del message["reasoning_content"]
@@ -403,8 +402,9 @@ def read_tools(f: Fields, marks: AnthropicBreakpoints) -> tuple[list[ToolSpec], 
         tool = Fields(raw, f"tools[{i}]")
         kind = tool.string("type")
         if kind not in (None, "custom"):
-            raise unsupported(tool.at("type"), f"{tool.path} is a '{kind}' tool, which runs on Anthropic's servers; "
-                                               "ember calls client tools only (name, description, input_schema)")
+            raise unsupported(tool.path_of("type"),
+                              f"{tool.path} is a '{kind}' tool, which runs on Anthropic's servers; ember calls client "
+                              "tools only (name, description, input_schema)")
         name = tool_name(tool)
         schema = tool_schema(tool, "input_schema", {"type": "object", "properties": {}})
         tool.boolean("eager_input_streaming")

@@ -98,7 +98,7 @@ class AnthropicBreakpoints:
         if control is None:
             return None
         if control.string("type", choices=("ephemeral",)) is None:
-            raise InvalidRequest(f"{control.at('type')} is required: ephemeral", param=control.at("type"))
+            raise InvalidRequest(f"{control.path_of('type')} is required: ephemeral", param=control.path_of("type"))
         ttl = control.string("ttl", "5m", choices=ANTHROPIC_TTLS)
         if not counts:
             return ANTHROPIC_TTLS[ttl]
@@ -127,7 +127,7 @@ def read_openai_cache_options(f: Fields) -> OpenAICacheOptions:
         return OpenAICacheOptions(False, duration_seconds(OPENAI_DEFAULT_TTL, "prompt_cache_options.ttl"))
     mode = options.string("mode", "implicit", choices=("implicit", "explicit"))
     ttl = options.string("ttl", OPENAI_DEFAULT_TTL)
-    return OpenAICacheOptions(mode == "explicit", duration_seconds(ttl, options.at("ttl")))
+    return OpenAICacheOptions(mode == "explicit", duration_seconds(ttl, options.path_of("ttl")))
 
 
 def duration_seconds(text: str, path: str) -> float:
@@ -146,7 +146,7 @@ def read_openai_breakpoint(part: Fields) -> bool:
     if breakpoint is None:
         return False
     if breakpoint.string("mode", choices=("explicit",)) is None:
-        raise InvalidRequest(f"{breakpoint.at('mode')} is required: explicit", param=breakpoint.at("mode"))
+        raise InvalidRequest(f"{breakpoint.path_of('mode')} is required: explicit", param=breakpoint.path_of("mode"))
     return True
 
 

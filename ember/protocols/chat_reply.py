@@ -34,7 +34,7 @@ def read_template_kwargs(f: Fields, reserved: tuple[str, ...] = ()) -> dict[str,
     if options is not None:
         for key, value in options.obj.items():
             if key in RESERVED_TEMPLATE_KWARGS or key in reserved:
-                raise InvalidRequest(f"chat_template_kwargs may not set '{key}'", param=options.at(key))
+                raise InvalidRequest(f"chat_template_kwargs may not set '{key}'", param=options.path_of(key))
             kwargs[key] = value
     return kwargs
 
@@ -61,23 +61,24 @@ def tool_items(f: Fields) -> list:
 def tool_name(tool: Fields) -> str:
     name = tool.string("name")
     if name is None or not TOOL_NAME.fullmatch(name):
-        raise InvalidRequest(f"{tool.at('name')} must be 1 to 128 letters, digits, '_', '-', '.' or ':'",
-                             param=tool.at("name"))
+        raise InvalidRequest(f"{tool.path_of('name')} must be 1 to 128 letters, digits, '_', '-', '.' or ':'",
+                             param=tool.path_of("name"))
     return name
 
 
 def tool_schema(tool: Fields, key: str, default: dict[str, Any]) -> dict[str, Any]:
     schema = tool.raw(key, default)
     if not isinstance(schema, dict):
-        raise InvalidRequest(f"{tool.at(key)} must be a JSON schema object, not {json_type(schema)}",
-                             param=tool.at(key))
+        raise InvalidRequest(f"{tool.path_of(key)} must be a JSON schema object, not {json_type(schema)}",
+                             param=tool.path_of(key))
     return schema
 
 
 def declare_tool(specs: list[ToolSpec], spec: ToolSpec, tool: Fields) -> None:
     """Add `spec` (named as the model sees it) to the request's tools; a name declared twice is refused."""
     if any(s.name == spec.name for s in specs):
-        raise InvalidRequest(f"{tool.at('name')}: the tool '{spec.name}' is declared twice", param=tool.at("name"))
+        raise InvalidRequest(f"{tool.path_of('name')}: the tool '{spec.name}' is declared twice",
+                             param=tool.path_of("name"))
     specs.append(spec)
 
 

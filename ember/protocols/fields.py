@@ -79,7 +79,8 @@ class Fields:
         self.obj = obj
         self.path = path
 
-    def at(self, name: str | int) -> str:
+    def path_of(self, name: str | int) -> str:
+        """The full path of this object's field `name`, as refusals name it (`param`)."""
         return join_path(self.path, name)
 
     def has(self, name: str) -> bool:
@@ -91,20 +92,20 @@ class Fields:
 
     def integer(self, name: str, default: Any = None, *, low: int | None = None, high: int | None = None) -> Any:
         value = self.obj.get(name)
-        return default if value is None else as_integer(value, self.at(name), low=low, high=high)
+        return default if value is None else as_integer(value, self.path_of(name), low=low, high=high)
 
     def number(self, name: str, default: Any = None, *, low: float | None = None,
                high: float | None = None) -> Any:
         value = self.obj.get(name)
-        return default if value is None else as_number(value, self.at(name), low=low, high=high)
+        return default if value is None else as_number(value, self.path_of(name), low=low, high=high)
 
     def boolean(self, name: str, default: Any = None) -> Any:
         value = self.obj.get(name)
         if value is None:
             return default
         if not isinstance(value, bool):
-            raise InvalidRequest(f"{self.at(name)} must be true or false, not {json_type(value)}",
-                                 param=self.at(name))
+            raise InvalidRequest(f"{self.path_of(name)} must be true or false, not {json_type(value)}",
+                                 param=self.path_of(name))
         return value
 
     def string(self, name: str, default: Any = None, *, non_empty: bool = False,
@@ -112,24 +113,25 @@ class Fields:
         value = self.obj.get(name)
         if value is None:
             return default
-        value = as_string(value, self.at(name), non_empty=non_empty)
+        value = as_string(value, self.path_of(name), non_empty=non_empty)
         if choices is not None:
             allowed = list(choices)
             if value not in allowed:
-                raise InvalidRequest(f"{self.at(name)} must be one of {', '.join(allowed)}; got '{value}'",
-                                     param=self.at(name))
+                raise InvalidRequest(f"{self.path_of(name)} must be one of {', '.join(allowed)}; got '{value}'",
+                                     param=self.path_of(name))
         return value
 
     def object(self, name: str) -> "Fields | None":
         value = self.obj.get(name)
-        return None if value is None else Fields(value, self.at(name))
+        return None if value is None else Fields(value, self.path_of(name))
 
     def array(self, name: str, *, non_empty: bool = False) -> list | None:
         value = self.obj.get(name)
         if value is None:
             return None
         if not isinstance(value, list):
-            raise InvalidRequest(f"{self.at(name)} must be an array, not {json_type(value)}", param=self.at(name))
+            raise InvalidRequest(f"{self.path_of(name)} must be an array, not {json_type(value)}",
+                                 param=self.path_of(name))
         if non_empty and not value:
-            raise InvalidRequest(f"{self.at(name)} must not be empty", param=self.at(name))
+            raise InvalidRequest(f"{self.path_of(name)} must not be empty", param=self.path_of(name))
         return value

@@ -163,14 +163,14 @@ def _read_sampling_params(f: Fields, model: ModelInfo, num_prompts: int, is_batc
 def _read_one(sp: Fields, model: ModelInfo, logprobs: int | None, logprob_token_ids: list[int] | None):
     for key in sp.obj:
         if key not in _SAMPLING_KEYS:
-            raise InvalidRequest(f"{sp.at(key)} is not a sampling parameter this server knows (the seed is "
-                                 f"`seed`)", param=sp.at(key))
+            raise InvalidRequest(f"{sp.path_of(key)} is not a sampling parameter this server knows (the seed is "
+                                 f"`seed`)", param=sp.path_of(key))
     if sp.integer("n", 1, low=1) != 1:
-        raise unsupported(sp.at("n"), "n must be 1; send a batch of prompts to get several replies")
+        raise unsupported(sp.path_of("n"), "n must be 1; send a batch of prompts to get several replies")
     if sp.boolean("spaces_between_special_tokens", True) is False:
-        raise unsupported(sp.at("spaces_between_special_tokens"), "special tokens are always decoded as written")
+        raise unsupported(sp.path_of("spaces_between_special_tokens"), "special tokens are always decoded as written")
     if sp.integer("stream_interval", 1, low=1) != 1:
-        raise unsupported(sp.at("stream_interval"), "streams send every engine step's tokens; stream_interval "
+        raise unsupported(sp.path_of("stream_interval"), "streams send every engine step's tokens; stream_interval "
                                                     "must be 1")
     values: dict[str, Any] = dict(model.sampling_defaults)
     values["max_tokens"] = sp.integer("max_new_tokens", DEFAULT_MAX_NEW_TOKENS, low=0)  # 0: the prompt only
@@ -190,9 +190,9 @@ def _read_one(sp: Fields, model: ModelInfo, logprobs: int | None, logprob_token_
     for key, build in _GRAMMAR_KEYS:
         if sp.has(key):
             if grammar is not None:
-                raise InvalidRequest("send at most one of json_schema, regex and ebnf", param=sp.at(key))
-            grammar = build(sp.raw(key), sp.at(key))
-    names = {name: sp.at(_RENAMED.get(name, name)) for name in SamplingParams.__dataclass_fields__}
+                raise InvalidRequest("send at most one of json_schema, regex and ebnf", param=sp.path_of(key))
+            grammar = build(sp.raw(key), sp.path_of(key))
+    names = {name: sp.path_of(_RENAMED.get(name, name)) for name in SamplingParams.__dataclass_fields__}
     return build_sampling_params(values, names), grammar
 
 

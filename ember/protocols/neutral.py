@@ -13,16 +13,17 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol, Union
 
+from ember.constraint_spec import GrammarSpec
 from ember.context_window import ContextWindow, OutputFit, fit_output
 from ember.errors import EmberError, InvalidRequest
 from ember.parsers.events import ContentText, ParsedReply, ReplyEvent
 from ember.parsers.reply import ReplyParser
+from ember.parsers.tool_prompt import prepare_conversation
 from ember.protocols.cache_hints import Breakpoint, cache_pins
 from ember.protocols.chat_reply import ChatFeatures, ChatOptions, ReplyPlan
 from ember.protocols.errors import ErrorShape
 from ember.protocols.sse import ServerEvent
-from ember.protocols.structured import GrammarSpec
-from ember.tokenization.chat_prompt import drop_closed_reasoning, prepare_conversation
+from ember.tokenization.chat_prompt import drop_closed_reasoning
 from ember.types import (CachePin, FinishReason, GenerationOutput, RequestTimings, SamplingParams, SpeculationCounts,
                          TokenLogprob)
 
@@ -133,7 +134,7 @@ class ResponseMeta:
 def encode_prompt(prompt: Prompt, tokenizer, tool_format=None) -> list[int]:
     """Prompt token ids, counted once: the same ids run on the engine and count for usage.
 
-    A chat prompt is first fitted to what the template can take (see tokenization.chat_prompt);
+    A chat prompt is first fitted to what the template can take (see parsers.tool_prompt);
     without preserve_thinking, closed turns lose their reasoning first, prefixes included.
     Its cache breakpoints become token positions in `prompt.cache_pins`."""
     if isinstance(prompt, TokenPrompt):

@@ -72,9 +72,10 @@ def read_messages(f: Fields, cache_options: OpenAICacheOptions) -> list[dict[str
 def read_message(m: Fields, cache_options: OpenAICacheOptions) -> dict[str, Any]:
     role = m.string("role")
     if role is None:
-        raise InvalidRequest(f"{m.at('role')} is required", param=m.at("role"))
+        raise InvalidRequest(f"{m.path_of('role')} is required", param=m.path_of("role"))
     if role not in ROLES:
-        raise InvalidRequest(f"{m.at('role')} must be one of {', '.join(ROLES)}; got '{role}'", param=m.at("role"))
+        raise InvalidRequest(f"{m.path_of('role')} must be one of {', '.join(ROLES)}; got '{role}'",
+                             param=m.path_of("role"))
     content, cuts = read_content(m, role)
     message: dict[str, Any] = {"role": ROLES[role], "content": content}
     for cut in cuts:
@@ -101,7 +102,7 @@ def read_content(m: Fields, role: str) -> tuple[str, list[int]]:
     """A string, or text parts joined in order with nothing added between them; and where the parts
     that carry a prompt_cache_breakpoint end in it."""
     content = m.raw("content")
-    path = m.at("content")
+    path = m.path_of("content")
     if content is None:
         if role == "assistant":
             return "", []
@@ -120,9 +121,9 @@ def read_content(m: Fields, role: str) -> tuple[str, list[int]]:
             raise InvalidRequest(f"{part.path}: {kind} parts cannot be read; this model takes text only",
                                  param=part.path, code="unsupported_content")
         if kind == "text":
-            texts.append(as_string(part.raw("text"), part.at("text")))
+            texts.append(as_string(part.raw("text"), part.path_of("text")))
         elif kind == "refusal" and role == "assistant":
-            texts.append(as_string(part.raw("refusal"), part.at("refusal")))
+            texts.append(as_string(part.raw("refusal"), part.path_of("refusal")))
         else:
             raise InvalidRequest(f"{part.path} has type {kind!r}; only text parts are accepted", param=part.path)
         if read_openai_breakpoint(part):
@@ -138,13 +139,13 @@ def read_tool_calls(m: Fields) -> list[dict[str, Any]]:
         return []
     result = []
     for k, raw in enumerate(calls):
-        call = Fields(raw, m.at("tool_calls") + f"[{k}]")
+        call = Fields(raw, m.path_of("tool_calls") + f"[{k}]")
         function = call.object("function")
         if function is None:
-            raise InvalidRequest(f"{call.at('function')} is required", param=call.at("function"))
+            raise InvalidRequest(f"{call.path_of('function')} is required", param=call.path_of("function"))
         name = function.string("name", non_empty=True)
         if name is None:
-            raise InvalidRequest(f"{function.at('name')} is required", param=function.at("name"))
+            raise InvalidRequest(f"{function.path_of('name')} is required", param=function.path_of("name"))
         arguments = function.raw("arguments", "{}")
         if isinstance(arguments, str):
             try:
@@ -154,7 +155,8 @@ def read_tool_calls(m: Fields) -> list[dict[str, Any]]:
             if isinstance(decoded, dict):
                 arguments = decoded
         elif not isinstance(arguments, dict):
-            raise InvalidRequest(f"{function.at('arguments')} must be a JSON string", param=function.at("arguments"))
+            raise InvalidRequest(f"{function.path_of('arguments')} must be a JSON string",
+                                 param=function.path_of("arguments"))
         entry = {"type": "function", "function": {"name": name, "arguments": arguments}}
         call_id = call.string("id")
         if call_id is not None:

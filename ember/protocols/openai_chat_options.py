@@ -47,11 +47,11 @@ def read_tools(f: Fields) -> list[ToolSpec]:
         tool = Fields(raw, f"tools[{i}]")
         kind = tool.string("type", "function")
         if kind != "function":
-            raise unsupported(tool.at("type"), f"{tool.at('type')} is '{kind}'; only function tools can be "
+            raise unsupported(tool.path_of("type"), f"{tool.path_of('type')} is '{kind}'; only function tools can be "
                                                "called on this server")
         function = tool.object("function")
         if function is None:
-            raise InvalidRequest(f"{tool.at('function')} is required", param=tool.at("function"))
+            raise InvalidRequest(f"{tool.path_of('function')} is required", param=tool.path_of("function"))
         name = tool_name(function)
         strict = function.boolean("strict", False)
         parameters = tool_schema(function, "parameters", {})
@@ -86,10 +86,10 @@ def read_tool_choice(f: Fields, tools: list[ToolSpec]) -> tuple[str, list[ToolSp
         mode = allowed.string("mode", AUTO, choices=(AUTO, REQUIRED))
         names = []
         for j, item in enumerate(allowed.array("tools", non_empty=True) or []):
-            entry = Fields(item, allowed.at("tools") + f"[{j}]")
+            entry = Fields(item, allowed.path_of("tools") + f"[{j}]")
             function = entry.object("function")
             name = function.string("name") if function is not None else entry.string("name")
-            names.append(_declared(tools, name, entry.at("function") + ".name"))
+            names.append(_declared(tools, name, entry.path_of("function") + ".name"))
         if not names:
             raise InvalidRequest("tool_choice.allowed_tools.tools must name at least one tool",
                                  param="tool_choice.allowed_tools.tools")

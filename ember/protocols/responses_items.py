@@ -71,16 +71,16 @@ def read_item(f: Fields, seal: ReasoningSeal) -> dict[str, Any]:
         if f.has("role"):
             kind = "message"
         else:
-            raise InvalidRequest(f"{f.at('type')} is required", param=f.at("type"))
+            raise InvalidRequest(f"{f.path_of('type')} is required", param=f.path_of("type"))
     reader = _READERS.get(kind)
     if reader is None:
         if kind == "item_reference":
-            raise InvalidRequest(f"{f.at('type')}: item_reference items are not supported; send the item itself, "
-                                 "or continue with previous_response_id", param=f.at("type"),
+            raise InvalidRequest(f"{f.path_of('type')}: item_reference items are not supported; send the item itself, "
+                                 "or continue with previous_response_id", param=f.path_of("type"),
                                  code="unsupported_parameter")
-        raise InvalidRequest(f"{f.at('type')} is '{kind}'; this server takes message, reasoning, function_call, "
+        raise InvalidRequest(f"{f.path_of('type')} is '{kind}'; this server takes message, reasoning, function_call, "
                              "function_call_output, custom_tool_call, custom_tool_call_output, local_shell_call "
-                             "and local_shell_call_output items", param=f.at("type"))
+                             "and local_shell_call_output items", param=f.path_of("type"))
     item = reader(f, seal)
     given = f.string("id", non_empty=True)
     return {"id": given or new_item_id(kind), "type": kind, **item}
@@ -89,11 +89,12 @@ def read_item(f: Fields, seal: ReasoningSeal) -> dict[str, Any]:
 def _read_message(f: Fields, seal: ReasoningSeal) -> dict[str, Any]:
     role = f.string("role")
     if role is None:
-        raise InvalidRequest(f"{f.at('role')} is required", param=f.at("role"))
+        raise InvalidRequest(f"{f.path_of('role')} is required", param=f.path_of("role"))
     if role not in ROLES:
-        raise InvalidRequest(f"{f.at('role')} must be one of {', '.join(ROLES)}; got '{role}'", param=f.at("role"))
+        raise InvalidRequest(f"{f.path_of('role')} must be one of {', '.join(ROLES)}; got '{role}'",
+                             param=f.path_of("role"))
     content = f.raw("content")
-    path = f.at("content")
+    path = f.path_of("content")
     text_part = "output_text" if role == "assistant" else "input_text"
     if content is None:
         raise InvalidRequest(f"{path} is required", param=path)
@@ -117,40 +118,41 @@ def _read_part(part: Fields, role: str) -> dict[str, Any]:
         raise InvalidRequest(f"{part.path}: {kind} parts cannot be read; this model takes text only",
                              param=part.path, code="unsupported_content")
     if kind in ("input_text", "output_text"):
-        read = _text_part(kind, as_string(part.raw("text"), part.at("text")))
+        read = _text_part(kind, as_string(part.raw("text"), part.path_of("text")))
         if read_openai_breakpoint(part):
             read["prompt_cache_breakpoint"] = {"mode": "explicit"}
         return read
     if kind == "refusal" and role == "assistant":
-        return {"type": "refusal", "refusal": as_string(part.raw("refusal"), part.at("refusal"))}
+        return {"type": "refusal", "refusal": as_string(part.raw("refusal"), part.path_of("refusal"))}
     allowed = "input_text, output_text or refusal" if role == "assistant" else "input_text"
-    raise InvalidRequest(f"{part.at('type')} is {kind!r}; a {role} message takes {allowed} parts",
-                         param=part.at("type"))
+    raise InvalidRequest(f"{part.path_of('type')} is {kind!r}; a {role} message takes {allowed} parts",
+                         param=part.path_of("type"))
 
 
 def _read_reasoning(f: Fields, seal: ReasoningSeal) -> dict[str, Any]:
     item: dict[str, Any] = {"summary": [], "content": []}
     for j, raw in enumerate(f.array("summary") or []):
-        part = Fields(raw, f"{f.at('summary')}[{j}]")
-        item["summary"].append({"type": "summary_text", "text": as_string(part.raw("text"), part.at("text"))})
+        part = Fields(raw, f"{f.path_of('summary')}[{j}]")
+        item["summary"].append({"type": "summary_text", "text": as_string(part.raw("text"), part.path_of("text"))})
     texts = []
     for j, raw in enumerate(f.array("content") or []):
-        part = Fields(raw, f"{f.at('content')}[{j}]")
+        part = Fields(raw, f"{f.path_of('content')}[{j}]")
         kind = part.string("type")
         if kind != "reasoning_text":
-            raise InvalidRequest(f"{part.at('type')} must be reasoning_text, not {kind!r}", param=part.at("type"))
-        texts.append(as_string(part.raw("text"), part.at("text")))
+            raise InvalidRequest(f"{part.path_of('type')} must be reasoning_text, not {kind!r}",
+                                 param=part.path_of("type"))
+        texts.append(as_string(part.raw("text"), part.path_of("text")))
     sealed = f.string("encrypted_content")
     if sealed is not None:
         try:
             texts = [seal.open(sealed)]  # the sealed text is authoritative: the client cannot alter it
         except SealError as exc:
-            raise InvalidRequest(f"{f.at('encrypted_content')} cannot be read by this server: {exc}",
-                                 param=f.at("encrypted_content"), code="invalid_encrypted_content") from None
+            raise InvalidRequest(f"{f.path_of('encrypted_content')} cannot be read by this server: {exc}",
+                                 param=f.path_of("encrypted_content"), code="invalid_encrypted_content") from None
         item["encrypted_content"] = sealed
     elif not texts:
         raise InvalidRequest(f"{f.path}: a reasoning item needs its reasoning_text content, or the "
-                             "encrypted_content this server gave it", param=f.at("content"))
+                             "encrypted_content this server gave it", param=f.path_of("content"))
     item["content"] = [{"type": "reasoning_text", "text": text} for text in texts]
     return item
 
@@ -158,18 +160,18 @@ def _read_reasoning(f: Fields, seal: ReasoningSeal) -> dict[str, Any]:
 def _read_call(f: Fields, seal: ReasoningSeal) -> dict[str, Any]:
     call_id = f.string("call_id", non_empty=True)
     if call_id is None:
-        raise InvalidRequest(f"{f.at('call_id')} is required", param=f.at("call_id"))
+        raise InvalidRequest(f"{f.path_of('call_id')} is required", param=f.path_of("call_id"))
     name = f.string("name", non_empty=True)
     if name is None:
-        raise InvalidRequest(f"{f.at('name')} is required", param=f.at("name"))
+        raise InvalidRequest(f"{f.path_of('name')} is required", param=f.path_of("name"))
     item: dict[str, Any] = {"call_id": call_id, "name": name}
     if f.string("type") == "function_call":
         arguments = f.raw("arguments")
         if arguments is None:
-            raise InvalidRequest(f"{f.at('arguments')} is required", param=f.at("arguments"))
-        item["arguments"] = as_string(arguments, f.at("arguments"))
+            raise InvalidRequest(f"{f.path_of('arguments')} is required", param=f.path_of("arguments"))
+        item["arguments"] = as_string(arguments, f.path_of("arguments"))
     else:
-        item["input"] = as_string(f.raw("input", ""), f.at("input"))
+        item["input"] = as_string(f.raw("input", ""), f.path_of("input"))
     namespace = f.string("namespace", non_empty=True)
     if namespace is not None:
         item["namespace"] = namespace
@@ -181,25 +183,25 @@ def _read_shell_call(f: Fields, seal: ReasoningSeal) -> dict[str, Any]:
     """Codex's record of a command it ran for the model: `action` {type: exec, command: [...], ...}."""
     call_id = f.string("call_id", non_empty=True)
     if call_id is None:
-        raise InvalidRequest(f"{f.at('call_id')} is required", param=f.at("call_id"))
+        raise InvalidRequest(f"{f.path_of('call_id')} is required", param=f.path_of("call_id"))
     action = f.object("action")
     if action is None:
-        raise InvalidRequest(f"{f.at('action')} is required", param=f.at("action"))
+        raise InvalidRequest(f"{f.path_of('action')} is required", param=f.path_of("action"))
     action.string("type", choices=("exec",))
     command = action.array("command", non_empty=True)
     if command is None:
-        raise InvalidRequest(f"{action.at('command')} is required", param=action.at("command"))
+        raise InvalidRequest(f"{action.path_of('command')} is required", param=action.path_of("command"))
     for j, part in enumerate(command):
-        as_string(part, f"{action.at('command')}[{j}]")
+        as_string(part, f"{action.path_of('command')}[{j}]")
     return {"call_id": call_id, "action": dict(action.obj), "status": "completed"}
 
 
 def _read_result(f: Fields, seal: ReasoningSeal) -> dict[str, Any]:
     call_id = f.string("call_id", non_empty=True)
     if call_id is None:
-        raise InvalidRequest(f"{f.at('call_id')} is required", param=f.at("call_id"))
+        raise InvalidRequest(f"{f.path_of('call_id')} is required", param=f.path_of("call_id"))
     output = f.raw("output")
-    path = f.at("output")
+    path = f.path_of("output")
     if output is None:
         raise InvalidRequest(f"{path} is required", param=path)
     if isinstance(output, list):

@@ -66,10 +66,10 @@ def read_tools(f: Fields) -> ResponsesTools:
             result.hosted.append(kind)
             result.echo.append(dict(raw))
         elif kind is None:
-            raise InvalidRequest(f"{tool.at('type')} is required", param=tool.at("type"))
+            raise InvalidRequest(f"{tool.path_of('type')} is required", param=tool.path_of("type"))
         else:
-            raise InvalidRequest(f"{tool.at('type')} is '{kind}', a tool type this server does not know",
-                                 param=tool.at("type"))
+            raise InvalidRequest(f"{tool.path_of('type')} is '{kind}', a tool type this server does not know",
+                                 param=tool.path_of("type"))
     if result.hosted:
         logger.info("tools of type %s are not offered to the model: this server cannot run them",
                     ", ".join(sorted(set(result.hosted))))
@@ -83,11 +83,11 @@ def _register(tool: Fields, spec: ToolSpec, ref: ToolRef, result: ResponsesTools
 
 def _refuse_unsupported_options(tool: Fields) -> None:
     if tool.boolean("defer_loading", False):
-        raise unsupported(tool.at("defer_loading"), "deferred tool loading needs tool search, which this server "
+        raise unsupported(tool.path_of("defer_loading"), "deferred tool loading needs tool search, which this server "
                                                     "does not run")
     callers = tool.array("allowed_callers")
     if callers is not None and "direct" not in callers:
-        raise unsupported(tool.at("allowed_callers"), "the model calls tools directly here; allowed_callers must "
+        raise unsupported(tool.path_of("allowed_callers"), "the model calls tools directly here; allowed_callers must "
                                                       "include 'direct'")
 
 
@@ -115,8 +115,8 @@ def _add_custom(tool: Fields, namespace: str | None, result: ResponsesTools) -> 
             syntax = fmt.string("syntax", "lark")
             definition = fmt.string("definition")
             if definition is None:
-                raise InvalidRequest(f"{fmt.at('definition')} is required for a grammar format",
-                                     param=fmt.at("definition"))
+                raise InvalidRequest(f"{fmt.path_of('definition')} is required for a grammar format",
+                                     param=fmt.path_of("definition"))
             text += f"\n\nThe input must follow this {syntax} grammar:\n{definition}"
     parameters = {"type": "object", "properties": {_CUSTOM_INPUT: {
         "type": "string", "description": "The tool's whole input, as free-form text."}}, "required": [_CUSTOM_INPUT]}
@@ -130,18 +130,19 @@ def _add_namespace(tool: Fields, result: ResponsesTools) -> dict[str, Any]:
     namespace = tool_name(tool)
     members = tool.array("tools", non_empty=True)
     if members is None:
-        raise InvalidRequest(f"{tool.at('tools')} is required: the namespace's functions", param=tool.at("tools"))
+        raise InvalidRequest(f"{tool.path_of('tools')} is required: the namespace's functions",
+                             param=tool.path_of("tools"))
     echo = []
     for j, raw in enumerate(members):
-        member = Fields(raw, f"{tool.at('tools')}[{j}]")
+        member = Fields(raw, f"{tool.path_of('tools')}[{j}]")
         kind = member.string("type", "function")
         if kind == "function":
             echo.append(_add_function(member, namespace, result))
         elif kind == "custom":
             echo.append(_add_custom(member, namespace, result))
         else:
-            raise InvalidRequest(f"{member.at('type')} is '{kind}'; a namespace holds function or custom tools",
-                                 param=member.at("type"))
+            raise InvalidRequest(f"{member.path_of('type')} is '{kind}'; a namespace holds function or custom tools",
+                                 param=member.path_of("type"))
     return {"type": "namespace", "name": namespace, "description": tool.string("description", ""), "tools": echo}
 
 
@@ -190,8 +191,8 @@ def read_tool_choice(f: Fields, tools: ResponsesTools) -> tuple[str, list[ToolSp
             if item_kind in ("function", "custom"):
                 chosen.append(_chosen(item, tools, item_kind))
             elif item_kind not in HOSTED_TOOLS:
-                raise InvalidRequest(f"{item.at('type')} is '{item_kind}', not a tool type this server knows",
-                                     param=item.at("type"))
+                raise InvalidRequest(f"{item.path_of('type')} is '{item_kind}', not a tool type this server knows",
+                                     param=item.path_of("type"))
         if not chosen and mode == REQUIRED:
             raise unsupported("tool_choice.tools", "tool_choice requires a call to hosted tools only, which this "
                                                    "server cannot run")
@@ -209,7 +210,7 @@ def _chosen(choice: Fields, tools: ResponsesTools, kind: str) -> ToolSpec:
     name = choice.string("name")
     namespace = choice.string("namespace")
     if name is None:
-        raise InvalidRequest(f"{choice.at('name')} is required", param=choice.at("name"))
+        raise InvalidRequest(f"{choice.path_of('name')} is required", param=choice.path_of("name"))
     for spec in tools.specs:
         ref = tools.refs[spec.name]
         if ref.kind == kind and (ref.name, ref.namespace) == (name, namespace):
@@ -217,5 +218,5 @@ def _chosen(choice: Fields, tools: ResponsesTools, kind: str) -> ToolSpec:
         if ref.kind == kind and namespace is None and spec.name == name:  # the name the model sees
             return spec
     where = f" in namespace '{namespace}'" if namespace else ""
-    raise InvalidRequest(f"{choice.at('name')} names the {kind} tool '{name}'{where}, which is not among the "
-                         "declared tools", param=choice.at("name"))
+    raise InvalidRequest(f"{choice.path_of('name')} names the {kind} tool '{name}'{where}, which is not among the "
+                         "declared tools", param=choice.path_of("name"))

@@ -29,8 +29,8 @@ def read_spelled(f: Fields, names: Sequence[str], read: Callable[[str], Any]) ->
     first_name, first = given[0]
     for name, value in given[1:]:
         if value != first:
-            raise InvalidRequest(f"{f.at(first_name)} and {f.at(name)} are two names of one setting and disagree "
-                                 f"({first!r} and {value!r}); send one of them", param=f.at(name),
+            raise InvalidRequest(f"{f.path_of(first_name)} and {f.path_of(name)} are two names of one setting and "
+                                 f"disagree ({first!r} and {value!r}); send one of them", param=f.path_of(name),
                                  code="conflicting_parameters")
     return first, first_name
 
@@ -49,7 +49,7 @@ def read_stop(f: Fields, names: Sequence[str], limit: int) -> tuple[list[str], s
 def _stop_strings(f: Fields, name: str, limit: int) -> list[str]:
     """`stop` is a string or an array; `stop_sequences` (Anthropic's name) an array only."""
     stop = f.raw(name)
-    path = f.at(name)
+    path = f.path_of(name)
     if isinstance(stop, str) and name != "stop_sequences":
         stop = [stop]
     elif not isinstance(stop, list):

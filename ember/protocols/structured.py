@@ -1,5 +1,5 @@
-"""Structured outputs, read from any dialect into one neutral `GrammarSpec`: plain data that the
-server compiles (ember/grammar) and enforces token by token.
+"""Structured outputs, read from any dialect into one neutral `GrammarSpec` (ember.constraint_spec):
+plain data that the server compiles (ember/grammar) and enforces token by token.
 
     OpenAI Chat and Completions   response_format {"type": "json_schema", "json_schema": {name, schema,
                                   strict}} | {"type": "json_object"} | {"type": "text"};
@@ -16,14 +16,12 @@ At most one of these fields may be set; each refusal names the field at fault.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from typing import Any
 
+from ember.constraint_spec import CHOICE, GRAMMAR, JSON_OBJECT, JSON_SCHEMA, REGEX, GrammarSpec
 from ember.errors import InvalidRequest
 from ember.protocols.fields import Fields, as_string, json_type
 
-JSON_SCHEMA, JSON_OBJECT, REGEX, CHOICE, GRAMMAR = "json_schema", "json_object", "regex", "choice", "grammar"
-KINDS = (JSON_SCHEMA, JSON_OBJECT, REGEX, CHOICE, GRAMMAR)
 MAX_CHOICES = 1024
 MAX_GRAMMAR_CHARS = 256 * 1024  # any one schema, pattern or grammar text
 
@@ -32,20 +30,6 @@ _TOP_LEVEL = (("guided_json", JSON_SCHEMA), ("guided_regex", REGEX), ("guided_ch
               ("guided_grammar", GRAMMAR), ("json_schema", JSON_SCHEMA), ("grammar", GRAMMAR))
 _STRUCTURED_OUTPUTS = (("json", JSON_SCHEMA), ("json_object", JSON_OBJECT), ("regex", REGEX), ("choice", CHOICE),
                        ("grammar", GRAMMAR))
-
-
-@dataclass(frozen=True, slots=True)
-class GrammarSpec:
-    """What the reply must match. `text` is the schema as JSON text (json_schema), empty (json_object),
-    the pattern (regex), a JSON array of the strings (choice) or the EBNF grammar (grammar)."""
-
-    kind: str
-    text: str
-    param: str  # the request field it came from, named when it cannot be compiled
-
-    def __post_init__(self) -> None:
-        if self.kind not in KINDS:
-            raise ValueError(f"unknown grammar kind {self.kind!r}")
 
 
 # ---- neutral builders (every dialect) -------------------------------------------------------------
@@ -99,7 +83,7 @@ def read_flat_format(fmt: Fields, *, allow_text: bool = True, allow_json_object:
     kinds = (("text",) if allow_text else ()) + ((JSON_OBJECT,) if allow_json_object else ()) + (JSON_SCHEMA,)
     kind = fmt.string("type", choices=kinds)
     if kind is None:
-        raise InvalidRequest(f"{fmt.at('type')} is required: {', '.join(kinds)}", param=fmt.at("type"))
+        raise InvalidRequest(f"{fmt.path_of('type')} is required: {', '.join(kinds)}", param=fmt.path_of("type"))
     if kind == "text":
         return None
     if kind == JSON_OBJECT:
@@ -114,9 +98,9 @@ def _read_json_schema(spec: Fields) -> GrammarSpec:
     spec.boolean("strict")
     schema = spec.raw("schema")
     if schema is None:
-        raise InvalidRequest(f"{spec.at('schema')} is required: the JSON schema the reply must match",
-                             param=spec.at("schema"))
-    return json_schema_spec(schema, spec.at("schema"))
+        raise InvalidRequest(f"{spec.path_of('schema')} is required: the JSON schema the reply must match",
+                             param=spec.path_of("schema"))
+    return json_schema_spec(schema, spec.path_of("schema"))
 
 
 def check_grammar_with_tools(grammar: GrammarSpec | None, tool_choice: str, tool_choice_param: str = "tool_choice"
@@ -163,14 +147,16 @@ def read_openai_structured(f: Fields) -> GrammarSpec | None:
 def read_response_format(rf: Fields) -> GrammarSpec | None:
     kind = rf.string("type", choices=("text", JSON_OBJECT, JSON_SCHEMA))
     if kind is None:
-        raise InvalidRequest(f"{rf.at('type')} is required: text, json_object or json_schema", param=rf.at("type"))
+        raise InvalidRequest(f"{rf.path_of('type')} is required: text, json_object or json_schema",
+                             param=rf.path_of("type"))
     if kind == "text":
         return None
     if kind == JSON_OBJECT:
         return json_object_spec(rf.path)
     spec = rf.object("json_schema")
     if spec is None:
-        raise InvalidRequest(f"{rf.at('json_schema')} is required for type json_schema", param=rf.at("json_schema"))
+        raise InvalidRequest(f"{rf.path_of('json_schema')} is required for type json_schema",
+                             param=rf.path_of("json_schema"))
     return _read_json_schema(spec)
 
 
@@ -182,13 +168,13 @@ def _read_structured_outputs(so: Fields) -> GrammarSpec | None:
             continue
         if kind == JSON_OBJECT:
             so.boolean(name)
-        found.append(_read_kind(kind, value, so.at(name)))
+        found.append(_read_kind(kind, value, so.path_of(name)))
     if len(found) > 1:
         raise InvalidRequest(f"{found[1].param} cannot be combined with {found[0].param}: set one kind of "
                              "structured output", param=found[1].param, code="conflicting_constraints")
     if not found and so.has("structural_tag"):
-        raise InvalidRequest(f"{so.at('structural_tag')} is not supported; use json, regex, choice or grammar",
-                             param=so.at("structural_tag"))
+        raise InvalidRequest(f"{so.path_of('structural_tag')} is not supported; use json, regex, choice or grammar",
+                             param=so.path_of("structural_tag"))
     return found[0] if found else None
 
 

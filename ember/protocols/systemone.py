@@ -1,5 +1,6 @@
-"""`POST /v1/systemone`: typed decisions about a state (choice, score, noul), read zero-shot from the
-model's next-token probabilities over one label per allowed answer; no text is generated.
+"""`POST /v1/systemone`: typed decisions about a state (a choice, a score, a yes/no question, which the
+wire names `noul`), read zero-shot from the model's next-token probabilities over one label per
+allowed answer; no text is generated.
 
 Each question becomes one chat prompt (thinking off). The questions of a request run together as
 one batch of prompt-only readings (one step each, the sampled token discarded); ember's batching is
@@ -27,9 +28,11 @@ from ember.types import GenerationOutput, SamplingParams
 
 MAX_QUESTIONS = 64
 MAX_OPTIONS = 26
+CHOICE, SCORE = "choice", "score"
+YES_NO = "noul"  # the wire's name of a yes/no question
+KINDS = (CHOICE, SCORE, YES_NO)
 LETTERS = string.ascii_uppercase  # labels of choice options and score levels, in order
-YES_NO = ("Yes", "No")  # labels of a noul question
-KINDS = ("choice", "score", "noul")
+YES_NO_LABELS = ("Yes", "No")  # labels of a yes/no question's answers, in order
 _REQUEST_FIELDS = ("model", "state", "questions")
 _QUESTION_FIELDS = ("type", "instructions", "criteria")
 _REFUSED = {"assets": "assets are not supported by /v1/systemone",
@@ -114,8 +117,8 @@ def dump_json(value: Any) -> str:
 @dataclass(slots=True)
 class Question:
     name: str
-    kind: str  # choice | score | noul
-    options: list[str]  # choice: option names; score: level indexes as strings; noul: yes, no
+    kind: str  # CHOICE | SCORE | YES_NO
+    options: list[str]  # choice: option names; score: level indexes as strings; yes/no: yes, no
     labels: list[str]  # one label per option, in order
     legend: list[Any]  # score: the levels as the request gave them
 
@@ -138,7 +141,7 @@ def parse_systemone(body: Any, model: ModelInfo) -> GenerationRequest:
     if not 1 <= len(questions.obj) <= MAX_QUESTIONS:
         raise InvalidRequest(f"questions holds {len(questions.obj)} questions; send 1 to {MAX_QUESTIONS}",
                              param="questions")
-    read = [_read_question(Fields(q, questions.at(name)), name) for name, q in questions.obj.items()]
+    read = [_read_question(Fields(q, questions.path_of(name)), name) for name, q in questions.obj.items()]
     if not model.has_chat_template:
         raise InvalidRequest("the model has no chat template; /v1/systemone needs one", param=None,
                              code="no_chat_template")
@@ -148,7 +151,7 @@ def parse_systemone(body: Any, model: ModelInfo) -> GenerationRequest:
         params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, logprobs=0, logprob_token_ids=ids)
         prompt = ChatPrompt([{"role": "user", "content": _question_prompt(prompt_text(state), text)}],
                             {"enable_thinking": False})
-        runs.append(PromptRun(prompt, params, questions.at(question.name)))
+        runs.append(PromptRun(prompt, params, questions.path_of(question.name)))
     return GenerationRequest(runs[0].prompt, runs[0].params, prompt_param=runs[0].prompt_param, batch=runs,
                              dialect_options=[q for q, _ in read])
 
@@ -156,7 +159,7 @@ def parse_systemone(body: Any, model: ModelInfo) -> GenerationRequest:
 def _refuse_unknown(f: Fields, known: tuple[str, ...]) -> None:
     for key in f.obj:
         if key not in known:
-            raise InvalidRequest(f"{f.at(key)} is not a field of /v1/systemone", param=f.at(key))
+            raise InvalidRequest(f"{f.path_of(key)} is not a field of /v1/systemone", param=f.path_of(key))
 
 
 def _check_text_value(value: Any, path: str, allow_null: bool = True) -> None:
@@ -173,16 +176,16 @@ def _read_question(q: Fields, name: str) -> tuple[Question, str]:
     _refuse_unknown(q, _QUESTION_FIELDS)
     kind = q.raw("type")
     if kind == "box":
-        raise unsupported(q.at("type"), "box questions are not supported by this server")
+        raise unsupported(q.path_of("type"), "box questions are not supported by this server")
     kind = q.string("type", choices=KINDS)
     if kind is None:
-        raise InvalidRequest(f"{q.at('type')} is required: choice, score or noul", param=q.at("type"))
+        raise InvalidRequest(f"{q.path_of('type')} is required: choice, score or noul", param=q.path_of("type"))
     instructions = q.obj.get("instructions")
-    _check_text_value(instructions, q.at("instructions"))
+    _check_text_value(instructions, q.path_of("instructions"))
     lines = [f"Question: {prompt_text(instructions)}"] if instructions not in (None, "") else []
     criteria = q.obj.get("criteria")
-    path = q.at("criteria")
-    if kind == "choice":
+    path = q.path_of("criteria")
+    if kind == CHOICE:
         if not isinstance(criteria, dict):
             raise InvalidRequest(f"{path} must map 1 to {MAX_OPTIONS} option names to descriptions", param=path)
         _check_count(len(criteria), path, "options")
@@ -195,7 +198,7 @@ def _read_question(q: Fields, name: str) -> tuple[Question, str]:
                   for label, (option, d) in zip(labels, criteria.items())]
         lines.append("Answer with the letter of the best option only.")
         return Question(name, kind, options, labels, []), "\n".join(lines)
-    if kind == "score":
+    if kind == SCORE:
         if not isinstance(criteria, list):
             raise InvalidRequest(f"{path} must be an array of 1 to {MAX_OPTIONS} levels", param=path)
         _check_count(len(criteria), path, "levels")
@@ -210,13 +213,14 @@ def _read_question(q: Fields, name: str) -> tuple[Question, str]:
         c = Fields(criteria, path)
         for key in c.obj:
             if key not in ("true", "false"):
-                raise InvalidRequest(f"{c.at(key)} is not a noul criterion (true, false)", param=c.at(key))
-            _check_text_value(c.obj[key], c.at(key))
-        for key, label in (("true", "Yes"), ("false", "No")):
+                raise InvalidRequest(f"{c.path_of(key)} is not a {YES_NO} criterion (true, false)",
+                                     param=c.path_of(key))
+            _check_text_value(c.obj[key], c.path_of(key))
+        for key, label in zip(("true", "false"), YES_NO_LABELS):
             if c.obj.get(key) not in (None, ""):
                 lines.append(f"{label} means: {prompt_text(c.obj[key])}")
     lines.append("Answer Yes or No only.")
-    return Question(name, kind, ["yes", "no"], list(YES_NO), []), "\n".join(lines)
+    return Question(name, kind, ["yes", "no"], list(YES_NO_LABELS), []), "\n".join(lines)
 
 
 def _check_count(count: int, path: str, what: str) -> None:
@@ -275,13 +279,13 @@ def score_confidence(probabilities: list[float]) -> float:
 
 
 def answer(question: Question, probabilities: list[float]) -> dict[str, Any]:
-    if question.kind == "noul":
-        return {"type": "noul", "noul": probabilities[0]}
+    if question.kind == YES_NO:
+        return {"type": YES_NO, YES_NO: probabilities[0]}  # the probability of yes
     by_option = dict(zip(question.options, probabilities))
-    if question.kind == "choice":
-        return {"type": "choice", "choice": question.options[first_best(probabilities)],
+    if question.kind == CHOICE:
+        return {"type": CHOICE, CHOICE: question.options[first_best(probabilities)],
                 "probabilities": by_option, "confidence": choice_confidence(probabilities)}
-    return {"type": "score", "score": sum(i * p for i, p in enumerate(probabilities)),
+    return {"type": SCORE, SCORE: sum(i * p for i, p in enumerate(probabilities)),
             "legend": dict(zip(question.options, question.legend)), "probabilities": by_option,
             "confidence": score_confidence(probabilities)}
 

@@ -20,7 +20,7 @@ from ember.protocols.errors import ModelLoading, ServerUnavailable
 from ember.protocols.chat_reply import ChatFeatures, ReplyPlan, plan_reply
 from ember.protocols.neutral import GenerationRequest, ModelInfo, Prompt, encode_prompt
 from ember.grammar.compiler import xgrammar_installed
-from ember.grammar.plan import build_constraints
+from ember.protocols.grammar_plan import build_constraints
 from ember.server.admission import Admission
 from ember.server.chat_defaults import chat_features
 from ember.server.config import ServerConfig

@@ -9,8 +9,9 @@ import pytest
 from ember.loaders import load_model_source
 from ember.parsers.hermes import HERMES
 from ember.parsers.qwen3_xml import QWEN3_XML
+from ember.parsers.tool_prompt import prepare_conversation
 from ember.protocols.neutral import ChatPrompt, encode_prompt
-from ember.tokenization.chat_prompt import EFFORTS, TemplateTraits, prepare_conversation, probe_template
+from ember.tokenization.chat_prompt import EFFORTS, TemplateTraits, probe_template
 
 TEMPLATES = Path(__file__).parents[1] / "e2e" / "templates"
 NO_SYSTEM = ("{% for m in messages %}{% if m.role == 'system' %}{{ raise_exception('System role not supported') }}"

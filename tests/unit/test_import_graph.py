@@ -1,4 +1,5 @@
-"""ember's modules import one another without circles, and the scheduler and KV manager stay free of torch.
+"""ember's modules import one another without circles, in one direction between layers, and the
+scheduler and KV manager stay free of torch.
 
 Every import counts, at module level or inside a function, except those under `if TYPE_CHECKING:`.
 """
@@ -7,6 +8,8 @@ from __future__ import annotations
 
 import ast
 from pathlib import Path
+
+import pytest
 
 import ember
 
@@ -81,6 +84,56 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
         if node not in index:
             visit(node)
     return found
+
+
+def _within(name: str, packages: tuple[str, ...]) -> bool:
+    return any(name == package or name.startswith(package + ".") for package in packages)
+
+
+def _crossings(graph: dict[str, set[str]], lower: tuple[str, ...], upper: tuple[str, ...]) -> list[str]:
+    """Every module under `upper` that a module under `lower` reaches, directly or through others,
+    as the chain of imports that reaches it first (a breadth-first walk)."""
+    reached_from: dict[str, str | None] = {name: None for name in graph if _within(name, lower)}
+    todo = sorted(reached_from)
+    while todo:
+        name = todo.pop(0)
+        for target in sorted(graph[name]):
+            if target not in reached_from:
+                reached_from[target] = name
+                todo.append(target)
+    chains = []
+    for name in sorted(reached_from):
+        if _within(name, upper):
+            chain = [name]
+            while reached_from[chain[-1]] is not None:
+                chain.append(reached_from[chain[-1]])
+            chains.append(" -> ".join(reversed(chain)))
+    return chains
+
+
+# (the layer below, the layers it may never import, at any depth)
+LAYERS = [
+    (("ember.engine", "ember.models", "ember.kernels", "ember.grammar"), ("ember.protocols", "ember.server")),
+    (("ember.protocols",), ("ember.engine", "ember.server")),
+    (("ember.tokenization",), ("ember.parsers",)),  # parsers read token bytes; tokenization knows no reply format
+]
+
+
+@pytest.mark.parametrize("lower, upper", LAYERS, ids=lambda packages: "+".join(p.split(".")[-1] for p in packages))
+def test_a_layer_never_imports_the_layers_above_it(lower, upper):
+    graph = _graph()
+    assert all(any(_within(name, (package,)) for name in graph) for package in lower + upper)  # names are real
+    crossings = _crossings(graph, lower, upper)
+    assert not crossings, "\n".join(crossings)
+
+
+def test_a_crossing_is_found_directly_or_through_others():
+    graph = {"low.a": {"low.b"}, "low.b": {"mid.c"}, "mid.c": {"high.d"}, "high.d": set(), "high.e": {"low.a"},
+             "lowly": {"high.e"}}  # "lowly" is no module of "low"
+    assert _crossings(graph, ("low",), ("mid",)) == ["low.b -> mid.c"]
+    assert _crossings(graph, ("low",), ("high",)) == ["low.b -> mid.c -> high.d"]
+    assert _crossings(graph, ("high",), ("low",)) == ["high.e -> low.a", "high.e -> low.a -> low.b"]
+    assert _crossings(graph, ("mid",), ("low",)) == []
 
 
 def test_no_module_imports_itself_through_others():

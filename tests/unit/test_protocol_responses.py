@@ -11,7 +11,7 @@ from ember.parsers.events import ContentText, ReasoningText, ThinkMarkers, ToolC
 from ember.parsers.hermes import HERMES
 from ember.protocols.chat_reply import FUNCTION, NONE, REQUIRED, ChatFeatures
 from ember.protocols.neutral import ModelInfo, ResponseMeta, RunResult
-from ember.protocols.openai_responses import ResponsesRenderer, parse_responses
+from ember.protocols.openai_responses import parse_responses, responses_dialect
 from ember.protocols.reasoning_seal import ReasoningSeal, SealError
 from ember.server.response_store import ResponseStore, StoredResponse
 from ember.server.responses_routes import list_page, make_context
@@ -267,7 +267,7 @@ def render_stream(events, finish=FinishReason.STOP, **fields):
                            {"type": "namespace", "name": "ns", "tools": [{"type": "function", "name": "get"}]}],
                     **fields)
     result = RunResult(1, [1, 2, 3])
-    renderer = ResponsesRenderer(request, result, ResponseMeta("resp_x", 100, "served", "fp", str), ctx)
+    renderer = responses_dialect(ctx).renderer(request, result, ResponseMeta("resp_x", 100, "served", "fp", str))
     frames = renderer.stream_start()
     for event in events:
         frames += renderer.on_reply(event)
@@ -351,7 +351,7 @@ def test_an_error_after_the_stream_opened_ends_it_with_response_failed():
     ctx = context()
     request = parse(ctx, stream=True)
     result = RunResult(1, [1, 2, 3])
-    renderer = ResponsesRenderer(request, result, ResponseMeta("resp_y", 100, "served", "fp", str), ctx)
+    renderer = responses_dialect(ctx).renderer(request, result, ResponseMeta("resp_y", 100, "served", "fp", str))
     frames = renderer.stream_start() + renderer.on_reply(ContentText("Half an ans"))
     frames += renderer.stream_error(InvalidRequest("the engine stopped"))
     final = check_stream([(frame.event, frame.data) for frame in frames])

@@ -244,7 +244,7 @@ def test_fields_reader():
     f = Fields({"a": 1, "b": None, "c": 2.0, "d": "x", "e": [1], "o": {"k": True}}, "root")
     assert f.integer("a") == 1 and f.integer("b", 5) == 5 and f.integer("c") == 2
     assert f.string("d", choices=["x", "y"]) == "x" and f.array("e") == [1]
-    assert f.object("o").boolean("k") is True and f.object("o").at("k") == "root.o.k"
+    assert f.object("o").boolean("k") is True and f.object("o").path_of("k") == "root.o.k"
     with pytest.raises(Exception) as caught:
         f.string("d", choices=["y"])
     assert caught.value.param == "root.d"

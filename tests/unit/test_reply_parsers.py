@@ -12,7 +12,7 @@ from ember.parsers.events import (
 )
 from ember.parsers.qwen3_xml import schema_types, typed_value
 from ember.parsers.reply import ReplyFormat, ReplyParser, parse_reply, partial_suffix
-from ember.parsers.tool_format import tool_system_prompt
+from ember.parsers.tool_prompt import tool_system_prompt
 
 SEEDS = range(40)
 

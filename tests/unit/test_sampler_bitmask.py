@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from ember.engine import sampler as sampler_module
-from ember.engine.sampler import Sampler, SamplingRow, unpack_bitmask
+from ember.engine.sampler import Sampler, SamplingRow
+from ember.grammar.bitmask import unpack_bitmask
 from ember.types import ConstraintFailed, SamplingParams
 
 VOCAB = 100

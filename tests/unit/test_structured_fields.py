@@ -8,7 +8,7 @@ import pytest
 
 from ember.errors import InvalidRequest
 from ember.grammar.compiler import choice_ebnf, compiler_reason, grammar_unavailable
-from ember.grammar.plan import build_constraints
+from ember.protocols.grammar_plan import build_constraints
 from ember.parsers.events import ToolSpec
 from ember.parsers.hermes import HERMES
 from ember.protocols.chat_reply import ChatFeatures, ChatOptions, plan_reply
