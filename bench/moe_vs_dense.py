@@ -22,7 +22,8 @@ import transformers
 from ember import SamplingParams
 from ember.config import EngineConfig, ModelConfig
 from ember.engine.attention import KVCache
-from ember.engine.core import EngineCore, build_model
+from ember.engine.core import EngineCore
+from ember.engine.loading import build_model
 
 REPEATS = 2
 SHAPE = dict(vocab_size=4096, hidden_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,

@@ -28,7 +28,7 @@ class Environment:
 
 
 def _add_model_args(parser: argparse.ArgumentParser) -> None:
-    from ember.server.cli import MODEL_HELP, REVISION_HELP
+    from ember.server.flags import MODEL_HELP, REVISION_HELP
     parser.add_argument("model", nargs="?", default=None, help=MODEL_HELP)
     parser.add_argument("--revision", default=None, help=REVISION_HELP)
     parser.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32", "float16"],
@@ -61,7 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(chat)
     _add_sampling_args(chat)
     chat.add_argument("--system", default=None, help="a system message")
-    from ember.server.cli import add_serve_parser
+    from ember.server.flags import add_serve_parser
     add_serve_parser(commands)
     from ember.bench.cli import add_bench_parser
     add_bench_parser(commands)

@@ -184,7 +184,7 @@ class EngineConfig:
     max_num_batched_tokens: int | None = None
     # A token attending to c keys costs 1 + c / attention_cost_tokens in that budget, so steps
     # holding a long prompt's chunks take no longer than short ones. None: from the model's
-    # shapes (engine.core.attention_cost_tokens); 0: every token costs 1.
+    # shapes (engine.pool.attention_cost_tokens); 0: every token costs 1.
     attention_cost_tokens: int | None = None
     enable_prefix_caching: bool = True
     # The most of the KV pool that cache breakpoints may pin (engine.kv_cache), as a fraction.

@@ -22,7 +22,7 @@ def add_store_parsers(commands) -> None:
                     "revision's latest files even when a copy is cached. `ember serve` then uses the cache "
                     "without the network. Ollama's models are fetched with `ollama pull`.")
     pull.add_argument("model", help="org/name, org/name@REVISION or org/name:QUANT")
-    from ember.server.cli import REVISION_HELP
+    from ember.server.flags import REVISION_HELP
     pull.add_argument("--revision", default=None, help=REVISION_HELP)
     pull.add_argument("--log-level", default="info", help="debug, info, warning or error")
 

@@ -14,8 +14,8 @@ from ember.engine.sampler import Sampler, SamplingRow
 from ember.engine.scheduler import ScheduledRequest
 from ember.types import TokenLogprob
 
-# Decode block tables are padded up to a multiple of this many blocks, so shapes repeat
-# from step to step (fewer distinct shapes for kernels, graph capture and allocators).
+# Decode block tables are padded up to a multiple of this many blocks, so shapes repeat from step
+# to step (fewer distinct shapes for torch's kernels and its allocator).
 _BLOCK_TABLE_BUCKET = 4
 
 
@@ -67,9 +67,9 @@ class ModelRunner:
         alive = list(range(len(sampling)))
         for position in range(max(len(s.draft_token_ids) for s in sampling) + 1):
             rows = [_sampling_row(sampling[i], drawn[i]) for i in alive]
-            at = logits if position == 0 and len(logits) == len(alive) else \
+            rows_logits = logits if position == 0 and len(logits) == len(alive) else \
                 logits[torch.tensor([first_rows[i] + position for i in alive], device=logits.device)]
-            result = self.sampler(at, rows)
+            result = self.sampler(rows_logits, rows)
             still = []
             for slot, i in enumerate(alive):
                 request_id = sampling[i].request.request_id

@@ -21,6 +21,12 @@ class EngineCounters:
     spec_proposed_tokens: int = 0  # tokens drafted
     spec_accepted_tokens: int = 0  # of those, kept
 
+    def add_round(self, proposed: int, accepted: int) -> None:
+        """A verified speculative round: `proposed` drafted tokens, `accepted` of them kept."""
+        self.spec_rounds += 1
+        self.spec_proposed_tokens += proposed
+        self.spec_accepted_tokens += accepted
+
     def add_step(self, seconds: float, num_prefill_tokens: int, num_decode_tokens: int) -> None:
         """A step's wall time, split between prefill and decode in proportion to their tokens."""
         self.num_steps += 1

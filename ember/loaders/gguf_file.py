@@ -406,15 +406,6 @@ def unpermute_qk_rows(tensor: torch.Tensor, num_heads: int, name: str = "") -> t
             .reshape(rows, *rest).contiguous())
 
 
-def permute_qk_rows(tensor: torch.Tensor, num_heads: int) -> torch.Tensor:
-    """llama.cpp's q/k permutation (HF order -> GGUF order); the inverse of unpermute_qk_rows."""
-    rows = tensor.shape[0]
-    head_dim = rows // num_heads
-    rest = tensor.shape[1:]
-    return (tensor.reshape(num_heads, 2, head_dim // 2, *rest).transpose(1, 2)
-            .reshape(rows, *rest).contiguous())
-
-
 def llama3_rope_factors(theta: float, head_dim: int, factor: float, low_freq_factor: float,
                         high_freq_factor: float, original_context: int) -> np.ndarray:
     """The per-frequency divisors Llama 3 rope scaling applies (as llama.cpp's rope_freqs)."""

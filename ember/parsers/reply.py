@@ -293,12 +293,3 @@ class ReplyParser:
         for event in events:
             self.reply.add(event)
         return events
-
-
-def parse_reply(fmt: ReplyFormat, text: str, token_ids: Sequence[int] = (),
-                token_bytes: TokenBytes | None = None) -> ParsedReply:
-    """A whole reply at once."""
-    parser = ReplyParser(fmt, token_bytes)
-    parser.feed(text, token_ids)
-    parser.finish()
-    return parser.reply

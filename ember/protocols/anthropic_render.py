@@ -42,10 +42,6 @@ def thinking_signature(text: str) -> str:
     return base64.b64encode(hmac.new(_SIGNING_KEY, text.encode(), hashlib.sha256).digest()).decode()
 
 
-def signature_matches(text: str, signature: str) -> bool:
-    return hmac.compare_digest(thinking_signature(text), signature)
-
-
 def tool_use_id(call: ToolCall) -> str:
     """Anthropic-style ids: the parser's random call id under the toolu_ prefix."""
     return "toolu_" + call.id.removeprefix("call_")

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from conftest import serve_command
-from ember.engine.core import resolve_device
-from ember.server.cli import add_serve_parser, build_config
+from ember.engine.loading import resolve_device
+from ember.server.flags import add_serve_parser, build_config
 
 FLAGS = ["--host", "--port", "--served-model-name", "--api-key", "--max-model-len", "--max-num-seqs",
          "--max-num-batched-tokens", "--max-pending", "--pending-timeout", "--max-request-mb", "--cors-origins",

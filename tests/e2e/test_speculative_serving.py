@@ -13,7 +13,7 @@ import openai
 import pytest
 
 from ember.config import SpeculativeConfig
-from ember.server.cli import build_config
+from ember.server.flags import build_config
 from tests.e2e.conftest import ServerProcess, wait_idle
 from tests.e2e.test_cli import parse
 

@@ -10,7 +10,8 @@ import transformers
 
 from ember import SamplingParams
 from ember.config import EngineConfig, ModelConfig
-from ember.engine.core import EngineCore, build_model
+from ember.engine.core import EngineCore
+from ember.engine.loading import build_model
 
 TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,

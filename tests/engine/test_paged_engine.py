@@ -8,7 +8,8 @@ import transformers
 from ember import SamplingParams
 from ember.config import EngineConfig, ModelConfig
 from ember.engine import runner
-from ember.engine.core import EngineCore, build_model
+from ember.engine.core import EngineCore
+from ember.engine.loading import build_model
 
 
 def _tiny_llama():

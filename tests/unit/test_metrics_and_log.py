@@ -14,7 +14,7 @@ from ember.protocols.progress import PromptProgress
 from ember.server.metrics import Metrics
 from ember.server.request_record import RequestRecord
 from ember.server.request_events import finish_label, sampling_summary, terminal_kind
-from ember.server.cli import redact_argv
+from ember.server.flags import redact_argv
 from ember.server.request_log import REDACTED, RequestLog, RequestLogError
 from ember.server.stats_logger import ThroughputReporter
 from ember.types import FinishReason, GenerationOutput, RequestTimings, SamplingParams

@@ -3,6 +3,7 @@ error shape. Pure logic, no model."""
 
 from __future__ import annotations
 
+import hmac
 import json
 from dataclasses import replace
 
@@ -15,12 +16,16 @@ from ember.parsers.events import (
 from ember.parsers.hermes import HERMES
 from ember.protocols.anthropic_errors import anthropic_error_body, anthropic_status
 from ember.protocols.anthropic_messages import parse_count_tokens, parse_messages
-from ember.protocols.anthropic_render import BlockAssembler, MessagesRenderer, signature_matches
+from ember.protocols.anthropic_render import BlockAssembler, MessagesRenderer, thinking_signature
 from ember.protocols.chat_reply import ChatFeatures
 from ember.protocols.errors import ModelLoading, QueueTimeout, RequestTooLarge, ServerOverloaded, Unauthorized
 from ember.protocols.neutral import ModelInfo, ResponseMeta, RunResult, resolve_sampling, token_sha
 from ember.protocols.partial_json import members_so_far
 from ember.types import FinishReason
+
+
+def signature_matches(text: str, signature: str) -> bool:
+    return hmac.compare_digest(thinking_signature(text), signature)
 
 MODEL = ModelInfo(name="served", max_model_len=2048, vocab_size=1000, chat=ChatFeatures(ThinkMarkers(), HERMES))
 HI = [{"role": "user", "content": "Hi"}]

@@ -10,7 +10,8 @@ from ember.parsers import HERMES, QWEN3_XML
 from ember.parsers.constraint import ForcedCall, ReplyConstraint
 from ember.parsers.events import ThinkMarkers, ToolSpec
 from ember.parsers.reasoning import ThinkTracker
-from ember.parsers.reply import ReplyFormat, parse_reply
+from ember.parsers.reply import ReplyFormat
+from reply_helpers import parse_reply
 
 TOKENIZER = load_model_source(None).tokenizer
 TB = TOKENIZER.token_bytes

@@ -11,8 +11,9 @@ from ember.parsers.events import (
     TEXT_EVENTS, ContentText, ReasoningText, ThinkMarkers, ToolCall, ToolCallDelta, ToolCallStart, ToolSpec,
 )
 from ember.parsers.qwen3_xml import schema_types, typed_value
-from ember.parsers.reply import ReplyFormat, ReplyParser, parse_reply, partial_suffix
+from ember.parsers.reply import ReplyFormat, ReplyParser, partial_suffix
 from ember.parsers.tool_prompt import tool_system_prompt
+from reply_helpers import parse_reply
 
 SEEDS = range(40)
 

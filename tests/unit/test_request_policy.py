@@ -22,7 +22,7 @@ from ember.protocols.openai_completions import parse_completion
 from ember.protocols.openai_responses import parse_responses
 from ember.protocols.reasoning_seal import ReasoningSeal
 from ember.protocols.unknown_fields import MAX_HEADER_NAMES, FieldReport, watch_fields
-from ember.server.cli import add_serve_parser, build_config
+from ember.server.flags import add_serve_parser, build_config
 from ember.server.response_store import ResponseStore
 from ember.server.responses_routes import make_context
 from ember.server.sampling_defaults import check_override, sampling_defaults

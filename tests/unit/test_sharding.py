@@ -10,7 +10,7 @@ from ember.errors import ModelLoadError
 from ember.loaders.hf_folder import read_safetensors
 from ember.models.sharding import Cut, cut_for, cut_tensor, local_config, plan_shards
 from ember.models.weights import QuantBlocks
-from ember.server.cli import add_serve_parser, parallel_flags
+from ember.server.flags import add_serve_parser, parallel_flags
 
 # the default model's shape (SmolLM2-135M)
 SMOLLM2 = ModelConfig(model_type="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536,

@@ -5,12 +5,17 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Hashable
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from ember.config import MAX_TUNED_DRAFT_TOKENS, SpeculativeConfig
 from ember.engine.request import Request
 from ember.engine.spec.ngram import NgramIndex
 from ember.engine.spec.tuning import DraftingGate, DraftLength, StepCost
+from ember.engine.stats import EngineCounters
+
+if TYPE_CHECKING:
+    from ember.engine.runner import RunnerOutput
+    from ember.engine.scheduler import SchedulerOutput
 
 logger = logging.getLogger("ember.engine")
 
@@ -56,7 +61,7 @@ class NgramProposer:
 
 class Speculator:
     """Owned by the engine core, called from its one thread: `propose` before each schedule,
-    `record` after each verified round, `forget` when a request ends.
+    `after_step` once the step's forward has run, `forget` when a request ends.
 
     A tuned draft's length comes from the acceptance its evidence has earned (DraftLength): for
     n-gram lookup, all requests' rounds with the same matched suffix length share one estimate (a
@@ -119,6 +124,23 @@ class Speculator:
             request.draft_token_ids = _before_end_token(request, drafts)
             longest = max(longest, len(drafts))
         self.step_cost.observe_drafting(longest, time.perf_counter() - began)
+
+    def after_step(self, plan: SchedulerOutput, result: RunnerOutput, began: float, forward_began: float,
+                   counters: EngineCounters) -> None:
+        """What a step tells drafting, once its forward has run (`began`, `forward_began`: its
+        perf_counter times): a decode-only step's cost, what drafting pays, and each verified
+        round's acceptance, counted in `counters` too."""
+        scheduled = plan.scheduled
+        if all(item.samples and item.num_new_tokens == 1 + len(item.draft_token_ids) for item in scheduled):
+            ended = time.perf_counter()
+            self.observe_step(len(scheduled), plan.num_scheduled_tokens, any(item.draft_token_ids for item in scheduled),
+                              sum(map(len, result.sampled.values())), ended - forward_began, ended - began)
+        for item in scheduled:
+            if item.draft_token_ids:
+                request_id = item.request.request_id
+                num_accepted = result.accepted.get(request_id, 0)
+                self.record(request_id, len(item.draft_token_ids), num_accepted)
+                counters.add_round(len(item.draft_token_ids), num_accepted)
 
     def observe_step(self, requests: int, rows: int, drafted: bool, tokens: int, forward_seconds: float,
                      step_seconds: float) -> None:

@@ -1,0 +1,112 @@
+"""The parts a step runs on, sized for a model and a config: the KV pool (its block manager and
+tensors), the scheduler with its budget, and the runner with its sampler."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from ember import kernels
+from ember.config import EngineConfig, ModelConfig
+from ember.engine.attention import KVCache
+from ember.engine.kernel_attention import KERNEL_BLOCK_SIZE
+from ember.engine.kv_cache import KVCacheManager
+from ember.engine.runner import ModelRunner
+from ember.engine.sampler import Sampler
+from ember.engine.scheduler import Scheduler, SchedulerConfig
+
+logger = logging.getLogger("ember.engine")
+
+_DEFAULT_CPU_KV_GIB = 2.0
+_CPU_STEP_TOKENS, _GPU_STEP_TOKENS = 512, 2048  # default step budgets (EngineConfig.max_num_batched_tokens)
+_CUDA_MEMORY_FRACTION = 0.85  # of the memory still free after the weights are loaded
+# Measured: ember's CPU attention kernel does about a third of the linear kernel's work per second
+# (1,500- and 8,000-token prefills on AMD EPYC Zen 4), so a key costs three times its FLOPs' share.
+_ATTENTION_WORK_RATIO = 3
+
+
+@dataclass(slots=True)
+class StepParts:
+    kv_manager: KVCacheManager
+    scheduler: Scheduler
+    runner: ModelRunner  # rank 0's under tensor parallelism (engine.parallel.LeaderRunner)
+    max_num_batched_tokens: int
+    kv_capacity_tokens: int  # the most tokens the pool holds
+    kv_cache_bytes: int
+    uses_cpu_kernels: bool  # the KV cache is laid out for ember's attention kernel
+
+
+def build_step_parts(model: torch.nn.Module, model_config: ModelConfig, config: EngineConfig, max_model_len: int,
+                     num_kv_heads: int, device: torch.device, dtype: torch.dtype, group=None) -> StepParts:
+    """`num_kv_heads`: the KV heads this process caches (its shard's under tensor parallelism)."""
+    max_num_batched_tokens = config.max_num_batched_tokens or (_CPU_STEP_TOKENS if device.type == "cpu"
+                                                               else _GPU_STEP_TOKENS)
+    num_blocks = num_kv_blocks(config, model_config, num_kv_heads, dtype, device, max_model_len)
+    if group is not None:  # rank 0 hands out the block ids: every rank must hold them all
+        num_blocks = group.agree_min(num_blocks)
+    kv_manager = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching,
+                                config.max_pinned_kv_share)
+    scheduler = Scheduler(
+        SchedulerConfig(config.max_num_seqs, max_num_batched_tokens, max_model_len,
+                        attention_cost_tokens(model_config, config.attention_cost_tokens),
+                        config.background_wait_steps, release_window=local_only_window(model_config.layer_windows)),
+        kv_manager)
+    uses_cpu_kernels = (config.cpu_kernels and device.type == "cpu" and config.block_size == KERNEL_BLOCK_SIZE
+                        and dtype in (torch.bfloat16, torch.float32) and model_config.head_dim % 16 == 0
+                        and kernels.available())
+    cache = KVCache(model_config.num_hidden_layers, num_blocks, config.block_size, num_kv_heads,
+                    model_config.head_dim, dtype, device, kernel_layout=uses_cpu_kernels,
+                    layer_windows=model_config.layer_windows)
+    sampler = Sampler(model_config.vocab_size, device,
+                      cpu_kernel=config.cpu_kernels and device.type == "cpu" and kernels.available())
+    runner = ModelRunner(model, cache, sampler, device, exact=config.batch_invariant and device.type == "cpu")
+    if group is not None:
+        runner = group.wrap_runner(runner)
+    capacity = (num_blocks - 1) * config.block_size
+    kv_cache_bytes = cache.tensor.numel() * cache.tensor.element_size()
+    logger.info("KV cache: %d blocks of %d tokens (%d tokens, %.2f GiB, %s)", num_blocks - 1, config.block_size,
+                capacity, kv_cache_bytes / 2**30, dtype)
+    return StepParts(kv_manager, scheduler, runner, max_num_batched_tokens, capacity, kv_cache_bytes,
+                     uses_cpu_kernels)
+
+
+def num_kv_blocks(config: EngineConfig, model_config: ModelConfig, num_kv_heads: int, dtype: torch.dtype,
+                  device: torch.device, max_model_len: int) -> int:
+    """The pool's blocks, the null block 0 included: as the config asks, else what the memory
+    budget holds, never more than every sequence at full length needs."""
+    if config.num_kv_blocks is not None:
+        return config.num_kv_blocks + 1
+    if config.kv_cache_tokens is not None:
+        return -(-config.kv_cache_tokens // config.block_size) + 1
+    per_block = KVCache.bytes_per_block(model_config.num_hidden_layers, config.block_size, num_kv_heads,
+                                        model_config.head_dim, dtype)
+    if config.kv_cache_memory_gb is not None:
+        budget = config.kv_cache_memory_gb * 2**30
+    elif device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        budget = free * _CUDA_MEMORY_FRACTION
+    else:
+        budget = _DEFAULT_CPU_KV_GIB * 2**30
+    most_needed = config.max_num_seqs * -(-max_model_len // config.block_size)
+    return max(2, min(int(budget // per_block), most_needed)) + 1
+
+
+def attention_cost_tokens(config: ModelConfig, setting: int | None) -> int | None:
+    """The context at which a token's attention costs as much as its linear layers (the rest of its
+    step), for the scheduler's budget; `setting` overrides it (0: no attention cost)."""
+    if setting is not None:
+        return setting or None
+    heads, kv_heads, head_dim, hidden = (config.num_attention_heads, config.num_key_value_heads, config.head_dim,
+                                         config.hidden_size)
+    linear = hidden * (heads + 2 * kv_heads) * head_dim + heads * head_dim * hidden + 3 * hidden * config.intermediate_size
+    per_key = 2 * heads * head_dim  # q.k and p.v, per layer; 2 FLOPs per weight in the linears cancel
+    return max(1, round(linear / per_key / _ATTENTION_WORK_RATIO))
+
+
+def local_only_window(layer_windows: list[int | None]) -> int | None:
+    """The widest window when every layer has one (no layer reads keys behind it), else None."""
+    if layer_windows and all(layer_windows):
+        return max(layer_windows)
+    return None
