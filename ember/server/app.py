@@ -145,9 +145,12 @@ def _add_routes(app: FastAPI, state: ServerState, observability: Observability) 
 
 def health_counters(state: ServerState, observability: Observability, stats: dict[str, Any] | None) -> dict:
     """/health's numbers. The *_total fields only grow: a poller turns two samples into rates."""
+    info = state.loaded.engine.info
     body: dict[str, Any] = {
         "model": state.model.name,
         "max_model_len": state.model.max_model_len,
+        "tensor_parallel_size": info.tensor_parallel_size if info is not None else 1,
+        "data_parallel_size": state.config.data_parallel_size,
         "requests_running": state.admission.num_running,
         "requests_waiting": state.admission.num_waiting,
         "requests_finished": observability.requests_finished,

@@ -171,7 +171,11 @@ _TOTAL = {**_NUMBER, "description": "Only grows: two samples make a rate."}
 HEALTH = {
     "type": "object", "required": ["status"],
     "properties": {"status": {"enum": ["ok", "loading", "unavailable"]}, "model": {"type": "string"},
-                   "max_model_len": _INTEGER, "requests_running": _INTEGER, "requests_waiting": _INTEGER,
+                   "max_model_len": _INTEGER,
+                   "tensor_parallel_size": {**_INTEGER, "description": "Ranks the model is split over (1: none)."},
+                   "data_parallel_size": {**_INTEGER, "description": "Engine workers, each with the whole model "
+                                          "(1: one)."},
+                   "requests_running": _INTEGER, "requests_waiting": _INTEGER,
                    "requests_finished": _TOTAL, "prompt_tokens_total": _TOTAL, "cached_tokens_total": _TOTAL,
                    "completion_tokens_total": _TOTAL, "prefill_seconds_total": _TOTAL,
                    "decode_seconds_total": _TOTAL,

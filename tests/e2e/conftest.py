@@ -1,7 +1,8 @@
 """Real `ember serve` processes on the default model, and clients for them.
 
-`server` is the main one (default limits, shared by most tests). Tests that need tight limits
-(auth, CORS, 413/429/503) start their own small instance with `ServerProcess`.
+`server` is the main one (default limits, shared by most tests); `thinking_server` (a reasoning
+template) and `one_slot_server` (one seat, no queue) are shared by the modules that need them.
+Tests that need other limits (auth, CORS, 413/429/503) start their own instance with `ServerProcess`.
 """
 
 from __future__ import annotations
@@ -13,12 +14,15 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import openai
 import pytest
 
 MAIN_FLAGS = ["--max-model-len", "1024", "--max-num-seqs", "24", "--log-level", "info"]
+TEMPLATES = Path(__file__).parent / "templates"
+THINKING_BUDGET = 12  # thinking_server's --default-thinking-budget
 START_TIMEOUT_S = 300
 
 
@@ -98,6 +102,26 @@ class ServerProcess:
 @pytest.fixture(scope="session")
 def server():
     process = ServerProcess(*MAIN_FLAGS).start()
+    yield process
+    process.stop()
+
+
+@pytest.fixture(scope="session")
+def thinking_server():
+    """The main flags behind a reasoning template (think_hermes.jinja: <think> blocks, hermes tool
+    calls), a default thinking budget, and a Responses store of 3 records in 0.05 MiB."""
+    process = ServerProcess(*MAIN_FLAGS, "--chat-template", str(TEMPLATES / "think_hermes.jinja"),
+                            "--default-thinking-budget", str(THINKING_BUDGET), "--response-store-max-records", "3",
+                            "--response-store-max-mb", "0.05").start()
+    process.template = "think_hermes"
+    yield process
+    process.stop()
+
+
+@pytest.fixture(scope="session")
+def one_slot_server():
+    """One seat and no queue, so a second request is refused at once; with the chat page."""
+    process = ServerProcess("--ui", "--max-model-len", "1024", "--max-num-seqs", "1", "--max-pending", "0").start()
     yield process
     process.stop()
 

@@ -100,7 +100,7 @@ def test_every_worker_s_seats_run_at_once(dp_server):
             next(iter(stream))  # each has been admitted and is producing
         body = httpx.get(dp_server.url + "/health", timeout=30).json()
         assert body["requests_running"] == 4 and body["requests_waiting"] == 0, body
-        assert body["streams"]["max"] == 4
+        assert body["streams"]["max"] == 4 and body["data_parallel_size"] == 2 and body["tensor_parallel_size"] == 1
         assert [worker["requests_running"] for worker in body["workers"]] == [2, 2]
     finally:
         for stream in streams:

@@ -4,14 +4,10 @@ and forces tool calls after it."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
-from tests.e2e.conftest import MAIN_FLAGS, ServerProcess
+from tests.e2e.conftest import MAIN_FLAGS, TEMPLATES, THINKING_BUDGET as DEFAULT_BUDGET, ServerProcess
 
-TEMPLATES = Path(__file__).parent / "templates"
-DEFAULT_BUDGET = 12
 QUESTION = [{"role": "user", "content": "Why is the sky blue?"}]
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Get the current weather in a city",
@@ -21,6 +17,9 @@ OPENERS = {"think_hermes": '<tool_call>\n{"name": "get_weather"', "think_xml": "
 
 @pytest.fixture(scope="module", params=["think_hermes", "think_xml"])
 def reasoning_server(request):
+    if request.param == "think_hermes":  # the shared one
+        yield request.getfixturevalue("thinking_server")
+        return
     process = ServerProcess(*MAIN_FLAGS, "--chat-template", str(TEMPLATES / f"{request.param}.jinja"),
                             "--default-thinking-budget", str(DEFAULT_BUDGET)).start()
     process.template = request.param

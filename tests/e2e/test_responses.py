@@ -4,13 +4,12 @@ delete, input items, input token counts, tools, refusals."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import openai
 import pytest
 from openai.types.responses import Response
 
-from tests.e2e.conftest import MAIN_FLAGS, ServerProcess, wait_idle
+from tests.e2e.conftest import wait_idle
 from tests.e2e.responses_stream import check_stream, raw_events
 
 BLOCK_SIZE = 16  # the engine's KV block: the prefix cache finds whole blocks
@@ -280,18 +279,6 @@ def test_cancel_and_compact_are_refused_with_a_reason(client, model_id, http):
 
 
 # ---- a server with a reasoning template and a small store ----------------------------------------------
-
-TEMPLATES = Path(__file__).parent / "templates"
-
-
-@pytest.fixture(scope="module")
-def thinking_server():
-    process = ServerProcess(*MAIN_FLAGS, "--chat-template", str(TEMPLATES / "think_hermes.jinja"),
-                            "--default-thinking-budget", "12", "--response-store-max-records", "3",
-                            "--response-store-max-mb", "0.05").start()
-    yield process
-    process.stop()
-
 
 @pytest.fixture(scope="module")
 def thinking(thinking_server):

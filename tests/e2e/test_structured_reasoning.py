@@ -5,16 +5,11 @@ close counts as that point)."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import jsonschema
 import openai
 import pytest
 
-from tests.e2e.conftest import MAIN_FLAGS, ServerProcess
-
-TEMPLATE = Path(__file__).parent / "templates" / "think_hermes.jinja"
-BUDGET = 12
 PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20},
                                            "age": {"type": "integer", "minimum": 0, "maximum": 120}},
           "required": ["name", "age"]}
@@ -28,17 +23,14 @@ QUESTION = [{"role": "user", "content": "Give me a person as JSON."}]
 
 
 @pytest.fixture(scope="module")
-def chat():
-    process = ServerProcess(*MAIN_FLAGS, "--chat-template", str(TEMPLATE),
-                            "--default-thinking-budget", str(BUDGET)).start()
-    client = openai.OpenAI(base_url=process.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+def chat(thinking_server):
+    client = openai.OpenAI(base_url=thinking_server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
     model = client.models.list().data[0].id
 
     def create(**fields):
         fields = {"messages": QUESTION, "temperature": 0, "max_tokens": 160, **fields}
         return client.chat.completions.create(model=model, **fields)
-    yield create
-    process.stop()
+    return create
 
 
 def joined(stream) -> tuple[str, str]:

@@ -12,7 +12,7 @@ import pytest
 from ember import LLM, SamplingParams
 from ember.protocols.systemone import parse_systemone, read_body
 from ember.protocols.neutral import ModelInfo
-from tests.e2e.conftest import ServerProcess, wait_idle
+from tests.e2e.conftest import wait_idle
 
 STATE = {"customer": {"message": "I was charged twice for my order and want one payment back.",
                       "orders": 2, "amount": 19.5, "ratio": 0.00001, "limit": 1e16, "score": 2.0}}
@@ -160,10 +160,8 @@ def test_a_refused_question_runs_none_of_the_others(http):
 
 
 @pytest.fixture(scope="module")
-def one_slot():
-    process = ServerProcess("--max-num-seqs", "1", "--max-pending", "0", "--max-model-len", "1024").start()
-    yield process
-    process.stop()
+def one_slot(one_slot_server):
+    return one_slot_server
 
 
 def test_a_full_queue_refuses_the_whole_request(one_slot):

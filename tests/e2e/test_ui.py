@@ -20,11 +20,8 @@ FIGURES = re.compile(r"prompt (\d+) tokens \((\d+) cached\) · first token \d+ m
 
 
 @pytest.fixture(scope="module")
-def ui_server():
-    # One slot and no queue, so a second request is a 429 at once (the busy test).
-    process = ServerProcess("--ui", "--max-model-len", "1024", "--max-num-seqs", "1", "--max-pending", "0").start()
-    yield process
-    process.stop()
+def ui_server(one_slot_server):
+    return one_slot_server  # one slot and no queue, so a second request is a 429 at once (the busy test)
 
 
 @pytest.fixture(scope="module")
