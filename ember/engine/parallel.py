@@ -2,9 +2,9 @@
 the step plan that rank 0 broadcasts. Imported only when tensor_parallel_size is above 1.
 
 Every rank holds a shard of the model (models.sharding) and runs the same forward over the same
-tokens. The scheduler runs on rank 0 only: before each forward, rank 0 broadcasts the step's plan
-(the scheduled tokens, their positions and blocks, which rows are sampled) as msgpack bytes; the
-other ranks (`follow`) run it and take part in the collectives. Per layer there is one all-reduce
+tokens. The scheduler runs on rank 0 only: before each forward, rank 0 broadcasts the step's
+items (engine.runner.StepItem) as msgpack bytes; the other ranks (`follow`) run them and take
+part in the collectives. Per layer there is one all-reduce
 of (T, hidden) after attention's o_proj and one after the MLP's down_proj, plus one after the
 vocabulary-split embedding; the LM head's vocabulary slices are gathered on rank 0, which alone
 samples. Each rank's KV cache holds its KV heads only; block ids are rank 0's, so every rank
@@ -14,24 +14,16 @@ sizes its pool to the smallest any of them can hold.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 
 import msgspec
 import torch
 import torch.distributed as dist
 
 from ember.config import ModelConfig
+from ember.engine.runner import StepItem, step_items
 from ember.models.sharding import Cut, ShardPlan, comm_bytes_per_token, cut_for, local_config, plan_shards
 
 logger = logging.getLogger("ember.engine")
-
-
-class StepItem(msgspec.Struct, array_like=True):
-    token_ids: list[int]  # the tokens this step feeds the model: positions [start, start + len)
-    start: int
-    block_ids: list[int]  # the blocks holding positions [0, start + len)
-    samples: bool
-    num_drafted: int = 0  # the last num_drafted of token_ids are drafts (speculative decoding)
 
 
 class StepPlan(msgspec.Struct, array_like=True):
@@ -189,36 +181,14 @@ class LeaderRunner:
         self.model, self.cache, self.device = runner.model, runner.cache, runner.device
 
     def execute(self, scheduled):
-        block_size = self.runner.block_size
-        items = []
-        for item in scheduled:
-            request, start, count = item.request, item.start, item.num_new_tokens
-            items.append(StepItem(item.input_token_ids, start, request.block_ids[:-(-(start + count) // block_size)],
-                                  item.samples, len(item.draft_token_ids)))
+        items = step_items(scheduled, self.runner.block_size)
         self.group.send_plan(StepPlan(items))
-        return self.runner.execute(scheduled)
+        return self.runner.execute(scheduled, items)
 
 
-@dataclass(slots=True)
-class _FollowerItem:
-    """One scheduled request as a follower's runner reads it (ScheduledRequest and Request in one)."""
-
-    input_token_ids: list[int]
-    draft_token_ids: list[int]
-    block_ids: list[int]
-    start: int
-    num_new_tokens: int
-    samples: bool
-
-    @property
-    def request(self) -> _FollowerItem:
-        return self
-
-
-def follow(core, group: TensorGroup) -> None:
+def follow(runner, group: TensorGroup) -> None:
     """A follower's loop: run every plan rank 0 broadcasts, until it says stop. A collective
     that fails (a rank died) raises (GroupDown while waiting for a plan), and this rank's process ends."""
-    runner = core.runner
     while True:
         try:
             plan = group.receive_plan()
@@ -226,13 +196,5 @@ def follow(core, group: TensorGroup) -> None:
             raise GroupDown(str(exc).splitlines()[0] if str(exc) else type(exc).__name__) from None
         if plan.stop:
             return
-        if not plan.items:  # a heartbeat
-            continue
-        items = [_FollowerItem(i.token_ids, i.token_ids[len(i.token_ids) - i.num_drafted:], i.block_ids, i.start,
-                               len(i.token_ids), i.samples) for i in plan.items]
-        with torch.inference_mode():
-            # the same tensors rank 0's ModelRunner.execute builds for the same plan
-            input_ids, positions, sample_rows, attn = runner._prepare(items)
-            hidden = runner.model(input_ids, positions, attn)
-            if sample_rows:
-                runner.model.compute_logits(hidden[torch.tensor(sample_rows, device=runner.device)])
+        if plan.items:  # else a heartbeat
+            runner.forward(plan.items)

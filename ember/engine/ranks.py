@@ -170,7 +170,7 @@ def rank_main(argv: list[str]) -> int:
         share_cores(settings.engine)
         # drafting happens on rank 0 alone: a follower only runs the verify steps it is sent
         core = EngineCore.from_source(source, replace(settings.engine, speculative=SpeculativeConfig()), group=group)
-        follow(core, group)
+        follow(core.runner, group)
     except GroupDown as exc:
         logger.warning("rank %d stops: rank 0 is gone (%s)", rank, exc)
         return 1
