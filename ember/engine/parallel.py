@@ -4,16 +4,16 @@ the step plan that rank 0 broadcasts. Imported only when tensor_parallel_size is
 Every rank holds a shard of the model (models.sharding) and runs the same forward over the same
 tokens. The scheduler runs on rank 0 only: before each forward, rank 0 broadcasts the step's
 items (engine.runner.StepItem) as msgpack bytes; the other ranks (`follow`) run them and take
-part in the collectives. Per layer there is one all-reduce
-of (T, hidden) after attention's o_proj and one after the MLP's down_proj, plus one after the
-vocabulary-split embedding; the LM head's vocabulary slices are gathered on rank 0, which alone
-samples. Each rank's KV cache holds its KV heads only; block ids are rank 0's, so every rank
-sizes its pool to the smallest any of them can hold.
+part in the collectives the shard's layers ask for (models.layers): the embedding's lookups and
+every row-parallel layer's partial products summed over ranks, and the LM head's vocabulary
+slices gathered on rank 0, which alone samples. Each rank's KV cache holds its KV heads only;
+block ids are rank 0's, so every rank sizes its pool to the smallest any of them can hold.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import msgspec
 import torch
@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from ember.config import ModelConfig
 from ember.engine.runner import StepItem, step_items
+from ember.models.layers import use_tensor_parallel
 from ember.models.sharding import Cut, ShardPlan, comm_bytes_per_token, cut_for, local_config, plan_shards
 
 logger = logging.getLogger("ember.engine")
@@ -68,35 +69,37 @@ class TensorGroup:
         self.plans = plan_shards(config, self.world)
         if self.is_leader:
             volume = comm_bytes_per_token(config, 4)
-            logger.info("tensor parallel over %d ranks: query heads %s, KV heads %s; per token and step each rank "
-                        "all-reduces %d float32 bytes, and rank 0 gathers %d bytes of logits per sampled token",
+            logger.info("tensor parallel over %d ranks: query heads %s, KV heads %s; per token and step the ranks "
+                        "sum %d bytes over the group, and rank 0 gathers %d bytes of logits per sampled token",
                         self.world, [p.num_heads for p in self.plans], [p.num_kv_heads for p in self.plans],
-                        volume["all_reduce"], volume["logits_gather"])
+                        volume["sums"], volume["logits_gather"])
         return local_config(config, self.plan)
 
     def cut(self, name: str) -> Cut | None:
         return cut_for(name, self.model_config, self.plan)
 
     def attach(self, model: torch.nn.Module) -> None:
-        """Give a loaded shard its collectives: an all-reduce after each row-parallel layer, the
-        embedding's lookup of this rank's vocabulary rows, and logits gathered on rank 0."""
-        decoder = model.model
-        for layer in decoder.layers:
-            for row_parallel in (layer.self_attn.o_proj, layer.mlp.down_proj):
-                if row_parallel.bias is not None and not self.is_leader:
-                    row_parallel.bias.data.zero_()  # the sum over ranks adds the bias once
-                row_parallel.register_forward_hook(self._all_reduce_output)
-        _split_lookup(decoder.embed_tokens, self.plan.vocab_start, self)
-        local_logits = model.compute_logits
-        model.compute_logits = lambda hidden: self.gather_logits(local_logits(hidden))
+        """A loaded shard's layers where the ranks meet run their collectives through this group."""
+        use_tensor_parallel(model, self)
 
-    def _all_reduce_output(self, module, args, output: torch.Tensor) -> None:
-        dist.all_reduce(output)  # in place: the hook's output is the sum over ranks
-
-    # ---- collectives ------------------------------------------------------------------------------
+    # ---- collectives (the shard's: models.sharding.TensorParallel) --------------------------------
 
     def all_reduce(self, tensor: torch.Tensor) -> None:
         dist.all_reduce(tensor)
+
+    def sum_over_ranks(self, sums: torch.Tensor, add_partial: Callable[[], None], in_order: bool) -> None:
+        if not in_order:
+            add_partial()
+            self.all_reduce(sums)
+            return
+        # rank after rank, as one rank sums K's blocks in order; the last rank's sums are the total
+        last = self.world - 1
+        if self.rank > 0:
+            dist.recv(sums, src=self.rank - 1)
+        add_partial()
+        if self.rank < last:
+            dist.send(sums, dst=self.rank + 1)
+        dist.broadcast(sums, src=last)
 
     def agree_min(self, value: int) -> int:
         """The smallest of every rank's `value`."""
@@ -151,23 +154,6 @@ class TensorGroup:
             dist.destroy_process_group()
         if self.on_close is not None:
             self.on_close()
-
-
-def _split_lookup(embedding: torch.nn.Module, start: int, group: TensorGroup) -> None:
-    """The embedding holds vocabulary rows [start, start + rows): ids outside look up zeros, and
-    the all-reduce sums every rank's rows into the full lookup."""
-    count = embedding.out_features
-    lookup = embedding.forward
-
-    def forward(ids: torch.Tensor) -> torch.Tensor:
-        local = ids - start
-        outside = (local < 0) | (local >= count)
-        out = lookup(local.masked_fill(outside, 0))  # (T, hidden)
-        out.masked_fill_(outside[:, None], 0)
-        group.all_reduce(out)
-        return out
-
-    embedding.forward = forward
 
 
 class LeaderRunner:
