@@ -5,11 +5,18 @@ close: each row-parallel layer's sum runs rank after rank in the order one rank'
 (models.layers.RowParallelLinear), and nothing else a rank computes depends on the split.
 Batching, prefix caching, chunked prefill and speculative rounds keep those bits. Dense float32
 weights (--quantization none): the ranks' partial sums are added at once, so log probabilities
-are within DENSE_TOLERANCE of one rank's.
+are within DENSE_TOLERANCE of one rank's. A rank killed while the group serves gives rank 0 a
+clear GroupDown.
 
 The two ranks at 9 query and 3 KV heads split unevenly (6 + 3 query heads, 2 + 1 KV heads), the
 split vLLM refuses. One process holds one group at a time: each class builds its own and closes it.
 """
+
+import os
+import signal
+import socket
+import subprocess
+import sys
 
 import pytest
 
@@ -126,3 +133,52 @@ class TestDenseFloat32:
             assert b.token_ids == a.token_ids, (a.text, b.text)
         assert max(logprob_gap(a, b) for a, b in zip(one, two)) < DENSE_TOLERANCE
 
+
+RANK_0 = """
+import sys
+from ember.engine.parallel import GroupDown
+from ember.llm import LLM
+from ember.types import SamplingParams
+
+llm = LLM(tensor_parallel_size=2, nnodes=2, dist_init_addr=sys.argv[1], max_model_len=256, kv_cache_tokens=4096)
+params = SamplingParams(max_tokens=4, temperature=0.0)
+print("served", llm.generate("Hello", params)[0].token_ids, flush=True)
+sys.stdin.readline()  # rank 1 is killed meanwhile
+try:
+    llm.generate("Hello", params)
+except GroupDown as exc:
+    print("GroupDown:", exc.message, flush=True)
+llm.close()
+"""
+
+
+def free_address() -> str:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return f"127.0.0.1:{sock.getsockname()[1]}"
+
+
+def test_a_killed_rank_is_a_clear_error():
+    """Rank 1 runs in a process of its own (as on another node), so rank 0 learns of its death from
+    the group alone: the next step, or the idle heartbeat before it, raises GroupDown."""
+    address = free_address()
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
+    rank_1 = subprocess.Popen([sys.executable, "-m", "ember.engine.ranks", "1", "2", address, "0"], env=env,
+                              stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    rank_0 = subprocess.Popen([sys.executable, "-c", RANK_0, address], env=env, stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        assert rank_0.stdout.readline().startswith("served")
+        os.kill(rank_1.pid, signal.SIGKILL)
+        rank_1.wait()
+        rank_0.stdin.write("\n")
+        rank_0.stdin.flush()
+        report = rank_0.stdout.readline()
+        assert report.startswith("GroupDown: the tensor-parallel group is down: a rank exited or did not answer "
+                                 "within 60 s ("), report
+        assert rank_0.wait(timeout=60) == 0
+    finally:
+        for process in (rank_0, rank_1):
+            if process.poll() is None:
+                process.kill()
+                process.wait()
