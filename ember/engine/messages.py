@@ -64,6 +64,7 @@ class EngineInfo(msgspec.Struct):
     kv_cache_bytes: int
     eos_token_ids: list[int]
     batch_invariance: dict[str, Any]
+    tensor_parallel_size: int  # the ranks the model is split over (1: one process)
 
 
 class Ready(msgspec.Struct, tag=True):
@@ -140,4 +141,4 @@ def engine_info(core) -> EngineInfo:
         device=str(core.device), max_num_batched_tokens=core.max_num_batched_tokens,
         attention_cost_tokens=core.scheduler.config.attention_cost_tokens, kv_cache_blocks=kv.num_blocks - 1,
         block_size=kv.block_size, kv_cache_bytes=core.kv_cache_bytes, eos_token_ids=sorted(core.eos_token_ids),
-        batch_invariance=core.invariance.as_dict())
+        batch_invariance=core.invariance.as_dict(), tensor_parallel_size=core.config.tensor_parallel_size)
