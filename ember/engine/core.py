@@ -69,7 +69,7 @@ class EngineCore:
         if not self.config.batch_invariant:
             return invariance.not_promised("turned off (--no-batch-invariant)")
         if self.group is not None:
-            return invariance.not_promised("not checked under tensor parallelism (sums over ranks)")
+            return invariance.not_promised("not checked under tensor parallelism (the startup check runs on one process)")
         if self.device.type != "cpu":
             return invariance.not_promised(f"not promised on {self.device.type} devices")
         report = invariance.check(self)

@@ -74,7 +74,7 @@ class EngineInfo(msgspec.Struct):
     kv_cache_bytes: int
     eos_token_ids: list[int]
     batch_invariance: dict[str, Any]
-    tensor_parallel_size: int = 1  # ranks the model is split over (engine.parallel)
+    tensor_parallel_size: int  # the ranks the model is split over (1: one process)
 
 
 class Ready(msgspec.Struct, tag=True):

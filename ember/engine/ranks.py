@@ -7,8 +7,9 @@
 - A launch on another node (`ember serve --node-rank K`) runs `run_node`: it starts that node's
   ranks, serves no HTTP, and exits when one of them does (the group is down).
 - Any rank that dies takes the group down: rank 0 exits when one of its own children does, and
-  a collective with a rank that is gone fails on the others. The engine worker's supervisor
-  (engine.client) then starts rank 0 again, which starts a fresh group.
+  a step's collective with a rank that is gone, or that has not answered within
+  engine.parallel.STEP_TIMEOUT, fails on the others with GroupDown. The engine worker's
+  supervisor (engine.client) then starts rank 0 again, which starts a fresh group.
 """
 
 from __future__ import annotations
@@ -27,14 +28,15 @@ import torch.distributed as dist
 
 from ember.config import EngineConfig
 from ember.engine import messages
-from ember.engine.parallel import TensorGroup
+from ember.engine.parallel import STEP_TIMEOUT, TensorGroup
 from ember.engine.parent_death import child_environment
 
 logger = logging.getLogger("ember.engine")
 
-# How long a rank waits at the rendezvous (rank 0 for a node still starting, too) and in any
-# collective; an idle engine worker sends heartbeats (TensorGroup.heartbeat) well within it.
-_TIMEOUT = timedelta(days=7)
+# How long a rank waits at the rendezvous (rank 0 for a node still starting, too) and in the
+# collectives of loading (the settings, the KV pool's size), which wait for the slowest rank's
+# load; a step's collectives have STEP_TIMEOUT.
+_RENDEZVOUS_TIMEOUT = timedelta(days=7)
 _WATCH_S = 0.2
 
 
@@ -49,8 +51,9 @@ def ranks_per_launch(config: EngineConfig) -> int:
 
 def join(rank: int, world: int, address: str, local_rank: int) -> TensorGroup:
     """Join the group at HOST:PORT (rank 0 hosts the store there); returns once all ranks have."""
-    dist.init_process_group(backend(), init_method=f"tcp://{address}", rank=rank, world_size=world, timeout=_TIMEOUT)
-    return TensorGroup(rank, world, local_rank)
+    dist.init_process_group(backend(), init_method=f"tcp://{address}", rank=rank, world_size=world,
+                            timeout=_RENDEZVOUS_TIMEOUT)
+    return TensorGroup(rank, world, local_rank, dist.new_group(timeout=STEP_TIMEOUT))
 
 
 def start_leader(settings: messages.WorkerSettings) -> TensorGroup:
@@ -170,9 +173,9 @@ def rank_main(argv: list[str]) -> int:
         share_cores(settings.engine)
         # drafting happens on rank 0 alone: a follower only runs the verify steps it is sent
         core = EngineCore.from_source(source, replace(settings.engine, speculative=SpeculativeConfig()), group=group)
-        follow(core, group)
+        follow(core.runner, group)
     except GroupDown as exc:
-        logger.warning("rank %d stops: rank 0 is gone (%s)", rank, exc)
+        logger.warning("rank %d stops: %s", rank, exc)
         return 1
     except Exception as exc:  # rank 0 learns of it from the collective that fails next
         logger.error("rank %d stopped: %s", rank, exc, exc_info=not isinstance(exc, EmberError))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, field
 
+import msgspec
 import torch
 
 from ember.engine.attention import (LONG_DECODE_CHUNK, DecodeGroup, KVCache, LongDecode, PagedAttention, PrefillSeq,
@@ -27,6 +28,26 @@ class RunnerOutput:
     accepted: dict[str, int] = field(default_factory=dict)  # request id -> drafted tokens kept (drafted rows only)
 
 
+class StepItem(msgspec.Struct, array_like=True):
+    """One request's share of a step, all that the model's run needs of it: the same on every
+    tensor-parallel rank (rank 0 sends them, engine.parallel), so every rank builds the same tensors."""
+
+    token_ids: list[int]  # the tokens this step feeds the model: positions [start, start + len)
+    start: int
+    block_ids: list[int]  # the blocks holding positions [0, start + len)
+    samples: bool
+    num_drafted: int = 0  # the last num_drafted of token_ids are drafts (speculative decoding)
+
+
+def step_items(scheduled: list[ScheduledRequest], block_size: int) -> list[StepItem]:
+    items = []
+    for item in scheduled:
+        end = item.start + item.num_new_tokens
+        items.append(StepItem(item.input_token_ids, item.start, item.request.block_ids[:-(-end // block_size)],
+                              item.samples, len(item.draft_token_ids)))
+    return items
+
+
 class ModelRunner:
     """Attention through ember's CPU kernel when the cache has its layout (engine.kernel_attention),
     else through the torch backend (engine.attention), where `exact` keeps attention shapes
@@ -42,14 +63,22 @@ class ModelRunner:
         self.block_size = cache.block_size
 
     @torch.inference_mode()
-    def execute(self, scheduled: list[ScheduledRequest]) -> RunnerOutput:
-        input_ids, positions, sample_rows, attn = self._prepare(scheduled)
-        hidden = self.model(input_ids, positions, attn)
-        sampling = [s for s in scheduled if s.samples]
-        if not sampling:
+    def execute(self, scheduled: list[ScheduledRequest], items: list[StepItem] | None = None) -> RunnerOutput:
+        """Run the step and sample; `items`: step_items(scheduled) where the caller has them already."""
+        logits = self.forward(step_items(scheduled, self.block_size) if items is None else items)
+        if logits is None:
             return RunnerOutput({}, {})
-        logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=self.device)])
-        return self._sample(logits, sampling)
+        return self._sample(logits, [s for s in scheduled if s.samples])
+
+    @torch.inference_mode()
+    def forward(self, items: list[StepItem]) -> torch.Tensor | None:
+        """The model over the items' tokens; the logits of their sampled rows, in item order, or
+        None when no item samples (and on a tensor-parallel rank other than 0)."""
+        input_ids, positions, sample_rows, attn = self.prepare(items)
+        hidden = self.model(input_ids, positions, attn)
+        if not sample_rows:
+            return None
+        return self.model.compute_logits(hidden[torch.tensor(sample_rows, device=self.device)])
 
     def _sample(self, logits: torch.Tensor, sampling: list[ScheduledRequest]) -> RunnerOutput:
         """Sample position by position. A drafted request has one logits row per drafted token plus
@@ -91,9 +120,10 @@ class ModelRunner:
         logprobs = {s.request.request_id: lps for s, lps in zip(sampling, drawn_logprobs) if lps}
         return RunnerOutput(sampled, logprobs, failed, accepted)
 
-    def _prepare(self, scheduled: list[ScheduledRequest]):
+    def prepare(self, items: list[StepItem]):
+        """(input ids (T,), positions (T,), the rows to sample in item order, the attention metadata)."""
         if self.cache.kernel_layout:
-            return self._prepare_for_kernel(scheduled)
+            return self._prepare_for_kernel(items)
         block_size = self.block_size
         token_ids: list[int] = []
         positions: list[int] = []
@@ -107,46 +137,46 @@ class ModelRunner:
         # On CPU, long sequences decode alone, reading the cache in place (see engine.attention)
         long_from = (LONG_DECODE_CHUNK if self.device.type == "cpu" and long_decode_available()
                      and not any(self.cache.layer_windows) else None)
-        for item in scheduled:
-            request, start, count = item.request, item.start, item.num_new_tokens
+        for item in items:
+            block_ids, start, count = item.block_ids, item.start, len(item.token_ids)
             begin = len(token_ids)
-            token_ids.extend(item.input_token_ids)
+            token_ids.extend(item.token_ids)
             positions.extend(range(start, start + count))
             if count > 1:
-                seq_slots = _slots_of(request.block_ids, start + count, block_size)
+                seq_slots = _slots_of(block_ids, start + count, block_size)
                 slots.extend(seq_slots[start:].tolist())
                 prefills.append(prefill_seq(begin, start, seq_slots, self.cache.tensor.dtype, self.device, self.exact))
             else:
-                slots.append(request.block_ids[start // block_size] * block_size + start % block_size)
+                slots.append(block_ids[start // block_size] * block_size + start % block_size)
                 if long_from is not None and start >= long_from:
-                    long_decodes.append(long_decode(begin, request.block_ids, start + 1, block_size, self.device,
+                    long_decodes.append(long_decode(begin, block_ids, start + 1, block_size, self.device,
                                                     exact=self.exact))
                 else:
                     decode_rows.append(begin)
-                    decode_tables.append(request.block_ids[: start // block_size + 1])
+                    decode_tables.append(block_ids[: start // block_size + 1])
                     decode_lengths.append(start + 1)
             if item.samples:
-                sample_rows.extend(range(begin + count - 1 - len(item.draft_token_ids), begin + count))
+                sample_rows.extend(range(begin + count - 1 - item.num_drafted, begin + count))
         to_device = lambda values: torch.tensor(values, dtype=torch.long).to(self.device, non_blocking=True)
         decodes = self._decode_groups(decode_rows, decode_tables, decode_lengths)
         attn = PagedAttention(self.cache, to_device(slots), decodes, prefills, long_decodes)
         return to_device(token_ids), to_device(positions), sample_rows, attn
 
-    def _prepare_for_kernel(self, scheduled: list[ScheduledRequest]):
+    def _prepare_for_kernel(self, items: list[StepItem]):
         block_size = self.block_size
         token_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
         sample_rows: list[int] = []
-        for item in scheduled:
-            request, start, count = item.request, item.start, item.num_new_tokens
-            token_ids.extend(item.input_token_ids)
+        for item in items:
+            start, count = item.start, len(item.token_ids)
+            token_ids.extend(item.token_ids)
             positions.extend(range(start, start + count))
-            slots.extend(request.block_ids[p // block_size] * block_size + p % block_size
+            slots.extend(item.block_ids[p // block_size] * block_size + p % block_size
                          for p in range(start, start + count))
             if item.samples:
-                sample_rows.extend(range(len(token_ids) - 1 - len(item.draft_token_ids), len(token_ids)))
-        rows = [(item.request.block_ids, item.start, item.num_new_tokens) for item in scheduled]
+                sample_rows.extend(range(len(token_ids) - 1 - item.num_drafted, len(token_ids)))
+        rows = [(item.block_ids, item.start, len(item.token_ids)) for item in items]
         as_long = lambda values: torch.tensor(values, dtype=torch.long)
         return as_long(token_ids), as_long(positions), sample_rows, kernel_attention(self.cache, rows, as_long(slots))
 

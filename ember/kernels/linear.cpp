@@ -4,6 +4,11 @@
 // arithmetic (any order gives the same sum); the blocks are then summed in float32 in their order
 // along K. Threads split the output columns. So a row's result never depends on how many rows,
 // or which, share the call: batch-invariant by construction.
+//
+// quantized_linear_accumulate_ continues float32 sums that another call began: a sum over K cut
+// at a block edge, its first part computed from zero and the rest continued from it, gives the
+// bits of one call over the whole of K (tensor parallelism's row-parallel layers, whose ranks hold
+// consecutive slices of K).
 
 #include "common.h"
 
@@ -143,13 +148,19 @@ inline __m512 load_halves(const uint8_t* p) {
 // keeps the blocks in use) block by block as the tile goes along K. Without it memory idles while
 // a tile computes from L1 and the next tile then waits on memory: the time is the sum of the two
 // rather than the larger.
+// `start` (or nullptr: zero): the (M, N) float32 sums to continue.
 template <Format F, int MR, int NB, typename T>
 inline void tile(const uint8_t* w, int64_t KB, int64_t nb0, int64_t N, const int8_t* xq, const float* dx,
-                 const float* sx, const int32_t* qsum, int64_t K, int64_t m0, T* y, const uint8_t* next) {
+                 const float* sx, const int32_t* qsum, int64_t K, int64_t m0, T* y, const float* start,
+                 const uint8_t* next) {
   constexpr int64_t BYTES = BLOCK_BYTES<F>;
   __m512 acc[MR][NB];
   for (int r = 0; r < MR; ++r)
-    for (int c = 0; c < NB; ++c) acc[r][c] = _mm512_setzero_ps();
+    for (int c = 0; c < NB; ++c) {
+      const int64_t n0 = (nb0 + c) * NBLOCK;
+      acc[r][c] = start == nullptr ? _mm512_setzero_ps()
+                                   : _mm512_maskz_loadu_ps(first_lanes(N - n0), start + (m0 + r) * N + n0);
+    }
   const __m512i low = _mm512_set1_epi8(0x0f);
   for (int64_t kb = 0; kb < KB; ++kb) {
     __m512i dots[MR][NB];
@@ -221,20 +232,21 @@ inline void tile(const uint8_t* w, int64_t KB, int64_t nb0, int64_t N, const int
 // finds its lines on their way), so memory stays busy however many tiles the rows take.
 template <Format F, int NB, typename T>
 inline void column_blocks(const uint8_t* w, int64_t KB, int64_t nb, int64_t N, const int8_t* xq, const float* dx,
-                          const float* sx, const int32_t* qsum, int64_t K, int64_t M, T* y, const uint8_t* next) {
+                          const float* sx, const int32_t* qsum, int64_t K, int64_t M, T* y, const float* start,
+                          const uint8_t* next) {
   int64_t m = 0;
   if (M >= 5 && M % 4 == 1) {
-    tile<F, 5, NB>(w, KB, nb, N, xq, dx, sx, qsum, K, 0, y, next);
+    tile<F, 5, NB>(w, KB, nb, N, xq, dx, sx, qsum, K, 0, y, start, next);
     m = 5;
   } else if (M >= 6 && M % 4 == 2) {
-    tile<F, 6, NB>(w, KB, nb, N, xq, dx, sx, qsum, K, 0, y, next);
+    tile<F, 6, NB>(w, KB, nb, N, xq, dx, sx, qsum, K, 0, y, start, next);
     m = 6;
   }
-  for (; m + 4 <= M; m += 4) tile<F, 4, NB>(w, KB, nb, N, xq, dx, sx, qsum, K, m, y, next);
+  for (; m + 4 <= M; m += 4) tile<F, 4, NB>(w, KB, nb, N, xq, dx, sx, qsum, K, m, y, start, next);
   switch (M - m) {
-    case 3: tile<F, 3, NB>(w, KB, nb, N, xq, dx, sx, qsum, K, m, y, next); break;
-    case 2: tile<F, 2, NB>(w, KB, nb, N, xq, dx, sx, qsum, K, m, y, next); break;
-    case 1: tile<F, 1, NB>(w, KB, nb, N, xq, dx, sx, qsum, K, m, y, next); break;
+    case 3: tile<F, 3, NB>(w, KB, nb, N, xq, dx, sx, qsum, K, m, y, start, next); break;
+    case 2: tile<F, 2, NB>(w, KB, nb, N, xq, dx, sx, qsum, K, m, y, start, next); break;
+    case 1: tile<F, 1, NB>(w, KB, nb, N, xq, dx, sx, qsum, K, m, y, start, next); break;
     default: break;
   }
 }
@@ -254,13 +266,19 @@ inline __m256 load_halves(const uint8_t* p) {
 // 30480). Q8: the code b becomes the signed w = b - 128, and |w| times x with w's sign (at most
 // 2 * 128 * 127 a pair) goes straight to int32. `next` (or nullptr): the column block fetched
 // into L2 as this one is computed, as on the AVX-512 path.
+// `start` (or nullptr: zero): the (M, N) float32 sums to continue.
 template <Format F, int MR, int H, int HALVES, typename T>
 inline void tile(const uint8_t* w, int64_t KB, int64_t nb, int64_t N, const int8_t* xq, const float* dx,
-                 const float* sx, int64_t K, int64_t m0, T* y, const uint8_t* next) {
+                 const float* sx, int64_t K, int64_t m0, T* y, const float* start, const uint8_t* next) {
   constexpr int64_t BYTES = BLOCK_BYTES<F>;
   __m256 acc[MR][HALVES];
+  const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
   for (int r = 0; r < MR; ++r)
-    for (int h = 0; h < HALVES; ++h) acc[r][h] = _mm256_setzero_ps();
+    for (int h = 0; h < HALVES; ++h) {
+      const int64_t n0 = nb * NBLOCK + 8 * (H + h);  // a half past N loads nothing
+      const __m256i inside = _mm256_cmpgt_epi32(_mm256_set1_epi32(int(std::max<int64_t>(N - n0, 0))), lanes);
+      acc[r][h] = start == nullptr ? _mm256_setzero_ps() : _mm256_maskload_ps(start + (m0 + r) * N + n0, inside);
+    }
   const __m256i low = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
   for (int64_t kb = 0; kb < KB; ++kb) {
     const uint8_t* block = w + (nb * KB + kb) * BYTES;
@@ -329,25 +347,25 @@ inline void tile(const uint8_t* w, int64_t KB, int64_t nb, int64_t N, const int8
 // whichever measured faster.
 template <Format F, int MR, typename T>
 inline void both_halves(const uint8_t* w, int64_t KB, int64_t nb, int64_t N, const int8_t* xq, const float* dx,
-                        const float* sx, int64_t K, int64_t m0, T* y, const uint8_t* next) {
+                        const float* sx, int64_t K, int64_t m0, T* y, const float* start, const uint8_t* next) {
   if constexpr (MR == 1 || (F == Format::Q8 && MR == 2)) {
-    tile<F, MR, 0, 2>(w, KB, nb, N, xq, dx, sx, K, m0, y, next);
+    tile<F, MR, 0, 2>(w, KB, nb, N, xq, dx, sx, K, m0, y, start, next);
   } else {
-    tile<F, MR, 0, 1>(w, KB, nb, N, xq, dx, sx, K, m0, y, next);
-    if (nb * NBLOCK + 8 < N) tile<F, MR, 1, 1>(w, KB, nb, N, xq, dx, sx, K, m0, y, next);
+    tile<F, MR, 0, 1>(w, KB, nb, N, xq, dx, sx, K, m0, y, start, next);
+    if (nb * NBLOCK + 8 < N) tile<F, MR, 1, 1>(w, KB, nb, N, xq, dx, sx, K, m0, y, start, next);
   }
 }
 
 // Column block nb against every row, four at a time and the last one to three in one tile.
 template <Format F, typename T>
 inline void column_block(const uint8_t* w, int64_t KB, int64_t nb, int64_t N, const int8_t* xq, const float* dx,
-                         const float* sx, int64_t K, int64_t M, T* y, const uint8_t* next) {
+                         const float* sx, int64_t K, int64_t M, T* y, const float* start, const uint8_t* next) {
   int64_t m = 0;
-  for (; m + 4 <= M; m += 4) both_halves<F, 4>(w, KB, nb, N, xq, dx, sx, K, m, y, next);
+  for (; m + 4 <= M; m += 4) both_halves<F, 4>(w, KB, nb, N, xq, dx, sx, K, m, y, start, next);
   switch (M - m) {
-    case 3: both_halves<F, 3>(w, KB, nb, N, xq, dx, sx, K, m, y, next); break;
-    case 2: both_halves<F, 2>(w, KB, nb, N, xq, dx, sx, K, m, y, next); break;
-    case 1: both_halves<F, 1>(w, KB, nb, N, xq, dx, sx, K, m, y, next); break;
+    case 3: both_halves<F, 3>(w, KB, nb, N, xq, dx, sx, K, m, y, start, next); break;
+    case 2: both_halves<F, 2>(w, KB, nb, N, xq, dx, sx, K, m, y, start, next); break;
+    case 1: both_halves<F, 1>(w, KB, nb, N, xq, dx, sx, K, m, y, start, next); break;
     default: break;
   }
 }
@@ -356,12 +374,13 @@ inline void column_block(const uint8_t* w, int64_t KB, int64_t nb, int64_t N, co
 
 template <Format F, typename T>
 void columns_plain(const uint8_t* w, int64_t KB, int64_t nb_begin, int64_t nb_end, int64_t N, const int8_t* xq,
-                   const float* dx, const float* sx, const int32_t* qsum, int64_t K, int64_t M, T* y) {
+                   const float* dx, const float* sx, const int32_t* qsum, int64_t K, int64_t M, T* y,
+                   const float* start) {
   constexpr int64_t BYTES = BLOCK_BYTES<F>;
   for (int64_t m = 0; m < M; ++m) {
     for (int64_t nb = nb_begin; nb < nb_end; ++nb) {
       for (int64_t j = 0; j < NBLOCK && nb * NBLOCK + j < N; ++j) {
-        float acc = 0.f;
+        float acc = start == nullptr ? 0.f : start[m * N + nb * NBLOCK + j];
         for (int64_t kb = 0; kb < KB; ++kb) {
           const uint8_t* block = w + (nb * KB + kb) * BYTES;
           const int8_t* xk = xq + m * K + kb * QBLOCK;
@@ -381,8 +400,9 @@ void columns_plain(const uint8_t* w, int64_t KB, int64_t nb_begin, int64_t nb_en
 
 #endif
 
+// `start` (or nullptr: zero): the (M, N) float32 sums to continue; it may be y itself.
 template <Format F, typename T>
-void linear_impl(const T* x, const uint8_t* w, int64_t M, int64_t K, int64_t N, T* y) {
+void linear_impl(const T* x, const uint8_t* w, int64_t M, int64_t K, int64_t N, T* y, const float* start) {
   const int64_t KB = K / QBLOCK, NBS = (N + NBLOCK - 1) / NBLOCK;
   std::vector<int8_t> xq(M * K);
   std::vector<float> dx(M * KB), sx(M * KB);
@@ -396,17 +416,17 @@ void linear_impl(const T* x, const uint8_t* w, int64_t M, int64_t K, int64_t N, 
     constexpr int64_t BYTES = BLOCK_BYTES<F>;
     int64_t nb = nb_begin;
     for (; nb + 2 <= nb_end; nb += 2)  // a pair fetches the next pair, when there is one
-      column_blocks<F, 2>(w, KB, nb, N, xq.data(), dx.data(), sx.data(), qsum.data(), K, M, y,
+      column_blocks<F, 2>(w, KB, nb, N, xq.data(), dx.data(), sx.data(), qsum.data(), K, M, y, start,
                           nb + 4 <= nb_end ? w + (nb + 2) * KB * BYTES : nullptr);
     if (nb < nb_end)
-      column_blocks<F, 1>(w, KB, nb, N, xq.data(), dx.data(), sx.data(), qsum.data(), K, M, y, nullptr);
+      column_blocks<F, 1>(w, KB, nb, N, xq.data(), dx.data(), sx.data(), qsum.data(), K, M, y, start, nullptr);
 #elif EMBER_AVX2
     constexpr int64_t BYTES = BLOCK_BYTES<F>;
     for (int64_t nb = nb_begin; nb < nb_end; ++nb)  // a block fetches the next, when there is one
-      column_block<F>(w, KB, nb, N, xq.data(), dx.data(), sx.data(), K, M, y,
+      column_block<F>(w, KB, nb, N, xq.data(), dx.data(), sx.data(), K, M, y, start,
                       nb + 1 < nb_end ? w + (nb + 1) * KB * BYTES : nullptr);
 #else
-    columns_plain<F>(w, KB, nb_begin, nb_end, N, xq.data(), dx.data(), sx.data(), qsum.data(), K, M, y);
+    columns_plain<F>(w, KB, nb_begin, nb_end, N, xq.data(), dx.data(), sx.data(), qsum.data(), K, M, y, start);
 #endif
   });
 }
@@ -424,14 +444,36 @@ at::Tensor quantized_linear(const at::Tensor& x, const at::Tensor& packed, int64
   if (x.scalar_type() == at::kBFloat16) {
     auto* xp = x.data_ptr<at::BFloat16>();
     auto* yp = y.data_ptr<at::BFloat16>();
-    format == 4 ? linear_impl<Format::Q4>(xp, w, M, K, N, yp) : linear_impl<Format::Q8>(xp, w, M, K, N, yp);
+    format == 4 ? linear_impl<Format::Q4>(xp, w, M, K, N, yp, nullptr)
+                : linear_impl<Format::Q8>(xp, w, M, K, N, yp, nullptr);
   } else {
     TORCH_CHECK(x.scalar_type() == at::kFloat, "x must be bfloat16 or float32");
     auto* xp = x.data_ptr<float>();
     auto* yp = y.data_ptr<float>();
-    format == 4 ? linear_impl<Format::Q4>(xp, w, M, K, N, yp) : linear_impl<Format::Q8>(xp, w, M, K, N, yp);
+    format == 4 ? linear_impl<Format::Q4>(xp, w, M, K, N, yp, nullptr)
+                : linear_impl<Format::Q8>(xp, w, M, K, N, yp, nullptr);
   }
   return y;
+}
+
+// sums (M, N) float32 += x (M, K) float32 W^T, in place, continuing each sum over K's blocks in
+// their order (see the top of this file).
+void quantized_linear_accumulate_(const at::Tensor& x, const at::Tensor& packed, int64_t out_features,
+                                  int64_t format, const at::Tensor& sums) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kFloat,
+              "x must be a contiguous (rows, in_features) float32 tensor");
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous(), "packed weights must be contiguous bytes");
+  const int64_t M = x.size(0), K = x.size(1), N = out_features;
+  TORCH_CHECK(K % QBLOCK == 0, "in_features must be a multiple of 32");
+  TORCH_CHECK(packed.numel() == (N + NBLOCK - 1) / NBLOCK * (K / QBLOCK) * block_bytes(format),
+              "packed weights of the wrong size");
+  TORCH_CHECK(sums.scalar_type() == at::kFloat && sums.is_contiguous() && sums.dim() == 2 && sums.size(0) == M &&
+                  sums.size(1) == N, "sums must be a contiguous (rows, out_features) float32 tensor");
+  if (M == 0) return;
+  const float* xp = x.data_ptr<float>();
+  const uint8_t* w = packed.data_ptr<uint8_t>();
+  float* sp = sums.data_ptr<float>();
+  format == 4 ? linear_impl<Format::Q4>(xp, w, M, K, N, sp, sp) : linear_impl<Format::Q8>(xp, w, M, K, N, sp, sp);
 }
 
 // Rows `ids` of a packed weight, dequantized: embedding lookups from a tied LM head. Every
@@ -489,11 +531,13 @@ int64_t vector_bits() { return EMBER_AVX512 ? 512 : EMBER_AVX2 ? 256 : 0; }
 
 TORCH_LIBRARY_FRAGMENT(EMBER_OPS, m) {
   m.def("quantized_linear(Tensor x, Tensor packed, int out_features, int format) -> Tensor");
+  m.def("quantized_linear_accumulate_(Tensor x, Tensor packed, int out_features, int format, Tensor(a!) sums) -> ()");
   m.def("vector_bits() -> int", &ember_kernels::vector_bits);
   m.def("block_rows(Tensor packed, Tensor ids, int in_features, int format, ScalarType dtype) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(EMBER_OPS, CPU, m) {
   m.impl("quantized_linear", &ember_kernels::quantized_linear);
+  m.impl("quantized_linear_accumulate_", &ember_kernels::quantized_linear_accumulate_);
   m.impl("block_rows", &ember_kernels::block_rows);
 }

@@ -3,9 +3,10 @@ ember/kernels/decoder.cpp) in place of a Python loop of ten ops a layer.
 
 The call runs the ops the loop runs, in its order, on the same tensors, so its bits are the loop's.
 It serves only where every layer is the plain Llama layer on the kernels: norms, rotary and SiLU
-fused, the four projections block-quantized without biases, no forward hooks (tensor
-parallelism's all-reduce is one), and attention over the kernels' cache layout (an `attn` with
-`layer_arguments`). Anything else, and any step it does not serve, runs the loop.
+fused, the four projections block-quantized without biases, no forward hooks, no layer split over
+tensor-parallel ranks (their sums cross ranks between the ops), and attention over the kernels'
+cache layout (an `attn` with `layer_arguments`). Anything else, and any step it does not serve,
+runs the loop.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ class LayerStack:
     @staticmethod
     def fits(layers: Sequence[nn.Module], layer_class: type, attention_class: type, mlp_class: type) -> bool:
         """Every layer exactly of these classes (a subclass may compute otherwise), fused, one norm
-        epsilon, one head count, and no module with hooks."""
+        epsilon, one head count, no module with hooks and none with a tensor-parallel group."""
         if not layers:
             return False
         first = layers[0]
@@ -46,7 +47,8 @@ class LayerStack:
                     and (attention.num_heads, attention.num_kv_heads)
                     == (first.self_attn.num_heads, first.self_attn.num_kv_heads)):
                 return False
-            if any(module._forward_hooks or module._forward_pre_hooks for module in layer.modules()):
+            if any(module._forward_hooks or module._forward_pre_hooks or getattr(module, "parallel", None) is not None
+                   for module in layer.modules()):
                 return False
         return True
 

@@ -1,4 +1,5 @@
-"""Building blocks shared by the model files: norms, rotary embeddings, fused linears, weight loading.
+"""Building blocks shared by the model files: norms, rotary embeddings, fused linears, the layers
+where tensor-parallel ranks meet, weight loading.
 
 Every op here is row-wise: a token's output never depends on the other tokens in the batch.
 Parameters are created empty (the loader fills them) and without autograd.
@@ -16,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ember.errors import ModelLoadError
+from ember.models.sharding import TensorParallel
 from ember.models.weights import QBLOCK, BlockWeights, DenseWeights, PackedBF16Weights, QuantBlocks
 
 
@@ -187,13 +189,32 @@ class QKVLinear(MergedLinear):
                 v.view(t, -1, self.head_dim))
 
 
+class RowParallelLinear(Linear):
+    """A linear layer whose input dimension tensor parallelism splits (attention's o_proj, the
+    MLP's down_proj): each rank holds a slice of W's columns and gets the matching slice of x, and
+    the output is the sum of every rank's partial product, plus the bias once. The sum is float32
+    and rounds once to x's dtype, as one rank's matmul rounds. With no group: a plain Linear."""
+
+    parallel: TensorParallel | None = None  # set by use_tensor_parallel
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.parallel is None:
+            return linear(x, self.weights, self.rows)
+        weights = self.weights
+        sums = torch.zeros(x.shape[0], self.out_features, dtype=torch.float32, device=x.device)
+        self.parallel.sum_over_ranks(sums, lambda: weights.accumulate(x, sums), in_order=weights.continues_sums)
+        out = sums.to(x.dtype)
+        return out if self.bias is None else out + self.bias
+
+
 class GatedMLP(nn.Module):
-    """down(silu(gate(x)) * up(x)) with gate and up fused into one matmul."""
+    """down(silu(gate(x)) * up(x)) with gate and up fused into one matmul; under tensor
+    parallelism, gate and up hold a rank's channels and down sums over ranks."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False) -> None:
         super().__init__()
         self.gate_up_proj = MergedLinear(hidden_size, [intermediate_size, intermediate_size], bias)
-        self.down_proj = Linear(intermediate_size, hidden_size, bias)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias)
         self.fused = False  # silu(gate) * up in one kernel call (use_fused_ops)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -225,6 +246,25 @@ class Embedding(nn.Module):
         if self.weight.numel() == 0:
             return self.weights.rows(ids)
         return F.embedding(ids, self.weight)
+
+
+class VocabParallelEmbedding(Embedding):
+    """An embedding table that tensor parallelism splits by vocabulary rows: each rank holds rows
+    [plan.vocab_start, plan.vocab_start + out_features), looks up the ids among them and zeros for
+    the others, and the ranks' lookups are summed (each id's row comes from one rank: exact).
+    As a tied LM head, a rank's logits cover its rows. With no group: a plain Embedding."""
+
+    parallel: TensorParallel | None = None  # set by use_tensor_parallel
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.parallel is None:
+            return super().forward(ids)
+        local = ids - self.parallel.plan.vocab_start
+        outside = (local < 0) | (local >= self.out_features)
+        rows = super().forward(local.masked_fill(outside, 0))  # (T, hidden)
+        rows.masked_fill_(outside[:, None], 0)
+        self.parallel.all_reduce(rows)
+        return rows
 
 
 class RMSNorm(nn.Module):
@@ -398,6 +438,14 @@ def use_fused_ops(model: nn.Module) -> None:
     for module in model.modules():
         if hasattr(module, "fused"):
             module.fused = True
+
+
+def use_tensor_parallel(model: nn.Module, parallel: TensorParallel) -> None:
+    """A rank's shard (models.sharding): its layers where the ranks meet, and the model itself
+    (its logits cover the rank's vocabulary rows), run their collectives through `parallel`."""
+    for module in model.modules():
+        if hasattr(module, "parallel"):
+            module.parallel = parallel
 
 
 # ---------------------------------------------------------------------------------------------

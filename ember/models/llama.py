@@ -13,8 +13,9 @@ import torch
 from torch import nn
 
 from ember.config import ModelConfig
-from ember.models.layers import (Embedding, GatedMLP, Linear, QKVLinear, RMSNorm, RotaryEmbedding,
-                                 apply_rotary, linear, load_checkpoint)
+from ember.models.layers import (GatedMLP, Linear, QKVLinear, RMSNorm, RotaryEmbedding, RowParallelLinear,
+                                 VocabParallelEmbedding, apply_rotary, linear, load_checkpoint)
+from ember.models.sharding import TensorParallel
 from ember.models.layer_stack import LayerStack
 
 # fused module -> the checkpoint's separate projections, in the fused order
@@ -35,8 +36,10 @@ class Attention(nn.Module):
         self.qkv_proj = QKVLinear(config.hidden_size, config.num_attention_heads,
                                   config.num_key_value_heads, config.head_dim,
                                   bias if qkv_bias is None else qkv_bias)
-        self.o_proj = Linear(config.num_attention_heads * config.head_dim, config.hidden_size,
-                             bias if o_bias is None else o_bias)
+        # under tensor parallelism a rank holds whole KV groups (their heads' q, k and v rows) and
+        # o_proj's columns for its heads: o_proj sums over ranks
+        self.o_proj = RowParallelLinear(config.num_attention_heads * config.head_dim, config.hidden_size,
+                                        bias if o_bias is None else o_bias)
         self.fused = False  # rotary embeddings in place by ember's CPU kernel (use_fused_ops)
 
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -83,7 +86,7 @@ class Decoder(nn.Module):
                  mlp_builder: Callable[[ModelConfig, int], nn.Module] = dense_mlp,
                  rotary_dim: int | None = None) -> None:
         super().__init__()
-        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
             DecoderLayer(config, attention_class(config, i), mlp_builder(config, i))
             for i in range(config.num_hidden_layers))
@@ -122,6 +125,7 @@ class Model(nn.Module):
 
     attention_class: type[Attention] = Attention
     mlp_builder = staticmethod(dense_mlp)  # (config, layer index) -> that layer's MLP
+    parallel: TensorParallel | None = None  # a tensor-parallel rank's group (use_tensor_parallel)
 
     @staticmethod
     def rotary_dim(config: ModelConfig) -> int:
@@ -139,9 +143,12 @@ class Model(nn.Module):
         """input_ids, positions: (T,) flattened over sequences -> (T, hidden) after the final norm."""
         return self.model(input_ids, positions, attn)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """(N, hidden) -> (N, vocab) float32; the matmul runs in the weights' dtype."""
-        return linear(hidden, self.lm_head.weights, self.lm_head.rows).float()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """(N, hidden) -> (N, vocab) float32; the matmul runs in the weights' dtype. Under tensor
+        parallelism each rank computes its vocabulary rows' logits, gathered on rank 0 (None on
+        the others)."""
+        logits = linear(hidden, self.lm_head.weights, self.lm_head.rows).float()
+        return logits if self.parallel is None else self.parallel.gather_logits(logits)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Hugging Face names; a tied head ignores any lm_head.weight the checkpoint also has."""

@@ -8,15 +8,22 @@ by input columns (row-parallel), at multiples of 32 where the size allows, so bl
 layers keep whole blocks. The embedding and the LM head are split by vocabulary.
 
 A rank's model is the architecture built at its local sizes (`local_config`); the checkpoint's
-tensors are cut to those sizes as they are read (`cut_for`, `cut_tensor`).
+tensors are cut to those sizes as they are read (`cut_for`, `cut_tensor`). Its layers where the
+ranks meet (models.layers: RowParallelLinear, VocabParallelEmbedding, and the LM head's logits)
+run their collectives through a `TensorParallel` they are given: models import no torch.distributed.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Protocol
 
 from ember.config import ModelConfig
 from ember.errors import ModelLoadError
+
+if TYPE_CHECKING:
+    import torch
 
 # Architectures whose every weight has a rule below (dense Llama-style decoders).
 SHARDABLE = ("llama", "mistral", "qwen2", "qwen3")
@@ -55,6 +62,24 @@ class ShardPlan:
     @property
     def num_kv_heads(self) -> int:
         return self.kv_stop - self.kv_start
+
+
+class TensorParallel(Protocol):
+    """What a rank's shard asks of its group (engine.parallel.TensorGroup gives it)."""
+
+    plan: ShardPlan  # this rank's
+
+    def all_reduce(self, tensor: torch.Tensor) -> None:
+        """The sum over ranks, in place."""
+
+    def sum_over_ranks(self, sums: torch.Tensor, add_partial: Callable[[], None], in_order: bool) -> None:
+        """Every rank's partial products summed into `sums` (zeros, float32) on every rank;
+        `add_partial()` adds this rank's into `sums`. In order: rank after rank, each continuing
+        the sums the rank before it left (ranks hold consecutive slices of the input dimension),
+        so block-quantized layers give one rank's bits; else summed at once (an all-reduce)."""
+
+    def gather_logits(self, local: torch.Tensor) -> torch.Tensor | None:
+        """(N, this rank's vocabulary rows) -> (N, vocab) on rank 0, None on the others."""
 
 
 def split(total: int, parts: int, align: int = 1) -> list[tuple[int, int]]:
@@ -101,7 +126,7 @@ def local_config(config: ModelConfig, plan: ShardPlan) -> ModelConfig:
 
 def cut_for(name: str, config: ModelConfig, plan: ShardPlan) -> Cut | None:
     """The slice of checkpoint tensor `name` (Hugging Face naming) that the rank holds; None: all of it
-    (norms, a row-parallel layer's bias, which only rank 0 adds: see engine.parallel)."""
+    (norms, a row-parallel layer's bias, added once to the sum over ranks)."""
     if name in ("model.embed_tokens.weight", "lm_head.weight"):
         return Cut(0, plan.vocab_start, plan.vocab_stop)
     d = config.head_dim
@@ -146,8 +171,10 @@ def cut_tensor(name: str, tensor, cut: Cut | None):
 
 
 def comm_bytes_per_token(config: ModelConfig, element_bytes: int) -> dict[str, int]:
-    """Bytes each rank sends and receives per token and step, from the shapes (for the docs and
-    the log): two all-reduces of hidden_size per layer plus the embedding's, and one vocabulary
-    row of float32 logits gathered on rank 0 per sampled token."""
-    hidden = config.hidden_size * element_bytes
-    return {"all_reduce": (2 * config.num_hidden_layers + 1) * hidden, "logits_gather": config.vocab_size * 4}
+    """Bytes per token and step, from the shapes (for the docs and the log): the sums over ranks
+    of hidden_size values, two per layer (float32 partial sums) plus the embedding's lookup (in
+    the model's dtype, `element_bytes`), and one vocabulary row of float32 logits gathered on
+    rank 0 per sampled token."""
+    hidden = config.hidden_size
+    return {"sums": 2 * config.num_hidden_layers * hidden * 4 + hidden * element_bytes,
+            "logits_gather": config.vocab_size * 4}

@@ -15,6 +15,10 @@ format once the checkpoint is loaded (`prepare_linears`).
   bits per weight instead of 16, and its results are batch-invariant by construction.
 
 Dense and packed results depend on the row plan (models.layers.RowPlan); block formats do not.
+
+`accumulate(x, sums)` adds x W^T (no bias) into float32 sums: a row-parallel layer's partial
+product under tensor parallelism (models.layers.RowParallelLinear). Where `continues_sums`, a sum
+over K cut between blocks and continued rank after rank gives the bits of one matmul over all of K.
 """
 
 from __future__ import annotations
@@ -113,6 +117,7 @@ def pack_blocks(blocks: QuantBlocks) -> torch.Tensor:
 class DenseWeights:
     name = "dense"
     invariant_by_construction = False
+    continues_sums = False
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         self.weight, self.bias = weight, bias
@@ -122,10 +127,14 @@ class DenseWeights:
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)
 
+    def accumulate(self, x: torch.Tensor, sums: torch.Tensor) -> None:
+        sums += F.linear(x, self.weight)
+
 
 class PackedBF16Weights:
     name = "bfloat16 packed"
     invariant_by_construction = False
+    continues_sums = False
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, 1)
@@ -151,11 +160,15 @@ class PackedBF16Weights:
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
+    def accumulate(self, x: torch.Tensor, sums: torch.Tensor) -> None:
+        sums += torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
+
 
 class BlockWeights:
     """4- or 8-bit blocks, packed for ember's CPU kernel."""
 
     invariant_by_construction = True
+    continues_sums = True  # the kernel sums K's blocks in order, from zero or from the sums it is given
 
     def __init__(self, blocks: QuantBlocks, bias: torch.Tensor | None, dtype: torch.dtype) -> None:
         self.bits = blocks.bits
@@ -168,6 +181,11 @@ class BlockWeights:
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         y = torch.ops.ember.quantized_linear(x.contiguous(), self.packed, self.out_features, self.bits)
         return y if self.bias is None else y + self.bias
+
+    def accumulate(self, x: torch.Tensor, sums: torch.Tensor) -> None:
+        # float32 activations quantize to the same blocks as bfloat16 ones (the kernel reads both as floats)
+        torch.ops.ember.quantized_linear_accumulate_(x.float().contiguous(), self.packed, self.out_features,
+                                                     self.bits, sums)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows `ids` (T,) of the weight, dequantized to (T, in) in the layer's dtype: embedding

@@ -1,7 +1,8 @@
 """How the kernels are built: the linear kernel's vector path (AVX-512 VNNI or AVX2, whichever
 this processor has) gives the bits of its plain C++ path (a second copy of the kernel is built
 without vector instructions, under its own op namespace, and both copies run the same
-products); a build killed midway does not stall the next one."""
+products), and on both, sums over K cut between blocks and continued give one call's bits; a
+build killed midway does not stall the next one."""
 
 import subprocess
 import sys
@@ -42,6 +43,26 @@ def test_the_vector_linear_gives_the_plain_bits(plain_ops, bits, dtype):
     ids = torch.tensor([0, 3, 15, 16, 199])
     assert torch.equal(torch.ops.ember.block_rows(layer.packed, ids, 320, bits, dtype),
                        plain_ops.block_rows(layer.packed, ids, 320, bits, dtype))
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_sums_continued_across_block_edges_give_one_calls_bits(plain_ops, bits):
+    """Tensor parallelism's row-parallel layers: consecutive slices of K, the first summed from
+    zero and each next one continuing the sums, against one call over all of K."""
+    generator = torch.Generator().manual_seed(bits)
+    blocks = QuantBlocks.quantize(torch.randn(200, 320, generator=generator) * 0.05, bits)
+    x = torch.randn(14, 320, generator=generator) * 3
+    cuts = [0, 64, 96, 320]  # slices of 2, 1 and 7 blocks
+    slices = [BlockWeights(QuantBlocks(bits, blocks.codes[:, a:b].contiguous(), blocks.scales[:, a // 32:b // 32],
+                                       None if blocks.mins is None else blocks.mins[:, a // 32:b // 32]),
+                           None, torch.float32) for a, b in zip(cuts, cuts[1:])]
+    whole = BlockWeights(blocks, None, torch.float32)
+    for ops in (torch.ops.ember, plain_ops):
+        for rows in (1, 3, 5, 6, 14):
+            sums = torch.zeros(rows, 200)
+            for (a, b), part in zip(zip(cuts, cuts[1:]), slices):
+                ops.quantized_linear_accumulate_(x[:rows, a:b].contiguous(), part.packed, 200, bits, sums)
+            assert torch.equal(sums, ops.quantized_linear(x[:rows], whole.packed, 200, bits)), (ops, rows)
 
 
 def test_a_lock_left_by_a_killed_build_is_cleared_and_builders_take_turns(tmp_path):

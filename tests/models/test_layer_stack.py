@@ -95,7 +95,7 @@ def test_hooks_dense_weights_another_dtype_or_attention_keep_the_loop():
     assert stack.run(x, None, None, object()) is None  # attention without the kernel cache layout
     assert stack.run(x.bfloat16(), None, None, one_row_attention(config)) is None  # not the weights' dtype
     handle = decoder.layers[1].mlp.down_proj.register_forward_hook(lambda *args: None)
-    try:  # a hook (tensor parallelism's all-reduce is one) must see its module run
+    try:  # a hook must see its module run
         decoder._stack = None
         assert decoder._layer_stack() is None
     finally:

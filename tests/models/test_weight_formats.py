@@ -54,6 +54,27 @@ def test_block_kernel_computes_the_block_arithmetic(bits, dtype):
 
 
 @pytest.mark.parametrize("bits", [4, 8])
+def test_block_partial_products_continued_in_order_give_the_layers_bits(bits):
+    """A row-parallel layer's ranks (models.layers.RowParallelLinear): two slices of K at a block
+    edge, the second continuing the first's float32 sums, round to the whole layer's bfloat16
+    bits; the two slices' products added at once do not, in some outputs."""
+    weight = _weights(out=576, width=1536)
+    blocks = QuantBlocks.quantize(weight, bits)
+    halves = [BlockWeights(QuantBlocks.quantize(weight[:, a:b], bits), None, torch.bfloat16)
+              for a, b in ((0, 768), (768, 1536))]
+    x = (torch.randn(9, 1536) * 3).to(torch.bfloat16)
+    in_order = torch.zeros(9, 576)
+    halves[0].accumulate(x[:, :768], in_order)
+    halves[1].accumulate(x[:, 768:], in_order)
+    at_once = [torch.zeros(9, 576), torch.zeros(9, 576)]
+    for half, sums, part in zip(halves, at_once, (x[:, :768], x[:, 768:])):
+        half.accumulate(part, sums)
+    whole = BlockWeights(blocks, None, torch.bfloat16).matmul(x)
+    assert torch.equal(in_order.to(torch.bfloat16), whole)
+    assert not torch.equal(sum(at_once), in_order)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
 def test_block_kernel_rows_keep_their_bits_in_any_batch(bits):
     layer = BlockWeights(QuantBlocks.quantize(_weights(out=576, width=1536), bits), None, torch.bfloat16)
     x = (torch.randn(70, 1536) * 3).to(torch.bfloat16)
