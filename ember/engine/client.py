@@ -89,9 +89,13 @@ class _Resubmission:
         self.may_retry = may_retry
         self.replay: _Replay | None = None
 
+    @property
+    def sees_steps(self) -> bool:
+        return self.replay is not None  # its steps repeat what the consumer may have already
+
     async def __call__(self, item: StepOutput | WorkerLost, tracker: RequestTracker) -> StepOutput | None:
         if type(item) is not WorkerLost:
-            return item if self.replay is None else self.replay.trim(item)
+            return self.replay.trim(item)
         if self.replay is not None or (self.may_retry is not None and not self.may_retry()):
             raise EngineRestarted(f"the engine worker stopped while this request ran: {item.reason}")
         client = self.client

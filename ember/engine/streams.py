@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
-from typing import AsyncIterator, Awaitable, Callable, Iterable
+from typing import AsyncIterator, Callable, Iterable, Protocol
 
 import msgspec
 
@@ -22,10 +22,14 @@ from ember.engine.outputs import RequestTracker
 from ember.errors import EmberError
 from ember.types import GenerationOutput, SamplingParams, StepOutput
 
-# What `follow` makes of each queued item (a StepOutput, or an engine client's news that its worker
-# died), given what the consumer has: the StepOutput to hand on, or None for nothing; it may raise
-# to end the request.
-Screen = Callable[[object, RequestTracker], Awaitable[StepOutput | None]]
+class Screen(Protocol):
+    """What `follow` makes of a queued item that is not a StepOutput (an engine client's news that
+    its worker died), and of every StepOutput while `sees_steps`: the StepOutput to hand on, or
+    None for nothing, given what the consumer has; it may raise to end the request."""
+
+    sees_steps: bool
+
+    async def __call__(self, item: object, tracker: RequestTracker) -> StepOutput | None: ...
 
 
 class RequestStreams:
@@ -72,7 +76,7 @@ class RequestStreams:
         try:
             while not finished:
                 item = await queue.get()
-                if screen is not None:
+                if type(item) is not StepOutput or (screen is not None and screen.sees_steps):
                     item = await screen(item, tracker)
                     if item is None:
                         continue
