@@ -27,7 +27,7 @@ MAX_PIN_TTL_S = 24 * 3600.0
 @dataclass(frozen=True, slots=True)
 class CachePin:
     """Keep the prompt's first `num_tokens` tokens in the prefix cache for `ttl_s` seconds (whole
-    KV blocks only), safe from other requests' pressure (engine.kv_cache)."""
+    KV blocks only), safe from other requests' pressure (engine.kv_pins)."""
 
     num_tokens: int
     ttl_s: float
