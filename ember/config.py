@@ -214,6 +214,9 @@ class EngineConfig:
     nnodes: int = 1
     dist_init_addr: str | None = None
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+    # A vision model's images (engine.images): read when on; its encoded images kept in this many MiB
+    vision: bool = True
+    image_cache_mb: float = 256.0
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.max_pinned_kv_share <= 1.0:
@@ -222,6 +225,8 @@ class EngineConfig:
             raise ValueError(f"background_wait_steps must be a whole number of steps, got {self.background_wait_steps!r}")
         if self.num_threads is not None and (not isinstance(self.num_threads, int) or self.num_threads < 1):
             raise ValueError(f"num_threads must be a positive integer, got {self.num_threads!r}")
+        if self.image_cache_mb < 0:
+            raise ValueError(f"image_cache_mb must be 0 or more, got {self.image_cache_mb!r}")
         if self.attention_cost_tokens is not None and (not isinstance(self.attention_cost_tokens, int)
                                                        or self.attention_cost_tokens < 0):
             raise ValueError(f"attention_cost_tokens must be 0 or more, got {self.attention_cost_tokens!r}")

@@ -22,6 +22,7 @@ import itertools
 import logging
 import threading
 from dataclasses import dataclass
+from collections.abc import Sequence
 from typing import AsyncIterator, Callable
 
 import msgspec
@@ -30,7 +31,8 @@ import zmq
 from ember.constraint_spec import ConstraintSpec
 from ember.context_window import ContextWindow, fit_output
 from ember.engine import messages
-from ember.engine.messages import Add, Abort, Answer, EngineInfo, Fatal, Outputs, Query, QueryKind, Shutdown, WorkerSettings
+from ember.engine.messages import (Abort, Add, Answer, EngineInfo, Fatal, MediaSpan, Outputs, Query, QueryKind, Shutdown,
+                                  WorkerSettings)
 from ember.engine.outputs import RequestTracker
 from ember.engine.stats import EngineCounters, EngineStats
 from ember.engine.streams import RequestStreams
@@ -181,14 +183,15 @@ class EngineClient:
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams, *,
                        request_id: str | None = None, cache_salt: str | None = None,
                        constraint: ConstraintSpec | None = None, report_progress: bool = False,
-                       may_retry: Callable[[], bool] | None = None) -> AsyncIterator[GenerationOutput]:
+                       may_retry: Callable[[], bool] | None = None,
+                       media: Sequence[MediaSpan] = ()) -> AsyncIterator[GenerationOutput]:
         """engine.contract.Engine.generate."""
         if not await self.wait_ready(None):
             raise EngineUnavailable(f"the engine is not running: {self.failed}")
         window = ContextWindow(self.info.max_model_len, self.info.kv_capacity_tokens)
         fit_output(window, len(prompt_token_ids), params.max_tokens, over_room="refuse")
         add = self.streams.new_request(prompt_token_ids, params, request_id=request_id, cache_salt=cache_salt,
-                                       constraint=constraint, report_progress=report_progress)
+                                       constraint=constraint, report_progress=report_progress, media=media)
         async for output in self.streams.follow(add, self.send, _Resubmission(self, add, may_retry)):
             yield output
 

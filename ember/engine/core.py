@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -17,15 +17,22 @@ from ember.config import EngineConfig, ModelConfig
 from ember.context_window import ContextWindow, fit_output
 from ember.engine import invariance
 from ember.engine.host_memory import release_freed_heap
+from ember.engine.images import ImageEncoder, check_spans
 from ember.engine.loading import load_model
+from ember.engine.messages import MediaSpan
 from ember.engine.pool import build_step_parts
 from ember.engine.request import Request, RequestStatus
 from ember.engine.spec.speculator import Proposer, build_speculator
 from ember.engine.stats import EngineCounters, EngineStats
 from ember.errors import InvalidRequest
+from ember.media.processing import ImageProcessing, load_image_processing, reads_images
 from ember.types import FinishReason, SamplingParams, StepOutput, TokenConstraint
 
 logger = logging.getLogger("ember.engine")
+
+# While requests decode, a step may spend this share of a decoding step's time on images, so that
+# streams keep at least 1 / (1 + share) of their pace beside an image being encoded.
+IMAGE_WORK_SHARE = 0.5
 
 
 class EngineCore:
@@ -33,7 +40,8 @@ class EngineCore:
 
     def __init__(self, model: torch.nn.Module, model_config: ModelConfig, config: EngineConfig,
                  eos_token_ids: set[int], device: torch.device, dtype: torch.dtype,
-                 draft_proposer: Proposer | None = None, group=None) -> None:
+                 draft_proposer: Proposer | None = None, group=None,
+                 image_processing: ImageProcessing | None = None) -> None:
         self.model_config = model_config
         self.group = group  # engine.parallel.TensorGroup of a tensor-parallel rank, else None
         self.config = config
@@ -54,6 +62,10 @@ class EngineCore:
         self._scheduled_at: dict[str, float] = {}
         self._progress_ids: set[str] = set()  # requests that asked for prefill progress outputs
         self.counters = EngineCounters()
+        # the model's images (engine.images), when it reads them
+        self.images = (ImageEncoder(model, image_processing, device, int(config.image_cache_mb * 2**20))
+                       if image_processing is not None else None)
+        self._decode_seconds = 0.0  # the last step's time when requests decoded: what image work may add
         self.speculator = None  # the startup check below probes plain decoding
         self.invariance = self._check_invariance()
         self.speculator = build_speculator(config.speculative, self.max_model_len, draft_proposer)
@@ -90,6 +102,10 @@ class EngineCore:
             raise InvalidRequest("tensor parallelism needs its group of ranks: serve with the engine worker "
                                  "(ember serve) or use ember.llm.LLM", param="tensor_parallel_size")
         built = load_model(source, config, group)
+        processing = None
+        if reads_images(source.hf_config, config.vision):
+            processing = load_image_processing(built.model_config.model_type, source.path, source.hf_config,
+                                               source.tokenizer.hf.convert_tokens_to_ids)
         draft = None
         if config.speculative.draft_model:
             from ember.engine.spec.draft_model import load_draft_proposer
@@ -97,7 +113,7 @@ class EngineCore:
 
             draft = load_draft_proposer(config, source, open_source or source_opener(), cls.from_source)
         return cls(built.model, built.model_config, config, built.eos_token_ids, built.device, built.dtype, draft,
-                   group)
+                   group, processing)
 
     # ---- requests ------------------------------------------------------------------------------
 
@@ -110,9 +126,15 @@ class EngineCore:
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     cache_salt: str | None = None, arrival_time: float | None = None,
                     constraint: TokenConstraint | None = None,
-                    report_progress: bool = False) -> None:
+                    report_progress: bool = False, media: Sequence[MediaSpan] = ()) -> None:
         if self.scheduler.get_request(request_id) is not None:
             raise InvalidRequest(f"request id {request_id!r} is already in use", param="request_id")
+        if media and self.images is None:
+            raise InvalidRequest("this engine reads no images (a text-only model, or images turned off)",
+                                 param="media", code="vision_disabled")
+        wrong = check_spans(list(media), len(prompt_token_ids))
+        if wrong is not None:
+            raise InvalidRequest(wrong, param="media")
         vocab = self.model_config.vocab_size
         if any(not 0 <= t < vocab for t in prompt_token_ids):
             raise InvalidRequest(f"the prompt holds a token id outside the vocabulary (0..{vocab - 1})",
@@ -121,8 +143,10 @@ class EngineCore:
         params = params.seeded(self.config.seed)
         request = Request(request_id, list(prompt_token_ids), params, max_tokens=max_tokens,
                           eos_token_ids=self.eos_token_ids, arrival_time=arrival_time or time.time(),
-                          priority=params.priority, cache_salt=cache_salt, constraint=constraint)
+                          priority=params.priority, cache_salt=cache_salt, constraint=constraint, media=media)
         self.scheduler.add_request(request)
+        if media:
+            self.images.add(request)
         if report_progress:  # opt-in: an empty output after each prefill chunk, with num_computed_prompt_tokens
             self._progress_ids.add(request_id)
 
@@ -138,12 +162,15 @@ class EngineCore:
     def step(self) -> list[StepOutput]:
         began = time.perf_counter()
         counters = self.counters
+        outputs: list[StepOutput] = []
+        if self.images is not None:
+            outputs += self._advance_images()
         if self.speculator is not None:
             self.speculator.propose(self.scheduler.running)
         plan = self.scheduler.schedule()
         counters.num_preemptions += len(plan.preempted)
         if not plan.scheduled:
-            return []
+            return outputs
         now = time.time()
         for item in plan.scheduled:
             request = item.request
@@ -152,11 +179,12 @@ class EngineCore:
                 counters.admitted_prompt_tokens += request.num_prompt_tokens
                 counters.cached_prompt_tokens += request.num_cached_tokens
         forward_began = time.perf_counter()
-        result = self.runner.execute(plan.scheduled)
+        embeds = self.images.embeddings_for(plan.scheduled) if self.images is not None else None
+        result = self.runner.execute(plan.scheduled, embeds=embeds) if embeds is not None else \
+            self.runner.execute(plan.scheduled)
         if self.speculator is not None:
             self.speculator.after_step(plan, result, began, forward_began, counters)
         self.scheduler.update_from_output(plan, result.sampled, result.accepted)
-        outputs = []
         num_decode_tokens = 0
         for item in plan.scheduled:
             request = item.request
@@ -190,9 +218,23 @@ class EngineCore:
                 self._forget(request.request_id)
         for request_id, reason in result.failed.items():  # a constraint gave up: that request alone ends
             outputs += self._finish_all([request_id], FinishReason.ERROR, reason)
-        counters.add_step(time.perf_counter() - began, plan.num_scheduled_tokens - num_decode_tokens,
-                          num_decode_tokens)
+        seconds = time.perf_counter() - began
+        counters.add_step(seconds, plan.num_scheduled_tokens - num_decode_tokens, num_decode_tokens)
+        if num_decode_tokens:
+            self._decode_seconds = seconds
         return outputs
+
+    def _advance_images(self) -> list[StepOutput]:
+        """Encode the images live requests need, for at most IMAGE_WORK_SHARE of a decoding step's
+        time while requests decode (all at once otherwise); end the requests whose images failed."""
+        running = self.scheduler.running
+        decoding = any(r.num_tokens - r.num_computed_tokens == 1 for r in running)
+        waiting = [r for r in self.scheduler.requests.values() if r.status is not RequestStatus.RUNNING]
+        self.images.advance(running + waiting, IMAGE_WORK_SHARE * self._decode_seconds if decoding else None,
+                            lambda request: self.kv_manager.get_computed_blocks(request)[1])
+        failed = [(r.request_id, error) for r in running + waiting if (error := self.images.failed(r))]
+        return [output for request_id, error in failed
+                for output in self._finish_all([request_id], FinishReason.ERROR, error)]
 
     def _progress_output(self, request: Request) -> StepOutput:
         return StepOutput(request.request_id, [], None, None, request.num_prompt_tokens,
@@ -219,6 +261,8 @@ class EngineCore:
         self._progress_ids.discard(request_id)
         if self.speculator is not None:
             self.speculator.forget(request_id)
+        if self.images is not None:
+            self.images.remove(request_id)
 
     def stats(self) -> EngineStats:
         kv = self.kv_manager

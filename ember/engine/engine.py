@@ -17,12 +17,13 @@ import logging
 import queue
 import threading
 from dataclasses import dataclass
+from collections.abc import Sequence
 from typing import Any, AsyncIterator, Callable, TypeVar
 
 from ember.constraint_spec import ConstraintSpec
 from ember.engine.core import EngineCore
 from ember.engine.driver import EngineDriver
-from ember.engine.messages import Abort, Add, EngineInfo, Shutdown, engine_info
+from ember.engine.messages import Abort, Add, EngineInfo, MediaSpan, Shutdown, engine_info
 from ember.engine.streams import RequestStreams
 from ember.errors import EngineUnavailable
 from ember.types import FinishReason, GenerationOutput, SamplingParams, StepOutput
@@ -98,14 +99,15 @@ class AsyncEngine:
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams, *,
                        request_id: str | None = None, cache_salt: str | None = None,
                        constraint: ConstraintSpec | None = None, report_progress: bool = False,
-                       may_retry: Callable[[], bool] | None = None) -> AsyncIterator[GenerationOutput]:
+                       may_retry: Callable[[], bool] | None = None,
+                       media: Sequence[MediaSpan] = ()) -> AsyncIterator[GenerationOutput]:
         """engine.contract.Engine.generate (a thread never restarts: `may_retry` has nothing to decide)."""
         if self.failed:
             raise EngineUnavailable(f"the engine stopped after a fault: {self.failed}")
         self.start()
         self.core.resolve_max_tokens(len(prompt_token_ids), params.max_tokens)
         add = self.streams.new_request(prompt_token_ids, params, request_id=request_id, cache_salt=cache_salt,
-                                       constraint=constraint, report_progress=report_progress)
+                                       constraint=constraint, report_progress=report_progress, media=media)
         async for output in self.streams.follow(add, self._inbox.put):
             yield output
 

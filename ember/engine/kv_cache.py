@@ -28,15 +28,14 @@ _ROOT = b"\x00"
 _CHILD = b"\x01"
 
 
-def hash_block(parent_hash: bytes | None, token_ids: Sequence[int], cache_salt: str | None) -> bytes:
-    """16-byte blake2b of (parent hash, salt, token ids); every field is framed, so no two differ only in framing."""
+def hash_block(parent_hash: bytes | None, token_ids: Sequence[int], cache_salt: str | None,
+               media_key: bytes | None = None) -> bytes:
+    """16-byte blake2b of (parent hash, salt, media key, token ids): the media key names the images
+    the block's tokens hold (Request.media_key). Every field is framed, so no two differ only in framing."""
     digest = hashlib.blake2b(digest_size=16)
     digest.update(_ROOT if parent_hash is None else _CHILD + parent_hash)
-    if cache_salt is None:
-        digest.update(_ROOT)
-    else:
-        salt = cache_salt.encode()
-        digest.update(_CHILD + len(salt).to_bytes(8, "little") + salt)
+    for field in (None if cache_salt is None else cache_salt.encode(), media_key):
+        digest.update(_ROOT if field is None else _CHILD + len(field).to_bytes(8, "little") + field)
     digest.update(array("q", token_ids).tobytes())
     return digest.digest()
 
@@ -128,7 +127,8 @@ class KVCacheManager:
         hits: list[int] = []
         parent = None
         for start in range(0, (len(tokens) - 1) // size * size, size):
-            parent = hash_block(parent, tokens[start:start + size], request.cache_salt)
+            parent = hash_block(parent, tokens[start:start + size], request.cache_salt,
+                                request.media_key(start, start + size))
             block_id = self.cached_block_ids.get(parent)
             if block_id is None:
                 break
@@ -208,7 +208,9 @@ class KVCacheManager:
         parent = hashes[-1] if hashes else None
         first_new = len(hashes)
         for index in range(first_new, request.num_computed_tokens // size):
-            parent = hash_block(parent, request.token_ids[index * size:(index + 1) * size], request.cache_salt)
+            start = index * size
+            parent = hash_block(parent, request.token_ids[start:start + size], request.cache_salt,
+                                request.media_key(start, start + size))
             hashes.append(parent)
             block = self.blocks[request.block_ids[index]]
             if parent not in self.cached_block_ids:

@@ -15,6 +15,7 @@ a worker on another host as well as ipc:// one on this host.
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 from typing import Any
 
 import msgspec
@@ -23,6 +24,24 @@ from ember.config import EngineConfig
 from ember.constraint_spec import ConstraintSpec
 from ember.engine.stats import EngineStats
 from ember.types import SamplingParams, StepOutput
+
+
+class MediaSpan(msgspec.Struct, array_like=True, frozen=True):
+    """An image in a prompt: its file's bytes, their SHA-256, and the prompt positions [start, stop)
+    that hold its tokens. The model's image-token ids in that range take the image's embeddings,
+    in order; the other tokens of the span (row and tile markers) stay text."""
+
+    sha256: bytes
+    data: bytes
+    start: int
+    stop: int
+
+
+def media_key(media: Sequence[MediaSpan], start: int, stop: int) -> bytes | None:
+    """The SHA-256s of the images whose spans overlap positions [start, stop), for the prefix
+    cache's block hashes (the same tokens beside another image are other KV); None if none."""
+    keys = [span.sha256 for span in media if span.start < stop and start < span.stop]
+    return b"".join(keys) if keys else None
 
 
 class Add(msgspec.Struct, tag=True):
@@ -35,6 +54,7 @@ class Add(msgspec.Struct, tag=True):
     arrival_time: float = 0.0
     constraint: ConstraintSpec | None = None
     report_progress: bool = False
+    media: list[MediaSpan] = []  # its images, in prompt order
 
 
 class Abort(msgspec.Struct, tag=True):

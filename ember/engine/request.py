@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
+from ember.engine.messages import MediaSpan, media_key
 from ember.types import FinishReason, SamplingParams, TokenConstraint
 
 
@@ -44,12 +45,13 @@ class Request:
         "eos_token_ids", "arrival_time", "priority", "cache_salt", "num_computed_tokens",
         "num_cached_tokens", "block_ids", "block_hashes", "status", "finish_reason",
         "stop_reason", "num_preemptions", "constraint", "num_waiting_steps", "waiting_since_step", "promoted",
-        "num_pinned_tokens", "draft_token_ids",
+        "num_pinned_tokens", "draft_token_ids", "media", "unready_spans",
     )
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams, *,
                  max_tokens: int, eos_token_ids: Iterable[int], arrival_time: float, priority: int = 0,
-                 cache_salt: str | None = None, constraint: TokenConstraint | None = None) -> None:
+                 cache_salt: str | None = None, constraint: TokenConstraint | None = None,
+                 media: Sequence[MediaSpan] = ()) -> None:
         self.request_id = request_id
         self.token_ids: list[int] = list(prompt_token_ids)
         self.num_prompt_tokens = len(self.token_ids)
@@ -76,6 +78,10 @@ class Request:
         self.num_pinned_tokens = 0  # leading prompt tokens its cache pins keep (set by the KV manager)
         # speculative decoding: tokens proposed to follow token_ids, verified by the next step (engine.spec)
         self.draft_token_ids: list[int] = []
+        self.media = tuple(media)  # its prompt's images (spans of positions), in order
+        # positions [start, stop) whose inputs are not ready yet (an image still being encoded):
+        # the scheduler ends the request's chunk before them
+        self.unready_spans: list[tuple[int, int]] = []
 
     @property
     def num_tokens(self) -> int:
@@ -97,6 +103,16 @@ class Request:
         if params.ignore_eos:
             return frozenset(params.stop_token_ids)
         return self.eos_token_ids.union(params.stop_token_ids)
+
+    def media_key(self, start: int, stop: int) -> bytes | None:
+        return media_key(self.media, start, stop) if self.media else None
+
+    def computable(self, start: int, count: int) -> int:
+        """How many of `count` tokens from `start` have their inputs ready (up to an unready span)."""
+        for span_start, span_stop in self.unready_spans:
+            if span_stop > start:
+                return max(0, min(count, span_start - start))
+        return count
 
     def append_output_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)

@@ -33,7 +33,7 @@ import msgspec
 from ember.constraint_spec import ConstraintSpec
 from ember.engine.client import EngineClient
 from ember.engine.kv_cache import hash_block
-from ember.engine.messages import EngineInfo, QueryKind, WorkerSettings
+from ember.engine.messages import EngineInfo, MediaSpan, QueryKind, WorkerSettings, media_key
 from ember.engine.stats import EngineStats
 from ember.errors import EngineUnavailable
 from ember.types import GenerationOutput, SamplingParams
@@ -87,13 +87,15 @@ def choose_worker(matched: Sequence[int], running: Sequence[int], last_chosen: S
     return max(fair, key=lambda i: (matched[i], -running[i], -last_chosen[i], -i))
 
 
-def prompt_block_hashes(token_ids: Sequence[int], block_size: int, cache_salt: str | None) -> list[bytes]:
+def prompt_block_hashes(token_ids: Sequence[int], block_size: int, cache_salt: str | None,
+                        media: Sequence[MediaSpan] = ()) -> list[bytes]:
     """The chained hashes of the prompt's blocks a prefix cache could hold for it: whole blocks,
     short of the last token (KVCacheManager.get_computed_blocks always computes that one)."""
     hashes: list[bytes] = []
     parent = None
     for start in range(0, (len(token_ids) - 1) // block_size * block_size, block_size):
-        parent = hash_block(parent, token_ids[start:start + block_size], cache_salt)
+        stop = start + block_size
+        parent = hash_block(parent, token_ids[start:stop], cache_salt, media_key(media, start, stop) if media else None)
         hashes.append(parent)
     return hashes
 
@@ -206,10 +208,11 @@ class EngineRouter:
 
     # ---- requests -----------------------------------------------------------------------------
 
-    def route(self, prompt_token_ids: Sequence[int], cache_salt: str | None) -> tuple[int, int]:
+    def route(self, prompt_token_ids: Sequence[int], cache_salt: str | None,
+              media: Sequence[MediaSpan] = ()) -> tuple[int, int]:
         """(the worker for this prompt, how many of its tokens that worker's cache holds)."""
         block_size = self.info.block_size
-        hashes = prompt_block_hashes(prompt_token_ids, block_size, cache_salt)
+        hashes = prompt_block_hashes(prompt_token_ids, block_size, cache_salt, media)
         matched = [leading_matches(hashes, client.cached_blocks) for client in self.clients]
         counted = [count if count > MIN_MATCH_SHARE * len(hashes) else 0 for count in matched]
         serving = [client.status == "ok" for client in self.clients]
@@ -219,12 +222,13 @@ class EngineRouter:
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams, *,
                        request_id: str | None = None, cache_salt: str | None = None,
                        constraint: ConstraintSpec | None = None, report_progress: bool = False,
-                       may_retry: Callable[[], bool] | None = None) -> AsyncIterator[GenerationOutput]:
+                       may_retry: Callable[[], bool] | None = None,
+                       media: Sequence[MediaSpan] = ()) -> AsyncIterator[GenerationOutput]:
         """EngineClient.generate on the worker `route` picks."""
         if not await self.wait_ready(None):
             raise EngineUnavailable(f"the engine is not running: {self.failed}")
         request_id = request_id or f"req-{next(self._ids)}"
-        index, cached_tokens = self.route(prompt_token_ids, cache_salt)
+        index, cached_tokens = self.route(prompt_token_ids, cache_salt, media)
         self.running[index] += 1
         self.last_chosen[index] = next(self._numbers)
         self.routed[index] += 1
@@ -233,7 +237,7 @@ class EngineRouter:
         try:
             async for output in self.clients[index].generate(
                     prompt_token_ids, params, request_id=request_id, cache_salt=cache_salt, constraint=constraint,
-                    report_progress=report_progress, may_retry=may_retry):
+                    report_progress=report_progress, may_retry=may_retry, media=media):
                 yield output
         finally:
             self.running[index] -= 1

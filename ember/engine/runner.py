@@ -63,19 +63,25 @@ class ModelRunner:
         self.block_size = cache.block_size
 
     @torch.inference_mode()
-    def execute(self, scheduled: list[ScheduledRequest], items: list[StepItem] | None = None) -> RunnerOutput:
-        """Run the step and sample; `items`: step_items(scheduled) where the caller has them already."""
-        logits = self.forward(step_items(scheduled, self.block_size) if items is None else items)
+    def execute(self, scheduled: list[ScheduledRequest], items: list[StepItem] | None = None,
+                embeds: tuple[torch.Tensor, torch.Tensor] | None = None) -> RunnerOutput:
+        """Run the step and sample; `items`: step_items(scheduled) where the caller has them already;
+        `embeds`: (rows (R,), values (R, hidden)) that replace those rows' token embeddings (images)."""
+        logits = self.forward(step_items(scheduled, self.block_size) if items is None else items, embeds)
         if logits is None:
             return RunnerOutput({}, {})
         return self._sample(logits, [s for s in scheduled if s.samples])
 
     @torch.inference_mode()
-    def forward(self, items: list[StepItem]) -> torch.Tensor | None:
+    def forward(self, items: list[StepItem], embeds: tuple[torch.Tensor, torch.Tensor] | None = None
+                ) -> torch.Tensor | None:
         """The model over the items' tokens; the logits of their sampled rows, in item order, or
         None when no item samples (and on a tensor-parallel rank other than 0)."""
         input_ids, positions, sample_rows, attn = self.prepare(items)
-        hidden = self.model(input_ids, positions, attn)
+        if embeds is None:
+            hidden = self.model(input_ids, positions, attn)
+        else:
+            hidden = self.model(input_ids, positions, attn, embeds=embeds)
         if not sample_rows:
             return None
         return self.model.compute_logits(hidden[torch.tensor(sample_rows, device=self.device)])

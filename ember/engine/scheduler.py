@@ -144,8 +144,8 @@ class Scheduler:
             owed = request.num_tokens - start
             if budget <= 0 and owed > 1:
                 break  # what is left prefills; every decode runs, even past the budget
-            num_new_tokens = 1 if owed == 1 else self._tokens_within(start, owed, budget)
-            if num_new_tokens == 0:  # only if the runner failed to sample for it; never schedule nothing
+            num_new_tokens = 1 if owed == 1 else request.computable(start, self._tokens_within(start, owed, budget))
+            if num_new_tokens == 0:  # its next input is not ready, or the runner failed to sample for it
                 continue
             drafts, request.draft_token_ids = request.draft_token_ids, []
             if owed == 1 and drafts:
@@ -182,7 +182,10 @@ class Scheduler:
             # waiting requests (new or preempted) have num_computed_tokens == 0
             while True:
                 hit_block_ids, num_hit_tokens = self.kv_cache.get_computed_blocks(request)
-                num_new_tokens = self._tokens_within(num_hit_tokens, request.num_tokens - num_hit_tokens, budget)
+                num_new_tokens = request.computable(num_hit_tokens, self._tokens_within(
+                    num_hit_tokens, request.num_tokens - num_hit_tokens, budget))
+                if num_new_tokens == 0:
+                    return budget  # its next input is not ready yet: it stays at the queue's head
                 if len(self.running) < self.config.max_num_seqs and self.kv_cache.allocate_slots(
                         request, num_new_tokens, hit_block_ids, num_hit_tokens):
                     break

@@ -12,12 +12,13 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
+from collections.abc import Sequence
 from typing import AsyncIterator, Callable, Iterable, Protocol
 
 import msgspec
 
 from ember.constraint_spec import ConstraintSpec
-from ember.engine.messages import Abort, Add
+from ember.engine.messages import Abort, Add, MediaSpan
 from ember.engine.outputs import RequestTracker
 from ember.errors import EmberError
 from ember.types import GenerationOutput, SamplingParams, StepOutput
@@ -42,9 +43,9 @@ class RequestStreams:
 
     def new_request(self, prompt_token_ids: list[int], params: SamplingParams, *, request_id: str | None = None,
                     cache_salt: str | None = None, constraint: ConstraintSpec | None = None,
-                    report_progress: bool = False) -> Add:
+                    report_progress: bool = False, media: Sequence[MediaSpan] = ()) -> Add:
         return Add(request_id or f"req-{next(self._ids)}", prompt_token_ids, params, cache_salt, time.time(),
-                   constraint, report_progress)
+                   constraint, report_progress, list(media))
 
     def deliver(self, steps: Iterable[StepOutput]) -> None:
         """Hand each step to its request's queue (a request that has left drops what it missed)."""

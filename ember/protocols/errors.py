@@ -86,6 +86,17 @@ class ServerOverloaded(EmberError):
         self.retry_after = retry_after
 
 
+class ImagesBusy(EmberError):
+    status = 429
+    type = "rate_limit_error"
+
+    def __init__(self, encoding: int, limit: int, retry_after: int = 2) -> None:
+        super().__init__(f"The server is busy encoding images: {encoding} are under way and this request would pass "
+                         f"the limit of {limit} (--max-images-encoding). Retry in a few seconds.",
+                         code="server_overloaded")
+        self.retry_after = retry_after
+
+
 class QueueTimeout(EmberError):
     status = 503
     type = "server_error"

@@ -11,11 +11,12 @@ import dataclasses
 import hashlib
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol, Union
+from typing import TYPE_CHECKING, Any, Callable, Protocol, Union
 
 from ember.constraint_spec import GrammarSpec
 from ember.context_window import ContextWindow, OutputFit, fit_output
 from ember.errors import EmberError, InvalidRequest
+from ember.media.prompt import PromptImage, lay_out_images
 from ember.parsers.events import ContentText, ParsedReply, ReplyEvent
 from ember.parsers.reply import ReplyParser
 from ember.parsers.tool_prompt import prepare_conversation
@@ -26,6 +27,9 @@ from ember.protocols.sse import ServerEvent
 from ember.tokenization.chat_prompt import drop_closed_reasoning
 from ember.types import (CachePin, FinishReason, GenerationOutput, RequestTimings, SamplingParams, SpeculationCounts,
                          TokenLogprob)
+
+if TYPE_CHECKING:
+    from ember.media.processing import ImageProcessing
 
 
 @dataclass(slots=True)
@@ -42,12 +46,18 @@ class ChatPrompt:
     cache_pins: list[CachePin] = field(default_factory=list)
     # closed assistant turns keep their reasoning; the template receives it as preserve_thinking too
     preserve_thinking: bool = True
+    # Its images' token spans: written by encode_prompt (its images are message parts
+    # {"type": "image", "image": ImageRef, then ImageInput once read}).
+    media: list[PromptImage] = field(default_factory=list)
 
 
 @dataclass(slots=True)
 class TextPrompt:
     text: str
     add_special_tokens: bool = True  # the tokenizer's own (a BOS token, where the model has one)
+    # images the text's markers stand for, in order (an ImageRef until read); their spans once encoded
+    images: list[Any] = field(default_factory=list)
+    media: list[PromptImage] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -131,20 +141,37 @@ class ResponseMeta:
         return self.decode([token_id])
 
 
-def encode_prompt(prompt: Prompt, tokenizer, tool_format=None) -> list[int]:
+def prompt_images(prompt: Prompt) -> list[Any]:
+    """The prompt's images in order: ImageRefs as parsed, ImageInputs once read."""
+    if isinstance(prompt, TextPrompt):
+        return list(prompt.images)
+    if isinstance(prompt, ChatPrompt):
+        return [part["image"] for message in prompt.messages if isinstance(message.get("content"), list)
+                for part in message["content"] if part.get("type") == "image"]
+    return []
+
+
+def encode_prompt(prompt: Prompt, tokenizer, tool_format=None, vision: ImageProcessing | None = None) -> list[int]:
     """Prompt token ids, counted once: the same ids run on the engine and count for usage.
 
     A chat prompt is first fitted to what the template can take (see parsers.tool_prompt);
     without preserve_thinking, closed turns lose their reasoning first, prefixes included.
-    Its cache breakpoints become token positions in `prompt.cache_pins`."""
+    Its cache breakpoints become token positions in `prompt.cache_pins`. Its images (read already:
+    ImageInputs) are laid out by `vision`, the model's image preparation, their spans written in
+    `prompt.media`."""
     if isinstance(prompt, TokenPrompt):
         return list(prompt.token_ids)
     if isinstance(prompt, TextPrompt):
-        return tokenizer.encode(prompt.text, add_special_tokens=prompt.add_special_tokens)
+        if not prompt.images:
+            return tokenizer.encode(prompt.text, add_special_tokens=prompt.add_special_tokens)
+        ids, prompt.media = lay_out_images(prompt.text, prompt.images, vision, lambda text: tokenizer.encode(
+            text, add_special_tokens=prompt.add_special_tokens), "text")
+        return ids
     try:
         messages = prompt.messages if prompt.preserve_thinking else drop_closed_reasoning(prompt.messages)
         template_kwargs = {"preserve_thinking": prompt.preserve_thinking, **prompt.template_kwargs}
-        ids = _render_chat(prompt, messages, tokenizer, tool_format, prompt.add_generation_prompt, template_kwargs)
+        ids, prompt.media = _render_chat(prompt, messages, tokenizer, tool_format, prompt.add_generation_prompt,
+                                         template_kwargs, vision)
     except InvalidRequest:
         raise
     except Exception as exc:  # a template that fails on this conversation (TypeError, KeyError ...)
@@ -155,7 +182,7 @@ def encode_prompt(prompt: Prompt, tokenizer, tool_format=None) -> list[int]:
 
         def render_prefix(messages: list[dict[str, Any]]) -> list[int] | None:
             try:
-                return _render_chat(prompt, messages, tokenizer, tool_format, False, closed)
+                return _render_chat(prompt, messages, tokenizer, tool_format, False, closed, vision)[0]
             except Exception:  # the template cannot render this prefix alone: the breakpoint is dropped
                 return None
 
@@ -164,10 +191,19 @@ def encode_prompt(prompt: Prompt, tokenizer, tool_format=None) -> list[int]:
 
 
 def _render_chat(prompt: ChatPrompt, messages: list[dict[str, Any]], tokenizer, tool_format,
-                 add_generation_prompt: bool, template_kwargs: dict[str, Any]) -> list[int]:
+                 add_generation_prompt: bool, template_kwargs: dict[str, Any],
+                 vision: ImageProcessing | None) -> tuple[list[int], list[PromptImage]]:
+    """(token ids, the images' spans) of the conversation."""
     messages, tools = prepare_conversation(messages, prompt.tools, tokenizer.template_traits, tool_format)
-    return tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tools=tools,
-                                         **template_kwargs)
+    images = [part["image"] for message in messages if isinstance(message.get("content"), list)
+              for part in message["content"] if part.get("type") == "image"]
+    if not images:
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tools=tools,
+                                             **template_kwargs), []
+    text = tokenizer.render_chat_template(messages, add_generation_prompt=add_generation_prompt, tools=tools,
+                                          **template_kwargs)
+    return lay_out_images(text, images, vision, lambda text: tokenizer.encode(text, add_special_tokens=False),
+                          "messages")
 
 
 def resolve_sampling(request: GenerationRequest, num_prompt_tokens: int, model: ModelInfo,

@@ -6,6 +6,8 @@ import ipaddress
 from dataclasses import dataclass, field
 
 from ember.config import EngineConfig
+from ember.media.limits import MediaLimits
+from ember.media.sources import ImageFetching
 
 
 @dataclass(slots=True)
@@ -48,6 +50,9 @@ class ServerConfig:
     stalled_client_timeout: float = 30.0  # seconds a stream may wait for its client to read; 0: no limit
     inject_fault: str | None = None  # tests only: ember.engine.faults (from EMBER_INJECT_FAULT)
     data_parallel_size: int = 1  # engine workers behind a prefix-aware router (ember.engine.router)
+    media_limits: MediaLimits = field(default_factory=MediaLimits)  # what a request's images may take
+    image_fetching: ImageFetching = field(default_factory=ImageFetching)  # images by http(s) URL: off by default
+    max_images_encoding: int = 16  # images in requests whose prefill has not ended; one past it: 429
     engine: EngineConfig = field(default_factory=EngineConfig)
 
     def __post_init__(self) -> None:
@@ -78,6 +83,8 @@ class ServerConfig:
         if self.stalled_client_timeout < 0:
             raise ValueError(f"--stalled-client-timeout must be 0 (off) or more seconds, got "
                              f"{self.stalled_client_timeout}")
+        if self.max_images_encoding < 1:
+            raise ValueError(f"--max-images-encoding must be at least 1, got {self.max_images_encoding}")
         if self.log_stats_interval < 0:
             raise ValueError(f"--log-stats-interval must be 0 (off) or more seconds, got {self.log_stats_interval}")
 

@@ -15,6 +15,9 @@ import os
 
 from ember.config import MAX_DRAFT_TOKENS, MAX_TUNED_DRAFT_TOKENS, SPECULATION_MODES, EngineConfig, SpeculativeConfig
 from ember.engine.faults import ENV_VAR as FAULT_ENV_VAR, FaultPlan
+from ember.media.limits import (DEFAULT_MAX_IMAGE_MB, DEFAULT_MAX_IMAGE_SIDE, DEFAULT_MAX_IMAGES, DEFAULT_MEDIA_BUDGET_MB,
+                                MediaLimits)
+from ember.media.sources import DEFAULT_FETCH_TIMEOUT_S, ImageFetching
 from ember.parsers import REASONING_PARSERS, TOOL_PARSERS
 from ember.server.config import ServerConfig, is_loopback
 from ember.server.keys import read_key_file
@@ -201,6 +204,30 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     engine.add_argument("--stalled-client-timeout", type=float, default=30.0, metavar="SECONDS",
                         help="end a stream whose client has read nothing for this long, freeing its batch slot "
                              "and KV blocks (default 30; 0: never)")
+    images = p.add_argument_group("images (vision models: SmolVLM / Idefics3, Gemma 3)")
+    images.add_argument("--no-vision", action="store_true",
+                        help="serve a vision model as text only: its vision tower is not loaded and image parts get "
+                             "400 vision_disabled (default: a vision model reads images)")
+    images.add_argument("--max-images", type=int, default=DEFAULT_MAX_IMAGES, metavar="N",
+                        help=f"images one request may bring (default {DEFAULT_MAX_IMAGES})")
+    images.add_argument("--max-image-mb", type=float, default=DEFAULT_MAX_IMAGE_MB, metavar="MIB",
+                        help=f"the largest image file, in MiB (default {DEFAULT_MAX_IMAGE_MB:g})")
+    images.add_argument("--max-image-side", type=int, default=DEFAULT_MAX_IMAGE_SIDE, metavar="PIXELS",
+                        help=f"the widest and tallest image (default {DEFAULT_MAX_IMAGE_SIDE})")
+    images.add_argument("--media-budget-mb", type=float, default=DEFAULT_MEDIA_BUDGET_MB, metavar="MIB",
+                        help="what one request's images may take decoded, as 8-bit RGB, in MiB; past it 400 "
+                             f"media_budget_exceeded (default {DEFAULT_MEDIA_BUDGET_MB:g})")
+    images.add_argument("--max-images-encoding", type=int, default=16, metavar="N",
+                        help="images in requests that have not yet produced their first token; a request that "
+                             "would pass it gets 429 with Retry-After (default 16)")
+    images.add_argument("--image-urls", action="store_true",
+                        help="fetch images given by http(s) URL (default: only data URLs and base64 are read)")
+    images.add_argument("--image-fetch-timeout", type=float, default=DEFAULT_FETCH_TIMEOUT_S, metavar="SECONDS",
+                        help=f"with --image-urls: how long fetching one image may take (default "
+                             f"{DEFAULT_FETCH_TIMEOUT_S:g})")
+    images.add_argument("--image-cache-mb", type=float, default=_ENGINE_DEFAULTS.image_cache_mb, metavar="MIB",
+                        help="encoded images kept for requests that bring the same image again, in MiB "
+                             f"(default {_ENGINE_DEFAULTS.image_cache_mb:g})")
     other = p.add_argument_group("other")
     other.add_argument("--sse-keepalive", type=float, default=5.0,
                        help="seconds without an event before a stream sends a ': keep-alive' comment (default 5)")
@@ -259,7 +286,8 @@ def build_config(args: argparse.Namespace, environ=os.environ) -> ServerConfig:
                           cpu_kernels=not args.no_cpu_kernels, quantization=args.quantization,
                           attention_cost_tokens=args.attention_cost_tokens, max_pinned_kv_share=args.kv_pin_share,
                           background_wait_steps=args.background_wait_steps,
-                          speculative=speculative_config(args))
+                          speculative=speculative_config(args), vision=not args.no_vision,
+                          image_cache_mb=args.image_cache_mb)
     if args.max_request_mb <= 0:
         raise ValueError("--max-request-mb must be positive")
     fault = environ.get(FAULT_ENV_VAR) or None
@@ -288,7 +316,16 @@ def build_config(args: argparse.Namespace, environ=os.environ) -> ServerConfig:
         sampling_flags=sampling_flags, override_generation_config=args.override_generation_config,
         strict_fields=args.strict_fields, engine_worker=not args.no_engine_worker, drain_timeout=args.drain_timeout,
         stalled_client_timeout=args.stalled_client_timeout, inject_fault=fault,
-        data_parallel_size=args.data_parallel_size, engine=engine)
+        data_parallel_size=args.data_parallel_size, media_limits=media_limits(args),
+        image_fetching=ImageFetching(args.image_urls, args.image_fetch_timeout),
+        max_images_encoding=args.max_images_encoding, engine=engine)
+
+
+def media_limits(args: argparse.Namespace) -> MediaLimits:
+    if args.max_image_mb <= 0 or args.media_budget_mb <= 0 or args.image_fetch_timeout <= 0:
+        raise ValueError("--max-image-mb, --media-budget-mb and --image-fetch-timeout must be positive")
+    return MediaLimits(max_images=args.max_images, max_image_side=args.max_image_side,
+                       max_image_bytes=int(args.max_image_mb * 2**20), media_budget_bytes=int(args.media_budget_mb * 2**20))
 
 
 def parallel_flags(args: argparse.Namespace, environ=os.environ) -> dict:

@@ -17,6 +17,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from ember.constraint_spec import ConstraintSpec
+from ember.engine.messages import MediaSpan
 from ember.errors import EmberError
 from ember.protocols.errors import GenerationFailed
 from ember.protocols.json_body import parse_body
@@ -40,10 +41,13 @@ class ChoiceRun:
     """
 
     def __init__(self, engine, prompts: list[list[int]], params: list[SamplingParams], request_id: str,
-                 report_progress: bool = False, constraint: ConstraintSpec | None = None) -> None:
+                 report_progress: bool = False, constraint: ConstraintSpec | None = None,
+                 media: list[list[MediaSpan]] | None = None) -> None:
         self.engine = engine
         self.prompts = prompts  # one per choice: a request's n choices share one list, a batch's differ
         self.params = params
+        self.media = media  # each choice's prompt's images (None: none at all)
+        self.on_first_output: Callable[[], None] | None = None  # called once, when an output first arrives
         self.request_id = request_id
         self.report_progress = report_progress
         self.constraint = constraint  # the engine builds each choice a live constraint of its own from it
@@ -57,6 +61,8 @@ class ChoiceRun:
         extra = {"report_progress": True} if self.report_progress and index == 0 else {}
         if self.constraint is not None:
             extra["constraint"] = self.constraint
+        if self.media is not None and self.media[index]:
+            extra["media"] = self.media[index]
         try:
             async for output in self.engine.generate(self.prompts[index], self.params[index], request_id=request_id,
                                                      may_retry=self.may_retry, **extra):
@@ -82,6 +88,9 @@ class ChoiceRun:
         unfinished = len(self.params)
         while unfinished:
             index, output, error = await self._queue.get()
+            if self.on_first_output is not None:
+                self.on_first_output()
+                self.on_first_output = None
             if error is not None:
                 raise error
             if len(self._tasks) < len(self.params) and (output.token_ids or output.finished):
@@ -93,6 +102,9 @@ class ChoiceRun:
 
     async def close(self) -> None:
         """Cancel whatever still runs; leaving `generate` early aborts it in the engine."""
+        if self.on_first_output is not None:  # no output came: what it counted is given back all the same
+            self.on_first_output()
+            self.on_first_output = None
         for task in self._tasks:
             task.cancel()
         if self._tasks:
@@ -125,12 +137,17 @@ async def serve_generation(request: Request, dialect: Dialect) -> Response:
         meta = ResponseMeta(f"{dialect.id_prefix}{record.internal_id}", int(record.received), state.model.name,
                             state.fingerprint, state.decode, record.request_id)
         renderer = dialect.renderer(job, result, meta)
+        media = [media_spans(run.prompt) for run in runs]
         if job.batch is not None:
             choice_prompts, choice_params = prompts, [p for p, _ in fitted]
         else:
             choice_prompts, choice_params = [prompt_token_ids] * job.n, choice_seeds(params, job.n)
+            media *= job.n
         run = ChoiceRun(state.engine, choice_prompts, choice_params, record.internal_id,
-                        report_progress=job.stream and job.return_progress, constraint=constraint)
+                        report_progress=job.stream and job.return_progress, constraint=constraint,
+                        media=media if any(media) else None)
+        if run.media is not None:  # its images count as being encoded until its first output
+            run.on_first_output = state.images_encoding.take(sum(map(len, media[:len(runs)])))
         if job.stream:
             frames = stream_frames(renderer, result, run, state, record)
             response = EventStreamResponse(frames, ticket.release, state.config.sse_keepalive,
@@ -150,6 +167,12 @@ async def serve_generation(request: Request, dialect: Dialect) -> Response:
     finally:
         if ticket is not None:
             ticket.release()
+
+
+def media_spans(prompt) -> list[MediaSpan]:
+    """The engine's view of an encoded prompt's images."""
+    return [MediaSpan(item.image.sha256, item.image.data, item.start, item.stop)
+            for item in getattr(prompt, "media", ())]
 
 
 async def tokenize_only(request: Request, parse: Callable[[Any, Any], Any]) -> tuple[Any, list[int]]:

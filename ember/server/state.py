@@ -16,7 +16,8 @@ import ember
 from ember.constraint_spec import ConstraintSpec
 from ember.engine.contract import Engine
 from ember.errors import EmberError
-from ember.protocols.errors import ModelLoading, ServerUnavailable
+from ember.media.processing import ImageProcessing, load_image_processing, reads_images
+from ember.protocols.errors import ImagesBusy, ModelLoading, ServerUnavailable
 from ember.protocols.chat_reply import ChatFeatures, ReplyPlan, plan_reply
 from ember.protocols.neutral import GenerationRequest, ModelInfo, Prompt, encode_prompt
 from ember.grammar.compiler import xgrammar_installed
@@ -25,6 +26,7 @@ from ember.server.admission import Admission
 from ember.server.chat_defaults import chat_features
 from ember.server.config import ServerConfig
 from ember.server.keys import KeyRing
+from ember.server.media_input import read_prompt_images
 from ember.server.sampling_defaults import sampling_defaults
 
 logger = logging.getLogger("ember.server")
@@ -48,6 +50,7 @@ class LoadedModel:
     dtype: str = ""
     chat: ChatFeatures = field(default_factory=ChatFeatures)
     batch_invariance: dict[str, Any] = field(default_factory=dict)  # the engine's InvarianceReport.as_dict()
+    vision: ImageProcessing | None = None  # how its images are laid into prompts; None: it reads none
 
 
 def load_model(config: ServerConfig) -> LoadedModel:
@@ -61,6 +64,10 @@ def load_model(config: ServerConfig) -> LoadedModel:
         tokenizer.chat_template = config.chat_template
     chat = chat_features(config, tokenizer)
     _ = tokenizer.token_bytes, tokenizer.template_traits  # built now rather than on the first request
+    vision = None
+    if reads_images(source.hf_config, config.engine.vision):
+        vision = load_image_processing(source.hf_config["model_type"], source.path, source.hf_config,
+                                       tokenizer.hf.convert_tokens_to_ids)
     engine = _start_engine(config, source)
     info = engine.info
     defaults = sampling_defaults(getattr(source, "generation_config", None) or {}, config.override_generation_config,
@@ -69,7 +76,7 @@ def load_model(config: ServerConfig) -> LoadedModel:
         engine=engine, tokenizer=tokenizer, name=source.name, path=source.path,
         max_model_len=info.max_model_len, vocab_size=info.vocab_size, kv_capacity_tokens=info.kv_capacity_tokens,
         sampling_defaults=defaults, dtype=info.dtype, chat=chat,
-        batch_invariance=info.batch_invariance)
+        batch_invariance=info.batch_invariance, vision=vision)
 
 
 def _start_engine(config: ServerConfig, source) -> Engine:
@@ -110,6 +117,29 @@ def _single_token_id(tokenizer, vocab_size: int, text: str) -> int | None:
     return ids[0]
 
 
+class ImagesEncoding:
+    """The images of requests whose prefill has not ended: at most `limit` at once, past it 429."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.count = 0
+
+    def take(self, count: int) -> Callable[[], None]:
+        """Count a request's images (ImagesBusy past the limit); returns what gives them back."""
+        if self.count + count > self.limit and self.count:
+            raise ImagesBusy(self.count, self.limit)
+        self.count += count
+        given_back = False
+
+        def give_back() -> None:
+            nonlocal given_back
+            if not given_back:
+                given_back = True
+                self.count -= count
+
+        return give_back
+
+
 class ServerState:
     def __init__(self, config: ServerConfig, loader: Callable[[ServerConfig], LoadedModel] = load_model) -> None:
         self.config = config
@@ -123,6 +153,7 @@ class ServerState:
         self.admission = Admission(config.max_running, config.max_pending, config.pending_timeout,
                                    config.max_pending_per_tenant)
         self.keys = KeyRing(config.api_key, config.api_key_file)
+        self.images_encoding = ImagesEncoding(config.max_images_encoding)
         self.runs: set = set()  # live ChoiceRuns, stopped when the server stops
         self.ready_hooks: list[Callable[[LoadedModel], None]] = []  # observers of the model becoming ready
         self.load_failed_hooks: list[Callable[[str], None]] = []  # observers of a failed load, given the reason
@@ -233,10 +264,14 @@ class ServerState:
         return self.loaded.engine
 
     async def encode(self, prompt: Prompt) -> list[int]:
-        """Prompt token ids, rendered and tokenized off the event loop."""
+        """Prompt token ids, rendered and tokenized off the event loop; its images read first (their
+        spans are then in `prompt.media`)."""
+        config, loaded = self.config, self.loaded
+        await read_prompt_images(prompt, loaded.vision is not None, config.media_limits, config.image_fetching,
+                                 self._prompt_pool)
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._prompt_pool, encode_prompt, prompt, self.loaded.tokenizer,
-                                          self.model.chat.tool_format)
+        return await loop.run_in_executor(self._prompt_pool, encode_prompt, prompt, loaded.tokenizer,
+                                          self.model.chat.tool_format, loaded.vision)
 
     def reply_plan(self, job: GenerationRequest, prompt_token_ids: list[int]) -> ReplyPlan | None:
         """How a chat request's replies are parsed and steered (None: plain text)."""
