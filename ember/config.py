@@ -37,6 +37,9 @@ class ModelConfig:
     # config.json as read (a multimodal config's text part): the fields only one architecture
     # uses (experts, soft-capping, ...) are read from it by that architecture's model file
     hf: dict[str, Any] = field(default_factory=dict, repr=False)
+    # a multimodal checkpoint's whole config.json (its vision_config, image token and projector
+    # settings, read by the model file); empty for a text-only model
+    multimodal: dict[str, Any] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         if self.num_attention_heads % self.num_key_value_heads:
@@ -63,9 +66,15 @@ class ModelConfig:
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any]) -> "ModelConfig":
-        """Build from a Hugging Face config.json dict."""
+        """Build from a Hugging Face config.json dict. A multimodal config's text part shapes the
+        model; its tie_word_embeddings is the outer config's where that names one (transformers ties
+        by the top-level model's config)."""
+        multimodal: dict[str, Any] = {}
         if "text_config" in hf and "hidden_size" not in hf:
+            multimodal = dict(hf)
             hf = {**hf["text_config"], "model_type": hf.get("model_type")}
+            if "tie_word_embeddings" in multimodal:
+                hf["tie_word_embeddings"] = multimodal["tie_word_embeddings"]
         try:
             heads = hf["num_attention_heads"]
             eos = hf.get("eos_token_id")
@@ -99,6 +108,7 @@ class ModelConfig:
                 eos_token_ids=[] if eos is None else ([eos] if isinstance(eos, int) else list(eos)),
                 layer_windows=sliding_windows(hf, max_positions),
                 hf=dict(hf),
+                multimodal=multimodal,
             )
         except KeyError as missing:
             raise ModelLoadError(f"the model's config lacks the field {missing}") from None

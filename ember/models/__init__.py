@@ -6,9 +6,10 @@ import importlib
 
 from ember.errors import ModelLoadError
 
-SUPPORTED_ARCHITECTURES = ("gemma3_text", "llama", "mistral", "phi3", "qwen2", "qwen3", "qwen3_moe")
+SUPPORTED_ARCHITECTURES = ("gemma3", "gemma3_text", "idefics3", "llama", "mistral", "phi3", "qwen2", "qwen3",
+                           "qwen3_moe")
 # model_type -> the module that implements it
-ALIASES = {"gemma3": "gemma3_text"}  # a multimodal Gemma 3 checkpoint: its text config and weights
+ALIASES = {"smolvlm": "idefics3"}  # SmolVLM is Idefics3 under another name
 
 
 def get_model_class(model_type: str) -> type:

@@ -11,12 +11,12 @@ What differs from the Llama decoder:
 - the MLP's activation is tanh-approximated GELU; the LM head is the embedding table (tied);
 - final_logit_softcapping, when set, squashes the logits: cap * tanh(logits / cap).
 A config with attn_logit_softcapping (Gemma 2) is refused: ember's attention kernels do not cap scores.
-Multimodal checkpoints (model_type gemma3 with a text_config) load their language model only.
+Multimodal checkpoints (model_type gemma3) are models.gemma3: this decoder with a vision tower.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -26,13 +26,9 @@ from torch import nn
 from ember.config import ModelConfig
 from ember.errors import ModelLoadError
 from ember.models.layers import (Embedding, Linear, MergedLinear, QKVLinear, RotaryEmbedding, apply_rotary,
-                                 linear, load_checkpoint)
+                                 linear, load_checkpoint, replace_rows)
 
 FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
-# a multimodal checkpoint's language model, under the names of a text-only one
-_PREFIXES = (("model.language_model.", "model."), ("language_model.model.", "model."),
-             ("language_model.lm_head.", "lm_head."))
-_NOT_TEXT = ("vision_tower", "multi_modal_projector")
 
 
 class GemmaRMSNorm(nn.Module):
@@ -127,25 +123,15 @@ class Decoder(nn.Module):
         windows = config.layer_windows or [None] * config.num_hidden_layers
         self.layer_kinds = ["sliding_attention" if w else "full_attention" for w in windows]
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: Any) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: Any,
+                embeds: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """embeds: (rows, values) that replace those rows' scaled token embeddings (layers.replace_rows)."""
         x = self.embed_tokens(input_ids)  # (T, hidden)
-        x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
+        x = replace_rows(x * torch.tensor(self.embed_scale, dtype=x.dtype), embeds)
         tables = {kind: rotary(positions, x.dtype) for kind, rotary in self.rotary.items()}
         for layer, kind in zip(self.layers, self.layer_kinds):
             x = layer(x, *tables[kind], attn)
         return self.norm(x)
-
-
-def text_weights(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
-    """A multimodal checkpoint's language-model tensors under text-only names; others dropped."""
-    for name, tensor in weights:
-        if any(part in name for part in _NOT_TEXT):
-            continue
-        for old, new in _PREFIXES:
-            if name.startswith(old):
-                name = new + name[len(old):]
-                break
-        yield name, tensor
 
 
 class Model(nn.Module):
@@ -171,4 +157,4 @@ class Model(nn.Module):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         skip = ("lm_head.weight",) if self.lm_head is self.model.embed_tokens else ()
-        load_checkpoint(self, text_weights(weights), FUSED, skip)
+        load_checkpoint(self, weights, FUSED, skip)

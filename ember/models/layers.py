@@ -8,7 +8,7 @@ Parameters are created empty (the loader fills them) and without autograd.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -267,6 +267,15 @@ class VocabParallelEmbedding(Embedding):
         return rows
 
 
+def replace_rows(x: torch.Tensor, embeds: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+    """x (T, hidden) with its rows embeds[0] (R,) replaced by embeds[1] (R, hidden): how image
+    embeddings take the place of their placeholder tokens before the first layer. None: x as it is."""
+    if embeds is None:
+        return x
+    rows, values = embeds
+    return x.index_copy(0, rows.to(x.device), values.to(device=x.device, dtype=x.dtype))
+
+
 class RMSNorm(nn.Module):
     """Normalise in float32, cast back to the input dtype, then scale (transformers' order).
     `fused`: one call of ember's CPU kernel per step instead of six torch ops (use_fused_ops)."""
@@ -450,6 +459,18 @@ def use_tensor_parallel(model: nn.Module, parallel: TensorParallel) -> None:
 
 # ---------------------------------------------------------------------------------------------
 # Weight loading
+
+def rename_prefixes(weights: Iterable[tuple[str, Any]], prefixes: tuple[tuple[str, str], ...]
+                    ) -> Iterator[tuple[str, Any]]:
+    """Checkpoint names under the model's own: the first (old, new) prefix a name starts with is
+    replaced; other names pass as they are."""
+    for name, tensor in weights:
+        for old, new in prefixes:
+            if name.startswith(old):
+                name = new + name[len(old):]
+                break
+        yield name, tensor
+
 
 def load_checkpoint(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor | QuantBlocks]],
                     fused: dict[str, tuple[str, ...]], skip: tuple[str, ...] = ()) -> None:

@@ -14,7 +14,7 @@ from torch import nn
 
 from ember.config import ModelConfig
 from ember.models.layers import (GatedMLP, Linear, QKVLinear, RMSNorm, RotaryEmbedding, RowParallelLinear,
-                                 VocabParallelEmbedding, apply_rotary, linear, load_checkpoint)
+                                 VocabParallelEmbedding, apply_rotary, linear, load_checkpoint, replace_rows)
 from ember.models.sharding import TensorParallel
 from ember.models.layer_stack import LayerStack
 
@@ -96,8 +96,10 @@ class Decoder(nn.Module):
         self.fused = False  # the layers may run as one kernel call (use_fused_ops, _layer_stack)
         self._stack: LayerStack | bool | None = None  # None: not decided yet
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: Any) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)  # (T, hidden)
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: Any,
+                embeds: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """embeds: (rows, values) that replace those rows' token embeddings (layers.replace_rows)."""
+        x = replace_rows(self.embed_tokens(input_ids), embeds)  # (T, hidden)
         cos, sin = self.rotary(positions, x.dtype)  # shared by every layer
         stack = self._layer_stack()
         stacked = stack.run(x, cos, sin, attn) if stack is not None else None

@@ -11,10 +11,16 @@ class ReferenceAttention:
 
     Call `set_positions` before each forward with that forward's positions (T,); prefill, chunked
     prefill and decode steps are then all the same call.
+
+    image_groups (the sequence's length,): per position, the image whose tokens attend to each other
+    in both directions (Gemma 3's prefill), -1 for every other token. A query then also sees the
+    later keys of its own image that the same forward holds; a sliding window still bounds it
+    (transformers: window AND (causal OR same image)).
     """
 
-    def __init__(self, windows: list[int | None] | None = None) -> None:
+    def __init__(self, windows: list[int | None] | None = None, image_groups: torch.Tensor | None = None) -> None:
         self.windows = windows or []  # per layer: its sliding window, None (or none listed) for global
+        self.image_groups = image_groups
         self.keys: dict[int, torch.Tensor] = {}  # layer -> (S, kv_heads, head_dim)
         self.values: dict[int, torch.Tensor] = {}
         self.key_positions: dict[int, torch.Tensor] = {}  # layer -> (S,)
@@ -40,6 +46,9 @@ class ReferenceAttention:
         v = v.repeat_interleave(groups, dim=1)
         scores = torch.einsum("thd,shd->hts", q.float(), k.float()) * q.shape[-1] ** -0.5
         allowed = key_positions[None, :] <= self.positions[:, None]  # (T, S)
+        if self.image_groups is not None:
+            query_group = self.image_groups[self.positions][:, None]
+            allowed |= (query_group == self.image_groups[key_positions][None, :]) & (query_group >= 0)
         window = self.windows[layer_idx] if self.windows else None
         if window is not None:
             allowed &= key_positions[None, :] > self.positions[:, None] - window

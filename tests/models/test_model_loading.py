@@ -13,7 +13,8 @@ from ember.models import llama, qwen2, qwen3, qwen3_moe
 
 
 def test_get_model_class_finds_each_architecture():
-    assert SUPPORTED_ARCHITECTURES == ("gemma3_text", "llama", "mistral", "phi3", "qwen2", "qwen3", "qwen3_moe")
+    assert SUPPORTED_ARCHITECTURES == ("gemma3", "gemma3_text", "idefics3", "llama", "mistral", "phi3", "qwen2",
+                                       "qwen3", "qwen3_moe")
     assert get_model_class("llama") is llama.Model
     assert issubclass(get_model_class("mistral"), llama.Model)
     assert get_model_class("qwen2") is qwen2.Model

@@ -318,7 +318,7 @@ def test_refuses_an_unsupported_architecture(tmp_path):
         load_model_source(str(path), cache_dir=tmp_path / "cache")
     message = str(caught.value)
     assert "'gemma2' is not supported" in message
-    assert "supported: gemma3, gemma3_text, llama, mistral, phi3, qwen2, qwen3, qwen3_moe" in message
+    assert "supported: gemma3, gemma3_text, idefics3, llama, mistral, phi3, qwen2, qwen3, qwen3_moe, smolvlm" in message
     assert "\n" not in message
 
 

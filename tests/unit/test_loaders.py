@@ -148,8 +148,9 @@ def test_refuses_a_folder_without_config(tmp_path):
 
 def test_refuses_an_unsupported_model_type(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_layer": 2}))
-    with pytest.raises(ModelLoadError, match=r"architecture 'gpt2' is not supported by ember "
-                                             r"\(supported: gemma3, gemma3_text, llama, mistral, phi3, qwen2, qwen3, qwen3_moe\)"):
+    supported = "gemma3, gemma3_text, idefics3, llama, mistral, phi3, qwen2, qwen3, qwen3_moe, smolvlm"
+    with pytest.raises(ModelLoadError,
+                       match=rf"architecture 'gpt2' is not supported by ember \(supported: {supported}\)"):
         load_model_source(str(tmp_path))
 
 
