@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import itertools
 import time
 from pathlib import Path
@@ -10,10 +11,13 @@ from typing import Any, Iterable, Iterator, Sequence, Union
 from ember.config import EngineConfig
 from ember.engine.core import EngineCore
 from ember.engine.driver import EngineDriver
-from ember.engine.messages import Abort, Add
+from ember.engine.messages import Abort, Add, MediaSpan
 from ember.engine.outputs import RequestTracker
 from ember.errors import InvalidRequest
 from ember.loaders import source_opener
+from ember.media.image import ImageInput, read_image
+from ember.media.limits import MediaLimits
+from ember.media.prompt import lay_out_images
 from ember.types import GenerationOutput, SamplingParams
 
 Message = dict[str, Any]
@@ -44,6 +48,7 @@ class LLM:
             group = start_leader(WorkerSettings(model, str(cache_dir) if cache_dir else None, revision,
                                                 str(ollama_models) if ollama_models else None, None, config))
         self.driver = EngineDriver(EngineCore.from_source(self.source, config, open_source, group), self.tokenizer)
+        self.vision = self.engine.images.processing if self.engine.images is not None else None
         self._ids = itertools.count()
 
     @property
@@ -81,8 +86,8 @@ class LLM:
         finished: dict[str, GenerationOutput] = {}
         try:
             for prompt, params in requests:
-                token_ids = self.encode_prompt(prompt)
-                add = Add(f"llm-{next(self._ids)}", token_ids, params, arrival_time=time.time())
+                token_ids, media = self.encode_with_images(prompt)
+                add = Add(f"llm-{next(self._ids)}", token_ids, params, arrival_time=time.time(), media=media)
                 self.driver.admit(add)
                 trackers[add.request_id] = RequestTracker(add.request_id, token_ids, params,
                                                           self.tokenizer.hf.backend_tokenizer, add.arrival_time)
@@ -104,12 +109,27 @@ class LLM:
         return self.generate([messages], sampling_params)[0]
 
     def encode_prompt(self, prompt: Prompt) -> list[int]:
+        return self.encode_with_images(prompt)[0]
+
+    def encode_with_images(self, prompt: Prompt) -> tuple[list[int], list[MediaSpan]]:
+        """(token ids, the images' spans). A chat message's content may be a list of parts:
+        {"type": "text", "text": ...} and, for a vision model, {"type": "image", "image": ...} with
+        the image file's bytes, its path, or a PIL image."""
         if isinstance(prompt, str):
-            return self.tokenizer.encode(prompt, add_special_tokens=True)
+            return self.tokenizer.encode(prompt, add_special_tokens=True), []
         if prompt and all(isinstance(m, dict) for m in prompt):
-            return self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True)
+            images = [_read_image(part["image"]) for m in prompt if isinstance(m.get("content"), list)
+                      for part in m["content"] if part.get("type") == "image"]
+            if not images:
+                return self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True), []
+            if self.vision is None:
+                raise InvalidRequest("this model reads no images", param="prompts", code="vision_disabled")
+            text = self.tokenizer.render_chat_template(prompt, add_generation_prompt=True)
+            ids, spans = lay_out_images(text, images, self.vision,
+                                        lambda text: self.tokenizer.encode(text, add_special_tokens=False), "prompts")
+            return ids, [MediaSpan(s.image.sha256, s.image.data, s.start, s.stop) for s in spans]
         if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            return list(prompt)
+            return list(prompt), []
         raise InvalidRequest("a prompt must be a string, a list of token ids or a list of chat messages",
                              param="prompts")
 
@@ -123,3 +143,14 @@ def _as_batch(prompts) -> list[Prompt]:
     if isinstance(first, (int, dict)):  # one token list or one conversation
         return [list(prompts)]
     return list(prompts)
+
+
+def _read_image(image: bytes | str | Path | Any) -> ImageInput:
+    """An image part's image (a file's bytes, its path, or a PIL image), checked as a server checks one."""
+    if isinstance(image, (str, Path)):
+        image = Path(image).read_bytes()
+    elif not isinstance(image, (bytes, bytearray)):  # a PIL image: its pixels, losslessly
+        buffer = io.BytesIO()
+        image.save(buffer, format="PNG")
+        image = buffer.getvalue()
+    return read_image(bytes(image), "prompts", MediaLimits())
