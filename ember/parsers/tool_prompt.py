@@ -15,6 +15,7 @@ from typing import Any
 from ember.parsers.events import ToolSpec
 from ember.parsers.tool_format import ToolFormat
 from ember.tokenization.chat_prompt import TemplateTraits, system_into_first_user
+from ember.tokenization.message_content import build_content
 
 
 def prepare_conversation(messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None,
@@ -52,9 +53,9 @@ def _history_as_text(messages: list[dict[str, Any]], tool_format: ToolFormat) ->
             message = {k: v for k, v in message.items() if k != "tool_calls"}
             message["content"] = "\n".join(([text] if text else []) + calls)
         elif message.get("role") == "tool":
-            response = f"<tool_response>\n{message.get('content', '')}\n</tool_response>"
+            response = build_content(["<tool_response>\n", message.get("content") or "", "\n</tool_response>"])
             if result and result[-1].get("ember_tool_results"):
-                result[-1]["content"] += "\n" + response
+                result[-1]["content"] = build_content([result[-1]["content"], "\n", response])
                 continue
             message = {"role": "user", "content": response, "ember_tool_results": True}
         result.append(message)

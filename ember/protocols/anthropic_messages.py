@@ -3,8 +3,10 @@
 The conversation becomes chat-template messages: `system` (a string or text blocks; Claude Code's
 billing-header block dropped) leads, `user` / `assistant` / `system` turns follow in order, with
 consecutive turns of one role joined. tool_result blocks become `tool` messages, tool_use blocks
-assistant `tool_calls`, thinking blocks `reasoning_content`. A final assistant turn of text is a
-prefill that the reply continues. The rendering lives in anthropic_render.py.
+assistant `tool_calls`, thinking blocks `reasoning_content`; image blocks (in user turns and tool
+results) become image parts of their message's content (tokenization.message_content). A final
+assistant turn of text is a prefill that the reply continues. The rendering lives in
+anthropic_render.py.
 """
 
 from __future__ import annotations
@@ -24,11 +26,13 @@ from ember.protocols.chat_reply import (
 )
 from ember.protocols.errors import unsupported
 from ember.protocols.fields import Fields, as_string, json_type
+from ember.protocols.image_parts import misplaced_image, read_anthropic_image
 from ember.protocols.neutral import ChatPrompt, Dialect, GenerationRequest, ModelInfo, build_sampling_params
 from ember.protocols.sampling_fields import read_max_tokens, read_sampling_fields, read_single_choice
 from ember.protocols.structured import check_grammar_with_tools, read_flat_format
 from ember.protocols.thinking import read_preserve_thinking, settle_thinking
 from ember.protocols.unknown_fields import reads_fields
+from ember.tokenization.message_content import build_content, content_length, image_part
 
 BILLING_HEADER = "x-anthropic-billing-header:"
 MIN_THINKING_BUDGET = 1024
@@ -36,9 +40,8 @@ MAX_STOP_SEQUENCES = 64
 MAX_TOKENS_NAMES = ("max_tokens", "max_completion_tokens")
 ROLES = ("user", "assistant", "system")
 EFFORTS = {"low": "low", "medium": "medium", "high": "high", "xhigh": "xhigh", "max": "xhigh"}
-# Blocks a text-only model without Anthropic's server tools cannot take, and why.
+# Blocks ember cannot take (it runs none of Anthropic's server tools), and why.
 REFUSED_BLOCKS = {
-    "image": "this model takes text only",
     "document": "documents are not supported; send their text in a text block",
     "search_result": "search result blocks are not supported; send their text in a text block",
     "redacted_thinking": "redacted thinking cannot be restored by ember (it holds no readable text)",
@@ -232,21 +235,26 @@ def read_blocks(m: Fields, role: str, marks: AnthropicBreakpoints, *,
     return blocks
 
 
-_ALLOWED = {"text": ROLES, "tool_result": ("user",), "tool_use": ("assistant",), "thinking": ("assistant",)}
+_ALLOWED = {"text": ROLES, "image": ("user",), "tool_result": ("user",), "tool_use": ("assistant",),
+            "thinking": ("assistant",)}
 
 
 def check_block(block: Fields, kind: str, role: str) -> None:
+    if kind == "image" and role != "user":
+        raise misplaced_image(block.path, role)
     if kind in REFUSED_BLOCKS:
         raise InvalidRequest(f"{block.path}: {kind} blocks are not supported: {REFUSED_BLOCKS[kind]}",
                              param=block.path, code="unsupported_content")
     if kind not in _ALLOWED:
-        raise InvalidRequest(f"{block.path}: {kind} blocks are not supported (ember takes text, tool_use, "
+        raise InvalidRequest(f"{block.path}: {kind} blocks are not supported (ember takes text, image, tool_use, "
                              f"tool_result and thinking blocks; server tools run on Anthropic's side only)",
                              param=block.path, code="unsupported_content")
     if role not in _ALLOWED[kind]:
         raise InvalidRequest(f"{block.path}: a {kind} block cannot appear in a {role} message", param=block.path)
     if kind == "text":
         as_string(block.raw("text"), block.path_of("text"))
+    elif kind == "image":
+        read_anthropic_image(block)
     elif kind == "thinking":
         as_string(block.raw("thinking"), block.path_of("thinking"))
         block.string("signature")
@@ -259,59 +267,64 @@ def check_block(block: Fields, kind: str, role: str) -> None:
         if block.string("tool_use_id", non_empty=True) is None:
             raise InvalidRequest(f"{block.path_of('tool_use_id')} is required", param=block.path_of("tool_use_id"))
         block.boolean("is_error")
-        tool_result_text(block)
+        tool_result_content(block)
 
 
-def tool_result_text(block: Fields) -> str:
+def tool_result_content(block: Fields) -> Any:
+    """A tool_result's text and images in order, as a neutral message's content."""
     content = block.raw("content")
     path = block.path_of("content")
-    if content is None:
-        text = ""
-    elif isinstance(content, str):
-        text = content
+    pieces: list[Any] = []
+    if isinstance(content, str):
+        pieces.append(content)
     elif isinstance(content, list):
-        parts = []
         for k, item in enumerate(content):
             part = Fields(item, f"{path}[{k}]")
             kind = part.string("type")
-            if kind != "text":
-                reason = REFUSED_BLOCKS.get(kind or "", "a tool result may hold text blocks only")
+            if kind == "text":
+                pieces.append(as_string(part.raw("text"), part.path_of("text")))
+            elif kind == "image":
+                pieces.append(image_part(read_anthropic_image(part)))
+            else:
+                reason = REFUSED_BLOCKS.get(kind or "", "a tool result may hold text and image blocks only")
                 raise InvalidRequest(f"{part.path}: {kind} blocks are not supported in a tool result: {reason}",
                                      param=part.path, code="unsupported_content")
-            parts.append(as_string(part.raw("text"), part.path_of("text")))
-        text = "".join(parts)
-    else:
-        raise InvalidRequest(f"{path} must be a string or an array of text blocks, not {json_type(content)}",
-                             param=path)
+    elif content is not None:
+        raise InvalidRequest(f"{path} must be a string or an array of text and image blocks, not "
+                             f"{json_type(content)}", param=path)
     # A failed tool says so in the prompt, where the model can read it.
-    return f"Error: {text}" if block.boolean("is_error", False) else text
+    return build_content(["Error: " if block.boolean("is_error", False) else "", *pieces])
 
 
 def turn_messages(turn: _Turn) -> list[dict[str, Any]]:
-    """A turn's neutral messages, each marked where a block of it carries cache_control: text at the
-    end of that block's text, other blocks (results, calls, thinking) at the end of their message."""
-    texts: list[str] = []
+    """A turn's neutral messages, each marked where a block of it carries cache_control: text and
+    images at the end of that block in the content, other blocks (results, calls, thinking) at the
+    end of their message."""
+    pieces: list[Any] = []
     text_cuts: list[tuple[int | None, float]] = []
     whole_ttls: list[float] = []
     for kind, block, ttl in turn.blocks:
         if kind == "text":
-            texts.append(block.raw("text"))
+            pieces.append(block.raw("text"))
+        elif kind == "image":
+            pieces.append(image_part(read_anthropic_image(block)))
         if ttl is not None and kind != "tool_result":
-            if kind == "text":
-                text_cuts.append((sum(map(len, texts)), ttl))
+            if kind in ("text", "image"):
+                text_cuts.append((content_length(build_content(pieces)), ttl))
             else:
                 whole_ttls.append(ttl)
+    content = build_content(pieces)
     if turn.role == "system":
-        return [_marked({"role": "system", "content": "".join(texts)}, text_cuts)]
+        return [_marked({"role": "system", "content": content}, text_cuts)]
     if turn.role == "user":
         # Tool results answer the assistant's calls, so they come first; the turn's text follows.
         results = [_marked({"role": "tool", "tool_call_id": block.raw("tool_use_id"),
-                            "content": tool_result_text(block)}, [] if ttl is None else [(None, ttl)])
+                            "content": tool_result_content(block)}, [] if ttl is None else [(None, ttl)])
                    for kind, block, ttl in turn.blocks if kind == "tool_result"]
-        if texts or not results:
-            return results + [_marked({"role": "user", "content": "".join(texts)}, text_cuts)]
+        if pieces or not results:
+            return results + [_marked({"role": "user", "content": content}, text_cuts)]
         return results
-    message: dict[str, Any] = {"role": "assistant", "content": "".join(texts)}
+    message: dict[str, Any] = {"role": "assistant", "content": content}
     reasoning = "".join(block.raw("thinking") for kind, block, _ in turn.blocks if kind == "thinking")
     if reasoning:
         message["reasoning_content"] = reasoning  # the visible text; the signature is not checked

@@ -2,7 +2,8 @@
 
 A dialect reads its hints (Anthropic's `cache_control`, OpenAI's `prompt_cache_breakpoint` and
 `prompt_cache_options`) and marks the neutral messages it builds: `mark(message, cut, ttl_s)`, where
-`cut` is how many characters of the message's content the prefix keeps (None: the whole message).
+`cut` is how much of the message's content the prefix keeps, in characters of text and one unit
+per image (tokenization.message_content), None: the whole message.
 `collect_breakpoints` takes the marks off once the conversation is final and returns
 `Breakpoint`s. When the prompt is encoded, each becomes a token position (`cache_pins`): how far
 the prompt's token ids agree with the conversation rendered only up to the breakpoint. That
@@ -18,6 +19,7 @@ from typing import Any, Callable, Sequence
 
 from ember.errors import InvalidRequest
 from ember.protocols.fields import Fields
+from ember.tokenization.message_content import content_length, cut_content
 from ember.types import CachePin
 
 MARK = "ember_cache_breakpoints"  # bookkeeping key on a neutral message; removed before rendering
@@ -31,8 +33,8 @@ _MAX_TTL_S = 24 * 3600.0
 
 @dataclass(frozen=True, slots=True)
 class Breakpoint:
-    """The prefix ends after messages[:num_messages], the last of them cut to `cut` characters of
-    content (None: whole)."""
+    """The prefix ends after messages[:num_messages], the last of them cut to `cut` units of content
+    (characters, one per image; None: whole)."""
 
     num_messages: int
     cut: int | None
@@ -59,9 +61,9 @@ def collect_breakpoints(messages: list[dict[str, Any]]) -> list[Breakpoint]:
 
 def probe_messages(messages: Sequence[dict[str, Any]], breakpoint: Breakpoint) -> list[dict[str, Any]]:
     probe = [dict(m) for m in messages[:breakpoint.num_messages]]
-    if probe and breakpoint.cut is not None and breakpoint.cut < len(probe[-1].get("content") or ""):
+    if probe and breakpoint.cut is not None and breakpoint.cut < content_length(probe[-1].get("content")):
         last = probe[-1]
-        last["content"] = last["content"][:breakpoint.cut]
+        last["content"] = cut_content(last["content"], breakpoint.cut)
         last.pop("tool_calls", None)  # calls follow the text; the cut comes before them
     return probe
 

@@ -1,5 +1,6 @@
 """SGLang's native `POST /generate`: text or token ids in (one prompt or a batch), `sampling_params`,
-and `text`, `output_ids` and `meta_info` out, whole or streamed.
+and `text`, `output_ids` and `meta_info` out, whole or streamed. A single text prompt may carry
+images (`image_data`), its text writing the model's image marker where each goes.
 
 A batch (a list of texts or of token lists) runs its prompts together, one choice each; the answer
 is a list in the batch's order. Streams send cumulative `text` and `output_ids` (SGLang's default),
@@ -13,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ember.errors import EmberError, InvalidRequest
+from ember.media.sources import BASE64, ImageRef, image_ref
 from ember.protocols.errors import OPENAI_ERRORS, openai_error_body, unsupported
 from ember.protocols.fields import Fields, as_integer, as_string, json_type
 from ember.protocols.neutral import (
@@ -40,8 +42,7 @@ _GRAMMAR_KEYS = (("json_schema", json_schema_spec), ("regex", regex_spec), ("ebn
 # top-level fields of SGLang's request that ember understands and cannot honour (when set)
 _REFUSED = {
     "input_embeds": "input_embeds is not supported; send text or input_ids",
-    "image_data": "this server takes text only", "video_data": "this server takes text only",
-    "audio_data": "this server takes text only",
+    "video_data": "this server reads no video", "audio_data": "this server reads no audio",
     "lora_path": "LoRA adapters are not supported by this server",
     "session_params": "sessions are not supported by this server",
     "custom_logit_processor": "custom logit processors are not supported by this server",
@@ -69,6 +70,7 @@ def parse_generate(body: Any, model: ModelInfo) -> GenerationRequest:
     if f.boolean("return_hidden_states", False):
         raise unsupported("return_hidden_states", "hidden states are not returned by this server")
     prompts, prompt_param, is_batch = _read_prompts(f, model.vocab_size)
+    _read_images(f, model, prompts, is_batch)
     logprobs, logprob_token_ids = _read_logprobs(f, model.vocab_size)
     params, grammar = _read_sampling_params(f, model, len(prompts), is_batch, logprobs, logprob_token_ids)
     rids = _read_rids(f, len(prompts), is_batch)
@@ -104,6 +106,45 @@ def _read_prompts(f: Fields, vocab_size: int) -> tuple[list[TextPrompt | TokenPr
             raise InvalidRequest(f"input_ids[{i}] must be a non-empty array of token ids", param=f"input_ids[{i}]")
         prompts.append(TokenPrompt(_token_ids(item, f"input_ids[{i}]", vocab_size)))
     return prompts, "input_ids", True
+
+
+def _read_images(f: Fields, model: ModelInfo, prompts: list[TextPrompt | TokenPrompt], is_batch: bool) -> None:
+    """`image_data`: one image or a list (each a data URL, base64 or an http(s) URL), the images of
+    a single text prompt whose text writes the model's image marker once where each goes."""
+    raw = f.raw("image_data")
+    if raw is None or raw == []:
+        return
+    marker = model.image_marker
+    if marker is None:
+        raise InvalidRequest("image_data holds images, and this server reads none (a text-only model, or "
+                             "--no-vision)", param="image_data", code="vision_disabled")
+    if is_batch:
+        raise unsupported("image_data", "a batch cannot carry images; send each prompt with its images in a request "
+                                        "of its own")
+    prompt = prompts[0]
+    if not isinstance(prompt, TextPrompt):
+        raise unsupported("image_data", f"images need a text prompt whose text writes {marker} where each image "
+                                        "goes; send text, not input_ids")
+    if isinstance(raw, str):
+        values = [(raw, "image_data")]
+    elif isinstance(raw, list):
+        values = [(value, f"image_data[{i}]") for i, value in enumerate(raw)]
+    else:
+        raise InvalidRequest(f"image_data must be a string or an array of strings, not {json_type(raw)}",
+                             param="image_data")
+    refs = [_image_ref(as_string(value, param, non_empty=True), param) for value, param in values]
+    count = prompt.text.count(marker)
+    if count != len(refs):
+        raise InvalidRequest(f"text writes the image marker {marker} {count} times for {len(refs)} images in "
+                             f"image_data; write it once where each image goes", param="text")
+    prompt.images = refs
+
+
+def _image_ref(value: str, param: str) -> ImageRef:
+    """SGLang's image string: a URL (a data URL or an http(s) URL), else base64 (which holds no colon)."""
+    if ":" in value[:32]:
+        return image_ref(value, param)
+    return ImageRef(BASE64, value, param)
 
 
 def _batch_list(value: Any, param: str, expected: str) -> list:

@@ -84,6 +84,7 @@ class ModelInfo:
     default_seed: int | None = None  # the seed of sampled requests that bring none (--seed); None: a fresh one each
     # text -> the id of the one token it encodes to, None when it takes more or fewer tokens
     single_token_id: Callable[[str], int | None] = lambda text: None
+    image_marker: str | None = None  # what stands for an image in a text prompt; None: the model reads no images
 
     def accepts(self, model: str) -> bool:
         return model == self.name or model in self.aliases

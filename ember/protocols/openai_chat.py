@@ -11,6 +11,7 @@ from ember.protocols.cache_hints import (
     OpenAICacheOptions, collect_breakpoints, mark, openai_writes, read_openai_breakpoint, read_openai_cache_options,
 )
 from ember.protocols.fields import Fields, as_string, json_type
+from ember.protocols.image_parts import misplaced_image, read_chat_image
 from ember.protocols.chat_reply import read_template_kwargs, template_tools
 from ember.protocols.neutral import ChatPrompt, ChoiceResult, Dialect, GenerationRequest, ModelInfo
 from ember.protocols.openai_chat_options import read_chat_options
@@ -25,12 +26,14 @@ from ember.parsers.events import ContentText, ReasoningText, ToolCallDelta, Tool
 from ember.protocols.sse import ServerEvent
 from ember.types import FinishReason, GenerationOutput
 from ember.protocols.unknown_fields import reads_fields
+from ember.tokenization.message_content import build_content, content_length, image_part
 
 # Wire role -> the role the chat template sees. Templates rarely know `developer`; it is a system turn.
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant",
          "tool": "tool", "function": "tool"}
-# Content parts a text-only model cannot read.
-MEDIA_PARTS = ("image_url", "input_image", "input_audio", "audio_url", "video_url", "file", "input_file")
+IMAGE_ROLES = ("user", "tool")  # the template roles whose messages may hold images
+# Content parts ember cannot read (Responses' input_image included: Chat sends images as image_url).
+MEDIA_PARTS = ("input_image", "input_audio", "audio_url", "video_url", "file", "input_file")
 
 
 @reads_fields
@@ -98,9 +101,10 @@ def read_message(m: Fields, cache_options: OpenAICacheOptions) -> dict[str, Any]
     return message
 
 
-def read_content(m: Fields, role: str) -> tuple[str, list[int]]:
-    """A string, or text parts joined in order with nothing added between them; and where the parts
-    that carry a prompt_cache_breakpoint end in it."""
+def read_content(m: Fields, role: str) -> tuple[Any, list[int]]:
+    """A string, or text parts joined in order with nothing added between them (a list of text and
+    image parts when it holds an image: tokenization.message_content); and where the parts that
+    carry a prompt_cache_breakpoint end in it."""
     content = m.raw("content")
     path = m.path_of("content")
     if content is None:
@@ -112,23 +116,28 @@ def read_content(m: Fields, role: str) -> tuple[str, list[int]]:
     if not isinstance(content, list):
         raise InvalidRequest(f"{path} must be a string or an array of content parts, not {json_type(content)}",
                              param=path)
-    texts = []
+    pieces: list[Any] = []
     cuts = []
     for j, raw in enumerate(content):
         part = Fields(raw, f"{path}[{j}]")
         kind = part.string("type")
-        if kind in MEDIA_PARTS:
-            raise InvalidRequest(f"{part.path}: {kind} parts cannot be read; this model takes text only",
+        if kind == "image_url":
+            if ROLES[role] not in IMAGE_ROLES:
+                raise misplaced_image(part.path, role)
+            pieces.append(image_part(read_chat_image(part)))
+        elif kind in MEDIA_PARTS:
+            raise InvalidRequest(f"{part.path}: {kind} parts cannot be read; ember reads text and image_url parts",
                                  param=part.path, code="unsupported_content")
-        if kind == "text":
-            texts.append(as_string(part.raw("text"), part.path_of("text")))
+        elif kind == "text":
+            pieces.append(as_string(part.raw("text"), part.path_of("text")))
         elif kind == "refusal" and role == "assistant":
-            texts.append(as_string(part.raw("refusal"), part.path_of("refusal")))
+            pieces.append(as_string(part.raw("refusal"), part.path_of("refusal")))
         else:
-            raise InvalidRequest(f"{part.path} has type {kind!r}; only text parts are accepted", param=part.path)
+            raise InvalidRequest(f"{part.path} has type {kind!r}; only text and image_url parts are accepted",
+                                 param=part.path)
         if read_openai_breakpoint(part):
-            cuts.append(sum(map(len, texts)))
-    return "".join(texts), cuts
+            cuts.append(content_length(build_content(pieces)))
+    return build_content(pieces), cuts
 
 
 def read_tool_calls(m: Fields) -> list[dict[str, Any]]:

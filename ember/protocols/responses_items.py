@@ -8,6 +8,11 @@ Chat messages: system and developer items become system turns; assistant-owned i
 (reasoning, assistant messages, calls) become one assistant turn in the order reasoning -> text ->
 calls, and an item that would go back in that order starts a new assistant turn; results become
 `tool` turns, matched to their calls by `call_id`.
+
+Images (input_image parts of user messages and of results) stay in the normalized form as sent, so
+they are listed and stored as JSON; each time a conversation is built, its chat message gets an
+ImageRef made from the part, so a stored conversation replays its images (an http(s) URL is
+fetched again: a data URL keeps the image's bytes themselves).
 """
 
 from __future__ import annotations
@@ -18,12 +23,15 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from ember.errors import InvalidRequest
+from ember.media.sources import image_ref
 from ember.protocols.cache_hints import mark, read_openai_breakpoint
 from ember.protocols.fields import Fields, as_string, json_type
+from ember.protocols.image_parts import misplaced_image, read_responses_image
 from ember.protocols.reasoning_seal import ReasoningSeal, SealError
+from ember.tokenization.message_content import build_content, content_length, image_part
 
 ROLES = ("user", "assistant", "system", "developer")
-MEDIA_PARTS = ("input_image", "input_file", "input_audio", "input_video", "image_url")
+MEDIA_PARTS = ("input_file", "input_audio", "input_video", "image_url")  # parts ember cannot read
 ID_PREFIXES = {"message": "msg_", "reasoning": "rs_", "function_call": "fc_", "function_call_output": "fco_",
                "custom_tool_call": "ctc_", "custom_tool_call_output": "ctco_", "local_shell_call": "lsh_",
                "local_shell_call_output": "lsho_"}
@@ -114,19 +122,25 @@ def _text_part(kind: str, text: str) -> dict[str, Any]:
 
 def _read_part(part: Fields, role: str) -> dict[str, Any]:
     kind = part.string("type")
-    if kind in MEDIA_PARTS:
-        raise InvalidRequest(f"{part.path}: {kind} parts cannot be read; this model takes text only",
-                             param=part.path, code="unsupported_content")
-    if kind in ("input_text", "output_text"):
+    if kind == "input_image":
+        if role != "user":
+            raise misplaced_image(part.path, role)
+        url, detail = read_responses_image(part)
+        read = {"type": kind, "image_url": url, "detail": detail}
+    elif kind in MEDIA_PARTS:
+        raise InvalidRequest(f"{part.path}: {kind} parts cannot be read; ember reads input_text and input_image "
+                             "parts", param=part.path, code="unsupported_content")
+    elif kind in ("input_text", "output_text"):
         read = _text_part(kind, as_string(part.raw("text"), part.path_of("text")))
-        if read_openai_breakpoint(part):
-            read["prompt_cache_breakpoint"] = {"mode": "explicit"}
-        return read
-    if kind == "refusal" and role == "assistant":
+    elif kind == "refusal" and role == "assistant":
         return {"type": "refusal", "refusal": as_string(part.raw("refusal"), part.path_of("refusal"))}
-    allowed = "input_text, output_text or refusal" if role == "assistant" else "input_text"
-    raise InvalidRequest(f"{part.path_of('type')} is {kind!r}; a {role} message takes {allowed} parts",
-                         param=part.path_of("type"))
+    else:
+        allowed = "input_text, output_text or refusal" if role == "assistant" else "input_text or input_image"
+        raise InvalidRequest(f"{part.path_of('type')} is {kind!r}; a {role} message takes {allowed} parts",
+                             param=part.path_of("type"))
+    if read_openai_breakpoint(part):
+        read["prompt_cache_breakpoint"] = {"mode": "explicit"}
+    return read
 
 
 def _read_reasoning(f: Fields, seal: ReasoningSeal) -> dict[str, Any]:
@@ -207,7 +221,8 @@ def _read_result(f: Fields, seal: ReasoningSeal) -> dict[str, Any]:
     if isinstance(output, list):
         output = [_read_part(Fields(part, f"{path}[{j}]"), "user") for j, part in enumerate(output)]
     elif not isinstance(output, str):
-        raise InvalidRequest(f"{path} must be a string or an array of input_text parts, not {json_type(output)}",
+        raise InvalidRequest(f"{path} must be a string or an array of input_text and input_image parts, not "
+                             f"{json_type(output)}",
                              param=path)
     item = {"call_id": call_id, "output": output}
     if f.string("type") != "custom_tool_call_output":
@@ -224,12 +239,20 @@ _READERS: dict[str, Callable[[Fields, ReasoningSeal], dict[str, Any]]] = {
 
 # ---- chat messages ----------------------------------------------------------------------------------
 
-def message_text(item: dict[str, Any]) -> str:
-    return "".join(part.get("text", part.get("refusal", "")) for part in item["content"])
-
-
-def result_text(output: Any) -> str:
-    return output if isinstance(output, str) else "".join(part["text"] for part in output)
+def parts_content(parts: Any, path: str | None) -> Any:
+    """A message's content parts, or a result's output, as a chat message's content (see
+    tokenization.message_content); `path` names the parts in the request (None: stored history,
+    whose images are named by previous_response_id)."""
+    if isinstance(parts, str):
+        return parts
+    pieces = []
+    for j, part in enumerate(parts):
+        if part["type"] == "input_image":
+            pieces.append(image_part(image_ref(part["image_url"], f"{path}[{j}].image_url" if path
+                                               else "previous_response_id")))
+        else:
+            pieces.append(part.get("text", part.get("refusal", "")))
+    return build_content(pieces)
 
 
 def call_arguments(item: dict[str, Any]) -> Any:
@@ -273,8 +296,8 @@ def to_messages(items: Sequence[dict[str, Any]], paths: Sequence[str | None], in
             current["reasoning_content"] = current.get("reasoning_content", "") + text
         elif kind == "message" and item["role"] == "assistant":
             current = assistant_turn(1)
-            _mark_parts(current, item, path, len(current["content"]), cache_ttl_s)
-            current["content"] += message_text(item)
+            _mark_parts(current, item, path, content_length(current["content"]), cache_ttl_s)
+            current["content"] = build_content([current["content"], parts_content(item["content"], None)])
         elif kind in CALLS:
             if item["call_id"] in calls:
                 where = _at(path, "call_id") or "the stored conversation"
@@ -295,25 +318,27 @@ def to_messages(items: Sequence[dict[str, Any]], paths: Sequence[str | None], in
                 raise InvalidRequest(f"{_at(path, 'call_id')}: the call '{call_id}' already has a result",
                                      param=_at(path, "call_id"), code="invalid_tool_history")
             answered[call_id] = path
-            messages.append({"role": "tool", "tool_call_id": call_id, "content": result_text(item["output"])})
+            messages.append({"role": "tool", "tool_call_id": call_id,
+                             "content": parts_content(item["output"], _at(path, "output"))})
             if path is not None and not isinstance(item["output"], str) and any(
                     "prompt_cache_breakpoint" in part for part in item["output"]):
                 mark(messages[-1], None, cache_ttl_s)
         else:
             turn = None
             role = "system" if item["role"] in ("system", "developer") else "user"
-            messages.append({"role": role, "content": message_text(item)})
+            messages.append({"role": role, "content": parts_content(item["content"], _at(path, "content"))})
             _mark_parts(messages[-1], item, path, 0, cache_ttl_s)
     return messages
 
 
 def _mark_parts(message: dict[str, Any], item: dict[str, Any], path: str | None, offset: int, ttl_s: float) -> None:
-    """Mark where each part of the item that carries a breakpoint ends in the message's content."""
+    """Mark where each part of the item that carries a breakpoint ends in the message's content
+    (an image takes one unit: cache_hints)."""
     if path is None:
         return  # a stored turn's breakpoints were written when it was sent
     end = offset
     for part in item["content"]:
-        end += len(part.get("text", part.get("refusal", "")))
+        end += 1 if part["type"] == "input_image" else len(part.get("text", part.get("refusal", "")))
         if "prompt_cache_breakpoint" in part:
             mark(message, end, ttl_s)
 

@@ -51,7 +51,7 @@ _PROMPT_FIELDS: dict[str, Any] = {
         "properties": {"role": {"enum": ["user", "assistant", "system"]},
                        "content": {"oneOf": [{"type": "string"}, {"type": "array", "items": {
                            "type": "object", "properties": {"type": {
-                               "enum": ["text", "tool_use", "tool_result", "thinking"]}}}}]}}},
+                               "enum": ["text", "image", "tool_use", "tool_result", "thinking"]}}}}]}}},
                  "description": "Turns in order; consecutive turns of one role are joined; a final assistant "
                                 "turn of text is continued (prefill)."},
     "tools": {"type": "array", "items": {"type": "object", "required": ["name"], "properties": {

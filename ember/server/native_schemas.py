@@ -19,7 +19,10 @@ NATIVE_SCHEMAS: dict[str, Any] = {
         "top_logprobs_num": {"type": "integer", "minimum": 0, "maximum": 20},
         "token_ids_logprob": _INTEGERS, "return_text_in_logprobs": {"type": "boolean"},
         "logprob_start_len": {"const": -1, "description": "Prompt tokens are not scored."},
-        "rid": {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}}]}}},
+        "rid": {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}}]},
+        "image_data": {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}}],
+                       "description": "A vision model's images for one text prompt (data URLs, base64 or http(s) "
+                                      "URLs); the text writes the image marker once where each goes."}}},
     "TokenizeRequest": {"type": "object", "properties": {
         "model": {"type": "string"}, "prompt": {"type": "string"}, "messages": {"type": "array"},
         "add_special_tokens": {"type": "boolean"}, "add_generation_prompt": {"type": "boolean"},

@@ -95,9 +95,12 @@ CHAT_REQUEST = {
             "properties": {
                 "role": {"enum": ["system", "developer", "user", "assistant", "tool"]},
                 "content": {"oneOf": [{"type": "string"}, {"type": "array", "items": {
-                    "type": "object", "properties": {"type": {"const": "text"}, "text": {"type": "string"},
-                                                     "prompt_cache_breakpoint": _BREAKPOINT}}}],
-                    "description": "Text, or text parts joined in order. The model takes text only."},
+                    "type": "object", "properties": {
+                        "type": {"enum": ["text", "image_url"]}, "text": {"type": "string"},
+                        "image_url": {"oneOf": [{"type": "string"}, {"type": "object"}]},
+                        "prompt_cache_breakpoint": _BREAKPOINT}}}],
+                    "description": "Text, or text and image_url parts in order (images in user and tool messages, "
+                                   "for a vision model)."},
                 "name": {"type": "string"}, "tool_calls": {"type": "array"}, "tool_call_id": {"type": "string"},
             }}},
         **SAMPLING_FIELDS,

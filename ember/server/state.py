@@ -197,7 +197,8 @@ class ServerState:
             default_seed=self.config.engine.seed,
             kv_capacity_tokens=loaded.kv_capacity_tokens, sampling_defaults=loaded.sampling_defaults,
             chat=loaded.chat, has_chat_template=loaded.tokenizer.chat_template is not None,
-            single_token_id=functools.partial(_single_token_id, loaded.tokenizer, loaded.vocab_size))
+            single_token_id=functools.partial(_single_token_id, loaded.tokenizer, loaded.vocab_size),
+            image_marker=loaded.vision.marker if loaded.vision is not None else None)
         digest = hashlib.sha256(f"{ember.__version__}|{loaded.name}|{loaded.dtype}|{loaded.max_model_len}".encode())
         self.fingerprint = f"fp_{digest.hexdigest()[:10]}"
         loaded.engine.start()

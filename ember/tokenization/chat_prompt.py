@@ -12,6 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from ember.tokenization.message_content import build_content
+
 _PROBE = "ember_template_probe"
 EFFORTS = ("minimal", "low", "medium", "high", "xhigh", "max")  # the efforts a request may name, "none" aside
 
@@ -76,6 +78,6 @@ def system_into_first_user(messages: list[dict[str, Any]]) -> list[dict[str, Any
     text = "\n\n".join(s for s in system if s)
     for message in rest:
         if message.get("role") == "user":
-            message["content"] = f"{text}\n\n{message.get('content') or ''}"
+            message["content"] = build_content([f"{text}\n\n", message.get("content") or ""])
             return rest
     return [{"role": "user", "content": text}, *rest]

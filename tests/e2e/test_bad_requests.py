@@ -30,7 +30,8 @@ CASES = [
     (CHAT, {"messages": [{"role": "user", "content": 42}]}, 400, "messages[0].content"),
     (CHAT, {"messages": [{"role": "user", "content": [
         {"type": "text", "text": "What is in this picture?"},
-        {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]}, 400, "messages[0].content[1]"),
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]}, 400,
+     "messages[0].content[1].image_url.url"),  # a text model: vision_disabled, naming the image's URL
     (CHAT, {"messages": [HI[0], {"role": "user", "content": [
         {"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}}]}]}, 400, "messages[1].content[0]"),
     (CHAT, {"messages": [{"role": "user", "content": [{"type": "text", "text": 7}]}]}, 400, "messages[0].content[0].text"),

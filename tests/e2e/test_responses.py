@@ -246,7 +246,7 @@ def test_hosted_tools_are_not_offered_and_cannot_be_forced(client, model_id, htt
     ({"prompt": {"id": "pmpt_1"}}, "prompt"),
     ({"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "file_1"}]}]}, "input[0].content[0]"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "https://x/y.png"}]}]},
-     "input[0].content[0]"),
+     "input[0].content[0].image_url"),  # a text model: vision_disabled
     ({"input": [{"role": "user", "content": [{"type": "input_audio", "input_audio": {}}]}]}, "input[0].content[0]"),
     ({"previous_response_id": "resp_never_stored"}, "previous_response_id"),
     ({"text": {"format": {"type": "json_object"}}, "tools": [WEATHER], "tool_choice": "required"}, "text.format"),

@@ -10,7 +10,7 @@ from ember.errors import InvalidRequest
 from ember.parsers.events import ThinkMarkers
 from ember.parsers.hermes import HERMES
 from ember.protocols.anthropic_messages import parse_messages
-from ember.protocols.cache_hints import Breakpoint
+from ember.protocols.cache_hints import Breakpoint, probe_messages
 from ember.protocols.chat_reply import ChatFeatures
 from ember.protocols.neutral import ModelInfo, encode_prompt, resolve_sampling
 from ember.protocols.openai_chat import parse_chat
@@ -144,6 +144,39 @@ def test_responses_breakpoints_mark_this_request_input():
     assert request.prompt.cache_breakpoints == [Breakpoint(1, len("Read this."), 1800.0)]
     assert request.spec.input_items[0]["content"][0]["prompt_cache_breakpoint"] == {"mode": "explicit"}
     assert refused(responses, prompt_cache_options={"ttl": "0m"}).param == "prompt_cache_options.ttl"
+
+
+# ---- images: one unit of a cut each -----------------------------------------------------------------
+
+PNG_URL = "data:image/png;base64,iVBORw0KGgo="
+BASE64_IMAGE = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "iVBORw0KGgo="}}
+
+
+def test_every_dialect_counts_an_image_as_one_unit_of_its_cut():
+    explicit = {"prompt_cache_breakpoint": {"mode": "explicit"}}
+    request = chat(messages=[{"role": "user", "content": [
+        {"type": "text", "text": "ab", **explicit}, {"type": "image_url", "image_url": {"url": PNG_URL}, **explicit},
+        {"type": "text", "text": "cd", **explicit}]}], prompt_cache_options={"mode": "explicit"})
+    assert [b.cut for b in request.prompt.cache_breakpoints] == [2, 3, 5]
+    request = responses(input=[{"role": "user", "content": [
+        {"type": "input_image", "image_url": PNG_URL, **explicit}, {"type": "input_text", "text": "ab", **explicit}]}],
+        prompt_cache_options={"mode": "explicit"})
+    assert [b.cut for b in request.prompt.cache_breakpoints] == [1, 3]
+    request = anthropic(messages=[{"role": "user", "content": [
+        text("ab"), {**BASE64_IMAGE, "cache_control": EPHEMERAL}, text("cd", cache_control=EPHEMERAL)]}])
+    assert [b.cut for b in request.prompt.cache_breakpoints] == [3, 5]
+
+
+@pytest.mark.parametrize("cut, content", [
+    (2, "ab"),
+    (3, [{"type": "text", "text": "ab"}, {"type": "image", "image": "I"}]),
+    (4, [{"type": "text", "text": "ab"}, {"type": "image", "image": "I"}, {"type": "text", "text": "c"}]),
+])
+def test_a_probe_keeps_the_images_before_its_cut(cut, content):
+    message = {"role": "user", "content": [{"type": "text", "text": "ab"}, {"type": "image", "image": "I"},
+                                           {"type": "text", "text": "cd"}]}
+    [probe] = probe_messages([message], Breakpoint(1, cut, 300.0))
+    assert probe["content"] == content
 
 
 # ---- token positions --------------------------------------------------------------------------------

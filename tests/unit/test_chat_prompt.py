@@ -100,3 +100,21 @@ def test_the_callers_messages_are_not_changed():
     messages = [dict(m) for m in HISTORY]
     prepare_conversation(messages, [WEATHER], TemplateTraits(False, False), HERMES)
     assert messages == HISTORY
+
+
+IMAGE = {"type": "image", "image": "an ImageRef"}
+
+
+def test_list_contents_take_the_system_text_and_tool_results_in_order():
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": [IMAGE]},
+                {"role": "assistant", "content": "", "tool_calls": [
+                    {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": {}}}]},
+                {"role": "tool", "content": [{"type": "text", "text": "map:"}, IMAGE], "tool_call_id": "c1"},
+                {"role": "tool", "content": "sunny", "tool_call_id": "c1"}]
+    prepared, _ = prepare_conversation(messages, [WEATHER], TemplateTraits(False, False), HERMES)
+    assert prepared[0]["content"][1:] == [IMAGE]
+    assert prepared[0]["content"][0]["text"].startswith("Be brief.\n\nYou may call functions")
+    assert prepared[2] == {"role": "user", "content": [
+        {"type": "text", "text": "<tool_response>\nmap:"}, IMAGE,
+        {"type": "text", "text": "\n</tool_response>\n<tool_response>\nsunny\n</tool_response>"}]}
+    assert messages[1]["content"] == [IMAGE]  # the caller's messages are not changed

@@ -10,6 +10,7 @@ from dataclasses import replace
 import pytest
 
 from ember.errors import ContextLengthExceeded, InvalidRequest
+from ember.media.sources import BASE64, URL, ImageRef
 from ember.parsers.events import (
     ContentText, ReasoningText, ThinkMarkers, ToolCall, ToolCallDelta, ToolCallStart, streamed_call,
 )
@@ -224,8 +225,6 @@ def test_a_final_assistant_text_is_a_prefill():
 
 
 @pytest.mark.parametrize("block, param", [
-    ({"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AAAA"}},
-     "messages[0].content[0]"),
     ({"type": "document", "source": {}}, "messages[0].content[0]"),
     ({"type": "search_result", "source": "s", "title": "t", "content": []}, "messages[0].content[0]"),
     ({"type": "server_tool_use", "id": "srvtoolu_1", "name": "web_search", "input": {}}, "messages[0].content[0]"),
@@ -233,11 +232,77 @@ def test_a_final_assistant_text_is_a_prefill():
     ({"type": "text", "text": 5}, "messages[0].content[0].text"),
     ({"type": "tool_use", "id": "toolu_1", "name": "f", "input": {}}, "messages[0].content[0]"),
     ({"type": "tool_result", "content": "x"}, "messages[0].content[0].tool_use_id"),
-    ({"type": "tool_result", "tool_use_id": "t", "content": [{"type": "image", "source": {}}]},
+    ({"type": "tool_result", "tool_use_id": "t", "content": [{"type": "document", "source": {}}]},
      "messages[0].content[0].content[0]"),
 ])
 def test_refused_blocks_are_named(block, param):
     assert refused(messages=[{"role": "user", "content": [block]}]).param == param
+
+
+PNG_DATA = "iVBORw0KGgo="
+
+
+def image(media_type="image/png", data=PNG_DATA, **extra):
+    return {"type": "image", "source": {"type": "base64", "media_type": media_type, "data": data}, **extra}
+
+
+def test_image_blocks_become_image_refs_in_order():
+    url_block = {"type": "image", "source": {"type": "url", "url": "https://x.org/a.jpg"}}
+    messages = [{"role": "user", "content": [{"type": "text", "text": "Look: "}, image(media_type="image/webp"),
+                                             url_block]},
+                {"role": "user", "content": [{"type": "text", "text": "Which?"}]}]
+    [message] = parse(messages=messages).prompt.messages
+    assert message == {"role": "user", "content": [
+        {"type": "text", "text": "Look: "},
+        {"type": "image", "image": ImageRef(BASE64, PNG_DATA, "messages[0].content[1].source.data", "image/webp")},
+        {"type": "image", "image": ImageRef(URL, "https://x.org/a.jpg", "messages[0].content[2].source.url")},
+        {"type": "text", "text": "Which?"}]}
+
+
+def test_a_tool_result_keeps_its_text_and_images_in_order():
+    messages = [*HI, {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "shot", "input": {}}]},
+                {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "is_error": True,
+                                              "content": [{"type": "text", "text": "blurry"}, image()]},
+                                             {"type": "text", "text": "Again?"}]}]
+    tool, user = parse(messages=messages).prompt.messages[2:]
+    assert tool == {"role": "tool", "tool_call_id": "t1", "content": [
+        {"type": "text", "text": "Error: blurry"},
+        {"type": "image", "image": ImageRef(BASE64, PNG_DATA, "messages[2].content[0].content[1].source.data",
+                                            "image/png")}]}
+    assert user == {"role": "user", "content": "Again?"}
+
+
+def test_count_tokens_reads_images_as_create_does():
+    body = {"messages": [{"role": "user", "content": [image(), {"type": "text", "text": "What?"}]}]}
+    assert parse_count_tokens(body, MODEL).prompt.messages == parse(**body).prompt.messages
+
+
+@pytest.mark.parametrize("block, param, code", [
+    (image(media_type="image/bmp"), "messages[0].content[0].source.media_type", None),
+    (image(media_type=None), "messages[0].content[0].source.media_type", None),
+    (image(data=""), "messages[0].content[0].source.data", None),
+    ({"type": "image", "source": {"type": "file", "file_id": "file_1"}}, "messages[0].content[0].source.type",
+     "unsupported_content"),
+    ({"type": "image", "source": {"type": "url"}}, "messages[0].content[0].source.url", None),
+    ({"type": "image", "source": {"type": "url", "url": "gopher://x"}}, "messages[0].content[0].source.url",
+     "invalid_media"),
+    ({"type": "image", "source": {"type": "text"}}, "messages[0].content[0].source.type", None),
+    ({"type": "image"}, "messages[0].content[0].source", None),
+    ({"type": "tool_result", "tool_use_id": "t", "content": [{"type": "image", "source": {"type": "file"}}]},
+     "messages[0].content[0].content[0].source.type", "unsupported_content"),
+])
+def test_malformed_image_blocks_are_refused_by_name(block, param, code):
+    error = refused(messages=[{"role": "user", "content": [block]}])
+    assert (error.param, error.code) == (param, code)
+
+
+def test_an_image_outside_user_turns_is_refused_and_a_prefill_holds_none():
+    for role in ("assistant", "system"):
+        error = refused(messages=[*HI, {"role": role, "content": [image()]}, {"role": "user", "content": "ok"}])
+        assert (error.param, error.code) == ("messages[1].content[0]", "unsupported_content")
+    prefill = refused(messages=[*HI, {"role": "assistant", "content": [{"type": "text", "text": "It is"}, image()]}])
+    assert (prefill.param, prefill.code) == ("messages[1].content[1]", "unsupported_content")
+    assert refused(system=[image()]).param == "system[0]"
 
 
 def test_redacted_thinking_is_refused_by_name():

@@ -5,11 +5,12 @@ from __future__ import annotations
 import pytest
 
 from ember.errors import InvalidRequest
+from ember.media.sources import DATA, URL, ImageRef
 from ember.protocols.errors import ModelNotFound
 from ember.parsers.events import ThinkMarkers
 from ember.parsers.hermes import HERMES
 from ember.protocols.chat_reply import ChatFeatures
-from ember.protocols.neutral import ChatPrompt, ModelInfo
+from ember.protocols.neutral import ChatPrompt, ModelInfo, prompt_images
 from ember.protocols.openai_chat import parse_chat
 
 MODEL = ModelInfo(name="served", aliases=("alias",), max_model_len=512, vocab_size=1000,
@@ -81,11 +82,63 @@ def test_roles_parts_and_history():
     assert out[4]["content"] == "no"
 
 
-def test_media_parts_are_refused_by_position():
-    for kind in ("image_url", "input_audio", "file"):
+def test_audio_video_and_file_parts_are_refused_by_position():
+    for kind in ("input_audio", "video_url", "file", "input_image"):
         error = refused({"messages": [HI[0], {"role": "user", "content": [{"type": "text", "text": "x"},
                                                                           {"type": kind}]}]})
-        assert error.param == "messages[1].content[1]" and "text only" in error.message
+        assert (error.param, error.code) == ("messages[1].content[1]", "unsupported_content")
+
+
+PNG_URL = "data:image/png;base64,iVBORw0KGgo="
+
+
+def image_url(url=PNG_URL, **extra):
+    return {"type": "image_url", "image_url": {"url": url, **extra}}
+
+
+def test_image_parts_become_image_refs_in_order():
+    messages = [{"role": "user", "content": [{"type": "text", "text": "Compare "}, image_url(detail="auto"),
+                                             {"type": "text", "text": "and"}, {"type": "text", "text": " "},
+                                             {"type": "image_url", "image_url": "https://example.com/b.png"}]}]
+    [message] = parse_chat({"messages": messages}, MODEL).prompt.messages
+    first = ImageRef(DATA, PNG_URL, "messages[0].content[1].image_url.url")
+    second = ImageRef(URL, "https://example.com/b.png", "messages[0].content[4].image_url")
+    assert message == {"role": "user", "content": [
+        {"type": "text", "text": "Compare "}, {"type": "image", "image": first}, {"type": "text", "text": "and "},
+        {"type": "image", "image": second}]}
+    assert prompt_images(parse_chat({"messages": messages}, MODEL).prompt) == [first, second]
+
+
+def test_a_tool_result_may_hold_images():
+    messages = [HI[0], {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "shot", "arguments": "{}"}}]},
+                {"role": "tool", "tool_call_id": "c1", "content": [{"type": "text", "text": "here"}, image_url()]}]
+    tool = parse_chat({"messages": messages}, MODEL).prompt.messages[2]
+    ref = ImageRef(DATA, PNG_URL, "messages[2].content[1].image_url.url")
+    assert tool["content"] == [{"type": "text", "text": "here"}, {"type": "image", "image": ref}]
+
+
+@pytest.mark.parametrize("part, param, code", [
+    (image_url(detail="low"), "messages[0].content[0].image_url.detail", "unsupported_parameter"),
+    (image_url(detail="high"), "messages[0].content[0].image_url.detail", "unsupported_parameter"),
+    (image_url(detail="huge"), "messages[0].content[0].image_url.detail", None),
+    (image_url("ftp://example.com/a.png"), "messages[0].content[0].image_url.url", "invalid_media"),
+    ({"type": "image_url", "image_url": "file:///etc/passwd"}, "messages[0].content[0].image_url", "invalid_media"),
+    ({"type": "image_url", "image_url": {"detail": "auto"}}, "messages[0].content[0].image_url.url", None),
+    ({"type": "image_url", "image_url": {"url": ""}}, "messages[0].content[0].image_url.url", None),
+    ({"type": "image_url"}, "messages[0].content[0].image_url", None),
+    ({"type": "image_url", "image_url": 7}, "messages[0].content[0].image_url", None),
+])
+def test_malformed_image_parts_are_refused_by_name(part, param, code):
+    error = refused({"messages": [{"role": "user", "content": [part]}]})
+    assert (error.param, error.code) == (param, code)
+
+
+@pytest.mark.parametrize("role", ["assistant", "system", "developer"])
+def test_an_image_outside_user_and_tool_turns_is_refused(role):
+    error = refused({"messages": [{"role": role, "content": [image_url()]}, *HI]})
+    assert (error.param, error.code) == ("messages[0].content[0]", "unsupported_content")
+    assert role in error.message
 
 
 def test_logprobs_fields():

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from ember.errors import InvalidRequest
+from ember.media.sources import BASE64, DATA, URL, ImageRef
 from ember.protocols.native_generate import DEFAULT_MAX_NEW_TOKENS, GenerateRenderer, finish_reason_body, \
     parse_generate
 from ember.protocols.native_tokens import parse_detokenize, parse_tokenize, render_tokenize
@@ -94,13 +95,48 @@ def test_logprob_fields():
     ({"text": ["a", "b"], "rid": ["r", "r"]}, "rid"),
     ({"text": "a", "rid": 5}, "rid"),
     ({"text": "a", "input_embeds": [[0.1]]}, "input_embeds"),
-    ({"text": "a", "image_data": "x"}, "image_data"),
     ({"text": "a", "lora_path": "x"}, "lora_path"),
     ({"text": "a", "return_hidden_states": True}, "return_hidden_states"),
     ({"text": "a", "stream": "yes"}, "stream"),
 ])
 def test_generate_refusals_name_the_field(body, param):
     assert refused(parse_generate, body).param == param
+
+
+VISION = ModelInfo(name="served", max_model_len=100, vocab_size=1000, image_marker="<image>")
+PNG_URL = "data:image/png;base64,iVBORw0KGgo="
+
+
+def test_image_data_one_string_or_a_list():
+    job = parse_generate({"text": "<image>What is it?", "image_data": PNG_URL}, VISION)
+    assert job.prompt == TextPrompt("<image>What is it?", images=[ImageRef(DATA, PNG_URL, "image_data")])
+    job = parse_generate({"text": "<image> or <image> or <image>?",
+                          "image_data": [PNG_URL, "iVBORw0KGgo=", "https://x.org/a.png"]}, VISION)
+    assert job.prompt.images == [ImageRef(DATA, PNG_URL, "image_data[0]"),
+                                 ImageRef(BASE64, "iVBORw0KGgo=", "image_data[1]"),
+                                 ImageRef(URL, "https://x.org/a.png", "image_data[2]")]
+    assert parse_generate({"text": "Hi", "image_data": []}, VISION).prompt == TextPrompt("Hi")
+
+
+def test_image_data_on_a_text_model_is_refused():
+    error = refused(parse_generate, {"text": "<image>", "image_data": PNG_URL})
+    assert (error.param, error.code) == ("image_data", "vision_disabled")
+
+
+@pytest.mark.parametrize("body, param, code", [
+    ({"text": ["<image>", "<image>"], "image_data": [PNG_URL, PNG_URL]}, "image_data", "unsupported_parameter"),
+    ({"input_ids": [1, 2], "image_data": PNG_URL}, "image_data", "unsupported_parameter"),
+    ({"text": "What?", "image_data": PNG_URL}, "text", None),
+    ({"text": "<image><image>", "image_data": [PNG_URL]}, "text", None),
+    ({"text": "<image>", "image_data": [PNG_URL, 5]}, "image_data[1]", None),
+    ({"text": "<image>", "image_data": [""]}, "image_data[0]", None),
+    ({"text": "<image>", "image_data": {"url": PNG_URL}}, "image_data", None),
+    ({"text": "<image>", "image_data": "ftp://x.org/a.png"}, "image_data", "invalid_media"),
+])
+def test_image_data_refusals_name_the_field(body, param, code):
+    with pytest.raises(InvalidRequest) as caught:
+        parse_generate(body, VISION)
+    assert (caught.value.param, caught.value.code) == (param, code)
 
 
 def _choice(reason, token_ids, stop_reason=None) -> ChoiceResult:

@@ -7,13 +7,14 @@ import json
 import pytest
 
 from ember.errors import InvalidRequest
+from ember.media.sources import DATA, URL, ImageRef
 from ember.parsers.events import ContentText, ReasoningText, ThinkMarkers, ToolCall, ToolCallDelta, streamed_call
 from ember.parsers.hermes import HERMES
 from ember.protocols.chat_reply import FUNCTION, NONE, REQUIRED, ChatFeatures
 from ember.protocols.neutral import ModelInfo, ResponseMeta, RunResult
 from ember.protocols.openai_responses import parse_responses, responses_dialect
 from ember.protocols.reasoning_seal import ReasoningSeal, SealError
-from ember.server.response_store import ResponseStore, StoredResponse
+from ember.server.response_store import ResponseStore, StoredResponse, record_size
 from ember.server.responses_routes import list_page, make_context
 from ember.types import FinishReason
 from tests.e2e.responses_stream import check_stream
@@ -88,7 +89,7 @@ def test_assistant_items_in_a_row_form_one_turn_and_results_follow():
       {"type": "function_call_output", "call_id": "a", "output": "x"}], "input[2].call_id"),
     ([{"role": "user", "content": "x", "id": "same"}, {"role": "user", "content": "y", "id": "same"}], "input[1].id"),
     ([{"role": "robot", "content": "x"}], "input[0].role"),
-    ([{"role": "user", "content": [{"type": "input_image", "image_url": "data:,"}]}], "input[0].content[0]"),
+    ([{"role": "user", "content": [{"type": "input_video", "video_url": "data:,"}]}], "input[0].content[0]"),
     ([{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}], "input[0].content[0]"),
     ([{"type": "reasoning", "summary": [{"type": "summary_text", "text": "s"}]}], "input[0].content"),
     ([{"type": "item_reference", "id": "msg_1"}], "input[0].type"),
@@ -256,6 +257,80 @@ def test_previous_response_id_rebuilds_the_stored_chain_without_its_instructions
     assert request.spec.history == history
     # With the chain stored, input may be empty.
     assert parse(ctx, input=[], previous_response_id="resp_1").prompt.messages[-1]["role"] == "assistant"
+
+
+# ---- images -------------------------------------------------------------------------------------------
+
+PNG_URL = "data:image/png;base64,iVBORw0KGgo="
+
+
+def input_image(url=PNG_URL, **extra):
+    return {"type": "input_image", "image_url": url, **extra}
+
+
+def test_input_images_become_image_refs_and_stay_as_sent_in_the_items():
+    items = [{"role": "user", "content": [{"type": "input_text", "text": "What is "}, input_image(detail="auto"),
+                                          {"type": "input_text", "text": "?"}, input_image("https://x.org/a.png")]},
+             {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": "{}"},
+             {"type": "function_call_output", "call_id": "c1",
+              "output": [{"type": "input_text", "text": "map:"}, input_image()]}]
+    request = parse(input=items)
+    user, _, tool = request.prompt.messages
+    assert user["content"] == [
+        {"type": "text", "text": "What is "},
+        {"type": "image", "image": ImageRef(DATA, PNG_URL, "input[0].content[1].image_url")},
+        {"type": "text", "text": "?"},
+        {"type": "image", "image": ImageRef(URL, "https://x.org/a.png", "input[0].content[3].image_url")}]
+    assert tool["content"] == [{"type": "text", "text": "map:"},
+                               {"type": "image", "image": ImageRef(DATA, PNG_URL, "input[2].output[1].image_url")}]
+    assert request.spec.input_items[0]["content"][1] == {"type": "input_image", "image_url": PNG_URL, "detail": "auto"}
+    assert request.spec.input_items[0]["content"][3]["detail"] == "auto"  # as a stored item lists it
+    json.dumps(request.spec.input_items)  # listed and sized as JSON
+
+
+def test_a_stored_conversation_replays_its_images():
+    store = ResponseStore()
+    ctx = context(store)
+    first = parse(ctx, input=[{"role": "user", "content": [input_image(), {"type": "input_text", "text": "Hi"}]}])
+    reply = {"id": "msg_2", "type": "message", "role": "assistant", "status": "completed",
+             "content": [{"type": "output_text", "text": "A dot.", "annotations": []}]}
+    history = (*first.spec.input_items, reply)
+    store.put(StoredResponse({"id": "resp_1"}, tuple(first.spec.input_items), history,
+                             record_size({"id": "resp_1"}, history)))
+    again = parse(ctx, input=[{"role": "user", "content": [input_image("https://x.org/b.png")]}],
+                  previous_response_id="resp_1")
+    assert again.prompt.messages == [
+        {"role": "user", "content": [{"type": "image", "image": ImageRef(DATA, PNG_URL, "previous_response_id")},
+                                     {"type": "text", "text": "Hi"}]},
+        {"role": "assistant", "content": "A dot."},
+        {"role": "user", "content": [{"type": "image", "image": ImageRef(URL, "https://x.org/b.png",
+                                                                         "input[0].content[0].image_url")}]}]
+
+
+@pytest.mark.parametrize("part, param, code", [
+    (input_image(detail="low"), "input[0].content[0].detail", "unsupported_parameter"),
+    (input_image(detail="high"), "input[0].content[0].detail", "unsupported_parameter"),
+    (input_image(detail="tiny"), "input[0].content[0].detail", None),
+    ({"type": "input_image", "file_id": "file_1"}, "input[0].content[0].file_id", "unsupported_content"),
+    ({"type": "input_image"}, "input[0].content[0].image_url", None),
+    (input_image("s3://bucket/a.png"), "input[0].content[0].image_url", "invalid_media"),
+    (input_image({"url": PNG_URL}), "input[0].content[0].image_url", None),
+])
+def test_malformed_input_images_are_refused_by_name(part, param, code):
+    error = refused(input=[{"role": "user", "content": [part]}])
+    assert (error.param, error.code) == (param, code)
+
+
+@pytest.mark.parametrize("role", ["assistant", "system", "developer"])
+def test_an_image_outside_user_messages_and_results_is_refused(role):
+    error = refused(input=[{"role": role, "content": [input_image()]}, {"role": "user", "content": "Hi"}])
+    assert (error.param, error.code) == ("input[0].content[0]", "unsupported_content")
+
+
+def test_an_image_in_a_result_is_named_by_its_output_part():
+    items = [{"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": "{}"},
+             {"type": "function_call_output", "call_id": "c1", "output": [input_image(detail="high")]}]
+    assert refused(input=items).param == "input[1].output[0].detail"
 
 
 # ---- rendering ----------------------------------------------------------------------------------------

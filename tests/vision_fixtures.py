@@ -1,0 +1,100 @@
+"""A tiny SmolVLM model folder for the tests, without weights: transformers' own config and image
+processor config, the processor config, and the default model's tokenizer with SmolVLM's image
+tokens and chat template (which writes <image> for an image part). Add weights to it (a random
+transformers SmolVLMForConditionalGeneration of `folder_config(folder)`) where a test runs the model.
+
+The tiny sizes: a 64-pixel tile of 16-pixel patches, merged 2x2 (scale_factor 2), is 4 image
+tokens; an image is cut into tiles of 64 pixels after its longest side is brought to at most
+`longest_edge` (128: up to 2x2 tiles), plus the whole image as one more tile.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import pathlib
+from typing import Any
+
+from unit.gguf_models import default_gguf_model
+
+FAKE_TOKEN = "<fake_token_around_image>"
+IMAGE_TOKEN = "<image>"
+GLOBAL_IMAGE_TOKEN = "<global-img>"
+END_OF_UTTERANCE = "<end_of_utterance>"
+TILE_TOKENS = tuple(f"<row_{row}_col_{col}>" for row in range(1, 7) for col in range(1, 7))
+# SmolVLM's vocabulary adds them in this order after the text model's own tokens
+VISION_TOKENS = (GLOBAL_IMAGE_TOKEN, *TILE_TOKENS, FAKE_TOKEN, IMAGE_TOKEN, END_OF_UTTERANCE)
+
+TINY_TEXT_CONFIG = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                        num_key_value_heads=2, max_position_embeddings=2048, rms_norm_eps=1e-5)
+TINY_VISION_CONFIG = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2)
+
+
+def smolvlm_tokenizer():
+    """The default model's tokenizer with SmolVLM's image tokens and chat template."""
+    from tokenizers import AddedToken
+    from transformers.models.smolvlm.processing_smolvlm import DEFAULT_CHAT_TEMPLATE
+
+    from ember.tokenization.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.from_gguf_metadata(default_gguf_model().metadata)
+    tokenizer.hf.add_tokens([AddedToken(token, special=True, normalized=False) for token in VISION_TOKENS],
+                            special_tokens=True)
+    tokenizer.hf.chat_template = tokenizer.chat_template = DEFAULT_CHAT_TEMPLATE
+    return tokenizer
+
+
+def write_smolvlm_folder(folder: pathlib.Path, *, image_size: int = 64, patch_size: int = 16, scale_factor: int = 2,
+                         longest_edge: int = 128, text_config: dict[str, Any] | None = None,
+                         vision_config: dict[str, Any] | None = None) -> pathlib.Path:
+    """Write the folder (created if need be) and return it: config.json (model_type smolvlm),
+    preprocessor_config.json (SmolVLMImageProcessorPil), processor_config.json (image_seq_len),
+    generation_config.json (<end_of_utterance> ends a reply) and the tokenizer's files."""
+    from transformers import SmolVLMConfig
+    from transformers.models.smolvlm.image_processing_pil_smolvlm import SmolVLMImageProcessorPil
+
+    folder.mkdir(parents=True, exist_ok=True)
+    tokenizer = smolvlm_tokenizer()
+    tokenizer.save(folder)
+    token_id = tokenizer.hf.convert_tokens_to_ids
+    config = SmolVLMConfig(
+        text_config={"model_type": "llama", **TINY_TEXT_CONFIG, "vocab_size": tokenizer.vocab_size,
+                     **(text_config or {})},
+        vision_config={**TINY_VISION_CONFIG, "image_size": image_size, "patch_size": patch_size,
+                       **(vision_config or {})},
+        scale_factor=scale_factor, image_token_id=token_id(IMAGE_TOKEN))
+    config.save_pretrained(folder)
+    SmolVLMImageProcessorPil(size={"longest_edge": longest_edge},
+                             max_image_size={"longest_edge": image_size}).save_pretrained(folder)
+    image_seq_len = (image_size // patch_size) ** 2 // scale_factor ** 2
+    (folder / "processor_config.json").write_text(json.dumps({"image_seq_len": image_seq_len}))
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": token_id(END_OF_UTTERANCE)}))
+    return folder
+
+
+def folder_config(folder: pathlib.Path) -> dict[str, Any]:
+    return json.loads((folder / "config.json").read_text())
+
+
+def load_vision(folder: pathlib.Path):
+    """(the folder's Tokenizer, its ImageProcessing), as the server loads them."""
+    from ember.media.processing import load_image_processing
+    from ember.tokenization.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.from_pretrained_folder(folder)
+    config = folder_config(folder)
+    return tokenizer, load_image_processing(config["model_type"], folder, config, tokenizer.hf.convert_tokens_to_ids)
+
+
+def image_bytes(width: int, height: int, color: tuple[int, int, int] = (200, 40, 40), fmt: str = "PNG") -> bytes:
+    """A one-color image file."""
+    from PIL import Image
+
+    out = io.BytesIO()
+    Image.new("RGB", (width, height), color).save(out, format=fmt)
+    return out.getvalue()
+
+
+def data_url(data: bytes, media_type: str = "image/png") -> str:
+    return f"data:{media_type};base64,{base64.b64encode(data).decode()}"
