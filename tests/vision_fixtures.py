@@ -98,3 +98,20 @@ def image_bytes(width: int, height: int, color: tuple[int, int, int] = (200, 40,
 
 def data_url(data: bytes, media_type: str = "image/png") -> str:
     return f"data:{media_type};base64,{base64.b64encode(data).decode()}"
+
+
+def add_random_weights(folder: pathlib.Path, seed: int = 0) -> pathlib.Path:
+    """Save a random transformers SmolVLMForConditionalGeneration of the folder's config into it
+    (float32; activations kept near unit scale so that greedy tokens are not ties)."""
+    import torch
+    import transformers
+
+    config = transformers.SmolVLMConfig.from_pretrained(folder)
+    torch.manual_seed(seed)
+    model = transformers.SmolVLMForConditionalGeneration(config).float().eval()
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if parameter.dim() > 1:
+                parameter.normal_(0.0, parameter.shape[-1] ** -0.5)
+    model.save_pretrained(folder)
+    return folder

@@ -49,7 +49,7 @@ class EngineDriver:
         """Add the request to the core; an EmberError (naming the field) when it cannot run."""
         constraint = self.constraints.build(message.constraint) if message.constraint is not None else None
         self.core.add_request(message.request_id, message.prompt_token_ids, message.params, message.cache_salt,
-                              message.arrival_time or None, constraint, message.report_progress)
+                              message.arrival_time or None, constraint, message.report_progress, message.media)
 
     def add(self, message: Add) -> list[StepOutput]:
         """`admit`, with a refusal given back as the request's final output."""

@@ -14,7 +14,7 @@ import transformers
 from PIL import Image
 
 from ember import LLM, SamplingParams
-from tests.vision_fixtures import add_random_weights, image_bytes, write_smolvlm_folder
+from vision_fixtures import add_random_weights, image_bytes, write_smolvlm_folder
 
 SIZES = ((40, 40), (150, 90), (60, 130))  # 1 tile; 2x2 tiles plus the whole; portrait
 
@@ -39,8 +39,14 @@ def folder(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def reference(folder):
-    model = transformers.SmolVLMForConditionalGeneration.from_pretrained(folder, torch_dtype=torch.float32).eval()
-    processor = transformers.SmolVLMProcessor.from_pretrained(folder)
+    from transformers.models.smolvlm.image_processing_pil_smolvlm import SmolVLMImageProcessorPil
+
+    model = transformers.SmolVLMForConditionalGeneration.from_pretrained(folder, dtype=torch.float32).eval()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
+    # SmolVLM's own processor class also builds a video processor, which needs torchvision; Idefics3's
+    # writes the same image prompt (get_image_prompt_string) around SmolVLM's image processor
+    processor = transformers.Idefics3Processor(image_processor=SmolVLMImageProcessorPil.from_pretrained(folder),
+                                               tokenizer=tokenizer, image_seq_len=4, chat_template=tokenizer.chat_template)
     return model, processor
 
 
