@@ -1,11 +1,16 @@
-"""A tiny SmolVLM model folder for the tests, without weights: transformers' own config and image
-processor config, the processor config, and the default model's tokenizer with SmolVLM's image
-tokens and chat template (which writes <image> for an image part). Add weights to it (a random
-transformers SmolVLMForConditionalGeneration of `folder_config(folder)`) where a test runs the model.
+"""Tiny vision model folders for the tests: transformers' own config and image processor config,
+and the default model's tokenizer with the architecture's image tokens and a chat template that
+writes its image marker for an image part.
 
-The tiny sizes: a 64-pixel tile of 16-pixel patches, merged 2x2 (scale_factor 2), is 4 image
-tokens; an image is cut into tiles of 64 pixels after its longest side is brought to at most
-`longest_edge` (128: up to 2x2 tiles), plus the whole image as one more tile.
+SmolVLM (write_smolvlm_folder), without weights: add them (a random transformers
+SmolVLMForConditionalGeneration of `folder_config(folder)`, add_random_weights) where a test runs the
+model. A 64-pixel tile of 16-pixel patches, merged 2x2 (scale_factor 2), is 4 image tokens; an
+image is cut into tiles of 64 pixels after its longest side is brought to at most `longest_edge`
+(128: up to 2x2 tiles), plus the whole image as one more tile.
+
+Gemma 3 (write_gemma3_folder), with random weights: an image is resized to one 32-pixel view of
+4-pixel patches, average-pooled 2x2 into 16 image tokens; the decoder's local layers have a window
+of 12, shorter than an image's run of tokens.
 """
 
 from __future__ import annotations
@@ -73,6 +78,69 @@ def write_smolvlm_folder(folder: pathlib.Path, *, image_size: int = 64, patch_si
     return folder
 
 
+GEMMA3_IMAGE_TOKENS = ("<start_of_image>", "<image_soft_token>", "<end_of_image>")  # boi, image, eoi
+GEMMA3_TURN_TOKENS = ("<start_of_turn>", "<end_of_turn>")
+# Gemma 3's own template, in short: a system text opens the first user turn; an image part is <start_of_image>
+GEMMA3_CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{%- set system = messages[0]['content'] if messages and messages[0]['role'] == 'system' else none -%}"
+    "{%- for message in messages if message['role'] != 'system' -%}"
+    "{%- set role = 'model' if message['role'] == 'assistant' else message['role'] -%}"
+    "{{ '<start_of_turn>' ~ role ~ '\n' }}"
+    "{%- if loop.first and system is not none -%}{{ system ~ '\n\n' }}{%- endif -%}"
+    "{%- if message['content'] is string -%}{{ message['content'] | trim }}"
+    "{%- else -%}{%- for part in message['content'] -%}"
+    "{%- if part['type'] == 'image' -%}{{ '<start_of_image>' }}"
+    "{%- elif part['type'] == 'text' -%}{{ part['text'] | trim }}{%- endif -%}"
+    "{%- endfor -%}{%- endif -%}"
+    "{{ '<end_of_turn>\n' }}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<start_of_turn>model\n' }}{%- endif -%}"
+)
+GEMMA3_TOKENS_PER_IMAGE = 16
+
+
+def write_gemma3_folder(folder: pathlib.Path, *, sliding_window: int = 12, seed: int = 0) -> pathlib.Path:
+    """Write the folder (created if need be) and return it: a random transformers
+    Gemma3ForConditionalGeneration (float32) saved with save_pretrained, preprocessor_config.json
+    (Gemma3ImageProcessorPil, no pan and scan), and the tokenizer's files; its tokenizer_config.json
+    names the image tokens (boi_token, image_token, eoi_token) as Gemma 3's does, so that
+    transformers' Gemma3Processor can be built on it."""
+    import torch
+    import transformers
+    from tokenizers import AddedToken
+    from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
+
+    from ember.tokenization.tokenizer import Tokenizer
+
+    folder.mkdir(parents=True, exist_ok=True)
+    tokenizer = Tokenizer.from_gguf_metadata(default_gguf_model().metadata)
+    tokenizer.hf.add_tokens([AddedToken(token, special=True, normalized=False)
+                             for token in GEMMA3_IMAGE_TOKENS + GEMMA3_TURN_TOKENS], special_tokens=True)
+    tokenizer.hf.chat_template = tokenizer.chat_template = GEMMA3_CHAT_TEMPLATE
+    tokenizer.save(folder)
+    tokenizer_config = json.loads((folder / "tokenizer_config.json").read_text())
+    tokenizer_config.update(zip(("boi_token", "image_token", "eoi_token"), GEMMA3_IMAGE_TOKENS))
+    (folder / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2))
+    boi, image, eoi = tokenizer.hf.convert_tokens_to_ids(list(GEMMA3_IMAGE_TOKENS))
+    config = transformers.Gemma3Config(
+        text_config={**TINY_TEXT_CONFIG, "num_hidden_layers": 3, "head_dim": 16, "query_pre_attn_scalar": 16,
+                     "vocab_size": tokenizer.vocab_size, "sliding_window": sliding_window,
+                     "layer_types": ["sliding_attention", "full_attention", "sliding_attention"]},
+        vision_config={**TINY_VISION_CONFIG, "image_size": 32, "patch_size": 4, "vision_use_head": False},
+        mm_tokens_per_image=GEMMA3_TOKENS_PER_IMAGE, image_token_index=image, boi_token_index=boi,
+        eoi_token_index=eoi)
+    torch.manual_seed(seed)
+    model = transformers.Gemma3ForConditionalGeneration(config).float().eval()
+    with torch.no_grad():  # activations near unit scale, so that greedy tokens are not ties
+        for parameter in model.parameters():
+            if parameter.dim() > 1:
+                parameter.normal_(0.0, parameter[0].numel() ** -0.5)
+    model.save_pretrained(folder)
+    Gemma3ImageProcessorPil(size={"height": 32, "width": 32}, do_pan_and_scan=False).save_pretrained(folder)
+    return folder
+
+
 def folder_config(folder: pathlib.Path) -> dict[str, Any]:
     return json.loads((folder / "config.json").read_text())
 
@@ -94,6 +162,24 @@ def image_bytes(width: int, height: int, color: tuple[int, int, int] = (200, 40,
     out = io.BytesIO()
     Image.new("RGB", (width, height), color).save(out, format=fmt)
     return out.getvalue()
+
+
+def picture(width: int, height: int, seed: int) -> bytes:
+    """A noisy image file (PNG), so that tiles differ."""
+    import torch
+    from PIL import Image
+
+    generator = torch.Generator().manual_seed(seed)
+    pixels = torch.randint(0, 256, (height, width, 3), generator=generator, dtype=torch.uint8).numpy()
+    out = io.BytesIO()
+    Image.fromarray(pixels).save(out, format="PNG")
+    return out.getvalue()
+
+
+def conversation(*images: bytes, text: str = "What is in this picture?") -> list[dict]:
+    """One user turn: the images, then the text."""
+    return [{"role": "user", "content": [*({"type": "image", "image": image} for image in images),
+                                         {"type": "text", "text": text}]}]
 
 
 def data_url(data: bytes, media_type: str = "image/png") -> str:

@@ -19,6 +19,12 @@ Sliding windows (KVCache.layer_windows): a layer with window W lets the token at
 the keys at positions p - W + 1 to p. Its masks add that lower bound to the causal one, from
 positions alone, so a windowed row keeps every promise above. A model with any window decodes
 every sequence in the padded batch (the long-decode chunks do not take a window).
+
+Bidirectional spans (Request.bidirectional_spans, Gemma 3's image tokens): in a prefill chunk,
+the tokens of one span also see each other's later keys, a layer's window still bounding them
+(a key is seen when it is not later than the query or both are in the span, and, on a windowed
+layer, within the window). The scheduler never ends a chunk inside a span, so the chunk holds the
+span's later keys. Decoding is plain causal.
 """
 
 from __future__ import annotations
@@ -113,6 +119,7 @@ class PrefillSeq:
 
     Exact mode: key_slots is padded with the null block's slot 0 to a multiple of _KEY_BLOCK and
     mask is (tiles, 1, row tile, keys); else mask is (n, keys), or None for plain causal.
+    spans: the bidirectional spans [start, stop) among its new tokens' positions.
     """
 
     begin: int
@@ -123,45 +130,56 @@ class PrefillSeq:
     start_pos: int = 0
     dtype: torch.dtype = torch.float32  # the masks' dtype: the cache's
     window_masks: dict[int, torch.Tensor] = field(default_factory=dict)  # window -> mask within it
+    spans: list[tuple[int, int]] = field(default_factory=list)
 
     def mask_for(self, window: int | None) -> torch.Tensor | None:
-        """The causal mask, with keys before each row's window hidden too when the layer has one."""
+        """The prefill mask, with keys before each row's window hidden too when the layer has one."""
         if window is None:
             return self.mask
         if window not in self.window_masks:
             n, keys = self.end - self.begin, self.key_slots.shape[0]
             rows = self.mask.shape[0] * self.mask.shape[2] if self.exact else n
-            mask = _causal_mask(self.start_pos, rows, keys, n, self.dtype, self.key_slots.device, window)
+            mask = _causal_mask(self.start_pos, rows, keys, n, self.dtype, self.key_slots.device, window,
+                                self.spans)
             self.window_masks[window] = mask.view(-1, 1, self.mask.shape[2], keys) if self.exact else mask
         return self.window_masks[window]
 
 
 def prefill_seq(begin: int, start_pos: int, key_slots: torch.Tensor, dtype: torch.dtype,
-                device: torch.device, exact: bool) -> PrefillSeq:
-    """key_slots: (L,) every key's slot, the n = L - start_pos new tokens' included. Built once per
-    step; every layer shares it."""
+                device: torch.device, exact: bool, spans: list[tuple[int, int]] = ()) -> PrefillSeq:
+    """key_slots: (L,) every key's slot, the n = L - start_pos new tokens' included; spans: the
+    bidirectional spans within the new tokens' positions [start_pos, L). Built once per step; every
+    layer shares it."""
     tile = _QUERY_TILE
     total = key_slots.shape[0]
     n = total - start_pos
+    spans = list(spans)
     if not exact:
-        if start_pos == 0:
+        if start_pos == 0 and not spans:
             return PrefillSeq(begin, begin + n, key_slots.to(device), None, False, start_pos, dtype)
-        mask = _causal_mask(start_pos, n, total, n, dtype, device)
-        return PrefillSeq(begin, begin + n, key_slots.to(device), mask, False, start_pos, dtype)
+        mask = _causal_mask(start_pos, n, total, n, dtype, device, spans=spans)
+        return PrefillSeq(begin, begin + n, key_slots.to(device), mask, False, start_pos, dtype, spans=spans)
     padded = -(-total // _KEY_BLOCK) * _KEY_BLOCK
     key_slots = torch.cat((key_slots, key_slots.new_zeros(padded - total)))
     rows = -(-n // tile) * tile
-    mask = _causal_mask(start_pos, rows, padded, n, dtype, device).view(-1, 1, tile, padded)
-    return PrefillSeq(begin, begin + n, key_slots.to(device), mask, True, start_pos, dtype)
+    mask = _causal_mask(start_pos, rows, padded, n, dtype, device, spans=spans).view(-1, 1, tile, padded)
+    return PrefillSeq(begin, begin + n, key_slots.to(device), mask, True, start_pos, dtype, spans=spans)
 
 
-def _causal_mask(start_pos: int, rows: int, keys: int, n: int, dtype: torch.dtype,
-                 device: torch.device, window: int | None = None) -> torch.Tensor:
-    """(rows, keys) additive mask; rows past the n new tokens repeat the last one's. With a window,
-    a row also does not see keys `window` or more positions behind it."""
+def _causal_mask(start_pos: int, rows: int, keys: int, n: int, dtype: torch.dtype, device: torch.device,
+                 window: int | None = None, spans: list[tuple[int, int]] = ()) -> torch.Tensor:
+    """(rows, keys) additive mask; rows past the n new tokens repeat the last one's. A row in one of
+    the bidirectional `spans` also sees the span's later keys; with a window, a row does not see
+    keys `window` or more positions behind it."""
     query_pos = torch.arange(start_pos, start_pos + rows, device=device).clamp(max=start_pos + n - 1)
     key_pos = torch.arange(keys, device=device)[None, :]
     hidden = key_pos > query_pos[:, None]
+    if spans:
+        span_of = torch.full((keys,), -1, device=device)  # key position -> its span's index, -1: none
+        for index, (span_start, span_stop) in enumerate(spans):
+            span_of[span_start:span_stop] = index
+        query_span = span_of[query_pos][:, None]
+        hidden &= (query_span != span_of[None, :]) | (query_span < 0)
     if window is not None:
         hidden |= key_pos <= query_pos[:, None] - window
     return torch.zeros(hidden.shape, dtype=dtype, device=device).masked_fill_(hidden, float("-inf"))
@@ -277,7 +295,8 @@ def _long_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
 
 def _prefill(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, seq: PrefillSeq,
              mask: torch.Tensor | None) -> torch.Tensor:
-    """Causal attention of n new tokens over every key of one sequence, theirs included.
+    """Attention of n new tokens over every key of one sequence, theirs included, under the mask
+    (causal, opened within bidirectional spans; None: plain causal).
 
     q: (n, H, D); keys, values: (KVH, keys, D) -> (n, H, D). Fused attention (a flash kernel on
     CPU) streams over key blocks with an online softmax, so no (n, keys) score matrix is held.

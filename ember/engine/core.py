@@ -17,7 +17,7 @@ from ember.config import EngineConfig, ModelConfig
 from ember.context_window import ContextWindow, fit_output
 from ember.engine import invariance
 from ember.engine.host_memory import release_freed_heap
-from ember.engine.images import ImageEncoder, check_spans
+from ember.engine.images import ImageEncoder, check_spans, images_attend_both_ways
 from ember.engine.loading import load_model
 from ember.engine.messages import MediaSpan
 from ember.engine.pool import build_step_parts
@@ -54,7 +54,8 @@ class EngineCore:
                            self.max_model_len, model_config.max_position_embeddings)
         # KV heads this process caches: its shard's under tensor parallelism
         num_kv_heads = group.plan.num_kv_heads if group is not None else model_config.num_key_value_heads
-        parts = build_step_parts(model, model_config, config, self.max_model_len, num_kv_heads, device, dtype, group)
+        parts = build_step_parts(model, model_config, config, self.max_model_len, num_kv_heads, device, dtype, group,
+                                 bidirectional_spans=image_processing is not None and images_attend_both_ways(model))
         self.kv_manager, self.scheduler, self.runner = parts.kv_manager, parts.scheduler, parts.runner
         self.max_num_batched_tokens = parts.max_num_batched_tokens
         self.kv_capacity_tokens, self.kv_cache_bytes = parts.kv_capacity_tokens, parts.kv_cache_bytes

@@ -10,6 +10,11 @@ some positions cannot be computed yet). Two requests that bring the same image s
 encoding. An image stays cached while any request holds it, and afterwards while the cache's byte
 budget allows, the least recently used going first.
 
+A model whose image tokens attend to each other both ways in prefill (Gemma 3:
+`images_attend_both_ways`) gets each request's runs of consecutive image-token positions as its
+Request.bidirectional_spans (transformers' groups: each image and each pan-and-scan crop is its own
+run); the scheduler and the attention masks then see spans of positions only.
+
 Shapes: an image's embeddings are (its image tokens, hidden), one row per image-token position of
 its span, in order; a unit's are (tokens per unit, hidden).
 """
@@ -68,6 +73,7 @@ class ImageEncoder:
         self.processing = processing
         self.device = device
         self.cache_bytes = cache_bytes
+        self.bidirectional = images_attend_both_ways(model)
         self._images: dict[bytes, _Image] = {}  # every image a live request holds, or the cache keeps
         self._idle: OrderedDict[bytes, None] = OrderedDict()  # ready images no request holds, least recent first
         self._spans: dict[str, list[_Span]] = {}  # request id -> its images' spans
@@ -92,6 +98,8 @@ class ImageEncoder:
             positions = span.start + np.flatnonzero(tokens[span.start:span.stop] == token_id)
             spans.append(_Span(image, positions))
         self._spans[request.request_id] = spans
+        if self.bidirectional and spans:
+            request.bidirectional_spans = consecutive_runs(np.concatenate([span.positions for span in spans]))
         self._mark_unready(request)
 
     def remove(self, request_id: str) -> None:
@@ -198,6 +206,21 @@ class ImageEncoder:
         return {"images_cached": sum(1 for image in self._images.values() if image.ready),
                 "image_cache_bytes": sum(image.num_bytes for image in self._images.values()),
                 "images_encoded": self.num_encoded, "images_reused": self.num_reused}
+
+
+def images_attend_both_ways(model: torch.nn.Module) -> bool:
+    """Whether one image's tokens attend to each other both ways in the model's prefill (Gemma 3)."""
+    return bool(getattr(model, "images_attend_bidirectionally", False))
+
+
+def consecutive_runs(positions: np.ndarray) -> list[tuple[int, int]]:
+    """The maximal runs [start, stop) of consecutive positions in ascending `positions`."""
+    if not len(positions):
+        return []
+    breaks = np.flatnonzero(np.diff(positions) != 1) + 1  # where a run begins, the first one aside
+    starts = positions[np.concatenate(([0], breaks))]
+    stops = positions[np.concatenate((breaks - 1, [len(positions) - 1]))] + 1
+    return list(zip(starts.tolist(), stops.tolist()))
 
 
 def check_spans(media: list[MediaSpan], num_prompt_tokens: int) -> str | None:

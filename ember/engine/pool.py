@@ -39,8 +39,11 @@ class StepParts:
 
 
 def build_step_parts(model: torch.nn.Module, model_config: ModelConfig, config: EngineConfig, max_model_len: int,
-                     num_kv_heads: int, device: torch.device, dtype: torch.dtype, group=None) -> StepParts:
-    """`num_kv_heads`: the KV heads this process caches (its shard's under tensor parallelism)."""
+                     num_kv_heads: int, device: torch.device, dtype: torch.dtype, group=None,
+                     bidirectional_spans: bool = False) -> StepParts:
+    """`num_kv_heads`: the KV heads this process caches (its shard's under tensor parallelism);
+    `bidirectional_spans`: some prompts' spans attend both ways (engine.images), which ember's
+    attention kernel does not do (it is causal only), so attention takes the torch path."""
     max_num_batched_tokens = config.max_num_batched_tokens or (_CPU_STEP_TOKENS if device.type == "cpu"
                                                                else _GPU_STEP_TOKENS)
     num_blocks = num_kv_blocks(config, model_config, num_kv_heads, dtype, device, max_model_len)
@@ -55,7 +58,10 @@ def build_step_parts(model: torch.nn.Module, model_config: ModelConfig, config: 
         kv_manager)
     uses_cpu_kernels = (config.cpu_kernels and device.type == "cpu" and config.block_size == KERNEL_BLOCK_SIZE
                         and dtype in (torch.bfloat16, torch.float32) and model_config.head_dim % 16 == 0
-                        and kernels.available())
+                        and kernels.available() and not bidirectional_spans)
+    if bidirectional_spans and config.cpu_kernels and device.type == "cpu":
+        logger.info("attention: the torch path, as this model's image tokens attend both ways and ember's "
+                    "attention kernel is causal only (the linear kernels stay)")
     cache = KVCache(model_config.num_hidden_layers, num_blocks, config.block_size, num_kv_heads,
                     model_config.head_dim, dtype, device, kernel_layout=uses_cpu_kernels,
                     layer_windows=model_config.layer_windows)

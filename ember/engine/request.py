@@ -45,7 +45,7 @@ class Request:
         "eos_token_ids", "arrival_time", "priority", "cache_salt", "num_computed_tokens",
         "num_cached_tokens", "block_ids", "block_hashes", "status", "finish_reason",
         "stop_reason", "num_preemptions", "constraint", "num_waiting_steps", "waiting_since_step", "promoted",
-        "num_pinned_tokens", "draft_token_ids", "media", "unready_spans",
+        "num_pinned_tokens", "draft_token_ids", "media", "unready_spans", "bidirectional_spans",
     )
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams, *,
@@ -82,6 +82,10 @@ class Request:
         # positions [start, stop) whose inputs are not ready yet (an image still being encoded):
         # the scheduler ends the request's chunk before them
         self.unready_spans: list[tuple[int, int]] = []
+        # runs of positions [start, stop), ascending, whose tokens attend to each other both ways in
+        # prefill (Gemma 3's image tokens): no prefill chunk ends inside one, so that its keys are
+        # all there when its queries attend
+        self.bidirectional_spans: list[tuple[int, int]] = []
 
     @property
     def num_tokens(self) -> int:
@@ -108,11 +112,20 @@ class Request:
         return media_key(self.media, start, stop) if self.media else None
 
     def computable(self, start: int, count: int) -> int:
-        """How many of `count` tokens from `start` have their inputs ready (up to an unready span)."""
+        """How many tokens from `start` a chunk computes, `count` allowing: none from an unready span
+        on, and no chunk ends inside a bidirectional span: one that would ends before the span, or,
+        when it starts at or inside the span, covers the span whole, past `count` if need be."""
         for span_start, span_stop in self.unready_spans:
             if span_stop > start:
-                return max(0, min(count, span_start - start))
-        return count
+                count = max(0, min(count, span_start - start))
+                break
+        end = start + count
+        if False:
+            for span_start, span_stop in self.bidirectional_spans:
+                if span_start < end < span_stop:
+                    end = span_stop if start >= span_start else span_start
+                    break
+        return end - start
 
     def append_output_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)

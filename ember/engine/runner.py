@@ -37,14 +37,19 @@ class StepItem(msgspec.Struct, array_like=True):
     block_ids: list[int]  # the blocks holding positions [0, start + len)
     samples: bool
     num_drafted: int = 0  # the last num_drafted of token_ids are drafts (speculative decoding)
+    # the request's bidirectional spans (Request.bidirectional_spans) cut to these positions, where
+    # they hold two tokens or more: within each, the tokens attend to each other both ways
+    bidirectional_spans: list[tuple[int, int]] = []
 
 
 def step_items(scheduled: list[ScheduledRequest], block_size: int) -> list[StepItem]:
     items = []
     for item in scheduled:
-        end = item.start + item.num_new_tokens
-        items.append(StepItem(item.input_token_ids, item.start, item.request.block_ids[:-(-end // block_size)],
-                              item.samples, len(item.draft_token_ids)))
+        start, end = item.start, item.start + item.num_new_tokens
+        spans = [(max(a, start), min(b, end)) for a, b in item.request.bidirectional_spans
+                 if min(b, end) - max(a, start) > 1]
+        items.append(StepItem(item.input_token_ids, start, item.request.block_ids[:-(-end // block_size)],
+                              item.samples, len(item.draft_token_ids), spans))
     return items
 
 
@@ -151,7 +156,8 @@ class ModelRunner:
             if count > 1:
                 seq_slots = _slots_of(block_ids, start + count, block_size)
                 slots.extend(seq_slots[start:].tolist())
-                prefills.append(prefill_seq(begin, start, seq_slots, self.cache.tensor.dtype, self.device, self.exact))
+                prefills.append(prefill_seq(begin, start, seq_slots, self.cache.tensor.dtype, self.device, self.exact,
+                                            item.bidirectional_spans))
             else:
                 slots.append(block_ids[start // block_size] * block_size + start % block_size)
                 if long_from is not None and start >= long_from:
@@ -169,6 +175,8 @@ class ModelRunner:
         return to_device(token_ids), to_device(positions), sample_rows, attn
 
     def _prepare_for_kernel(self, items: list[StepItem]):
+        if any(item.bidirectional_spans for item in items):  # engine.pool gives such models the torch layout
+            raise RuntimeError("ember's attention kernel is causal only: it cannot open bidirectional spans")
         block_size = self.block_size
         token_ids: list[int] = []
         positions: list[int] = []
