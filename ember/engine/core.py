@@ -54,10 +54,14 @@ class EngineCore:
                            self.max_model_len, model_config.max_position_embeddings)
         # KV heads this process caches: its shard's under tensor parallelism
         num_kv_heads = group.plan.num_kv_heads if group is not None else model_config.num_key_value_heads
+        bidirectional = image_processing is not None and images_attend_both_ways(model)
         parts = build_step_parts(model, model_config, config, self.max_model_len, num_kv_heads, device, dtype, group,
-                                 bidirectional_spans=image_processing is not None and images_attend_both_ways(model))
+                                 bidirectional_spans=bidirectional)
         self.kv_manager, self.scheduler, self.runner = parts.kv_manager, parts.scheduler, parts.runner
         self.max_num_batched_tokens = parts.max_num_batched_tokens
+        # the prompt tokens a step may hold past its budget: a chunk covers a bidirectional span
+        # (one image's tokens) whole (Request.computable)
+        self.max_step_overrun = model.image_seq_len - 1 if bidirectional else 0
         self.kv_capacity_tokens, self.kv_cache_bytes = parts.kv_capacity_tokens, parts.kv_cache_bytes
         self.uses_cpu_kernels = parts.uses_cpu_kernels
         self._scheduled_at: dict[str, float] = {}

@@ -68,8 +68,10 @@ def check(core) -> InvarianceReport:
     """
     began = time.perf_counter()
     model = core.runner.model
-    # a step holds at most its budget of prompt tokens plus one decode token per running sequence
-    plan, broken = choose_row_plan(model, max_rows=core.max_num_batched_tokens + core.config.max_num_seqs,
+    # a step holds at most its budget of prompt tokens (and its overrun) plus one decode token per
+    # running sequence
+    max_rows = core.max_num_batched_tokens + core.max_step_overrun + core.config.max_num_seqs
+    plan, broken = choose_row_plan(model, max_rows=max_rows,
                                    max_head_rows=core.config.max_num_seqs)
     if plan is None:
         set_row_plan(model, WHOLE_BATCH)

@@ -112,20 +112,22 @@ class Request:
         return media_key(self.media, start, stop) if self.media else None
 
     def computable(self, start: int, count: int) -> int:
-        """How many tokens from `start` a chunk computes, `count` allowing: none from an unready span
-        on, and no chunk ends inside a bidirectional span: one that would ends before the span, or,
-        when it starts at or inside the span, covers the span whole, past `count` if need be."""
+        """How many tokens from `start` a chunk computes, `count` (what the step budget pays for)
+        allowing: none from an unready span on. No chunk ends inside a bidirectional span: one that
+        would ends before the span, and one that starts at or inside it (a prefix-cache hit may end
+        there) covers it whole, past `count` if need be, so a step may go over its budget by less
+        than one span, as decodes may go over it."""
         for span_start, span_stop in self.unready_spans:
             if span_stop > start:
-                count = max(0, min(count, span_start - start))
+                count = min(count, span_start - start)
                 break
+        if count <= 0:
+            return 0
         end = start + count
-        if False:
-            for span_start, span_stop in self.bidirectional_spans:
-                if span_start < end < span_stop:
-                    end = span_stop if start >= span_start else span_start
-                    break
-        return end - start
+        for span_start, span_stop in self.bidirectional_spans:
+            if span_start < end < span_stop:
+                return (span_stop if start >= span_start else span_start) - start
+        return count
 
     def append_output_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)

@@ -13,6 +13,11 @@ A waiting request that finds no seat or no blocks preempts running requests of a
 priority, the least important first, when that makes the room; the victims wait again and later
 resume from what they had (their tokens are kept and their prompt blocks usually come back from
 the prefix cache).
+
+A chunk never ends inside a request's bidirectional span (one image's tokens on Gemma 3;
+Request.computable): it ends before the span, or covers it whole, past the budget if need be,
+its KV blocks allocated for all of it. A prefix-cache hit that ends inside a span (its cached
+keys were computed with the whole span) makes the first chunk start there and cover the rest.
 """
 
 from __future__ import annotations

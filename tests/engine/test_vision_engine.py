@@ -14,9 +14,22 @@ import transformers
 from PIL import Image
 
 from ember import LLM, SamplingParams
-from vision_fixtures import add_random_weights, conversation, image_bytes, picture, write_smolvlm_folder
+from vision_fixtures import add_random_weights, image_bytes, write_smolvlm_folder
 
 SIZES = ((40, 40), (150, 90), (60, 130))  # 1 tile; 2x2 tiles plus the whole; portrait
+
+
+def picture(width: int, height: int, seed: int) -> bytes:
+    """A noisy image file (PNG), so that tiles differ."""
+    generator = torch.Generator().manual_seed(seed)
+    pixels = torch.randint(0, 256, (height, width, 3), generator=generator, dtype=torch.uint8).numpy()
+    out = io.BytesIO()
+    Image.fromarray(pixels).save(out, format="PNG")
+    return out.getvalue()
+
+
+def conversation(image: bytes, text: str = "What is in this picture?") -> list[dict]:
+    return [{"role": "user", "content": [{"type": "image", "image": image}, {"type": "text", "text": text}]}]
 
 
 @pytest.fixture(scope="module")
@@ -101,7 +114,7 @@ def test_an_image_is_encoded_once_and_its_blocks_are_reused(exact):
     assert changed.num_cached_tokens <= media[0].start  # the same tokens beside another image are other KV
     assert images.num_encoded == before + 2
     # two requests bringing one new image at once share its encoding
-    twins = exact.generate([conversation(picture(40, 40, seed=13)), conversation(picture(40, 40, seed=13), text="Hi?")],
+    twins = exact.generate([conversation(picture(40, 40, seed=13)), conversation(picture(40, 40, seed=13), "Hi?")],
                            params)
     assert images.num_encoded == before + 3 and all(t.token_ids for t in twins)
 
