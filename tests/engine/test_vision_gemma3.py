@@ -2,8 +2,8 @@
 processor and model; the default model's tokenizer with Gemma 3's image tokens), against
 transformers in float32: the prompt ids its Gemma3Processor makes, the greedy tokens and log
 probabilities of its model, where one image's tokens attend to each other both ways in prefill,
-through whole prefill, chunks that an image's run would cut, a batch, and a prefix-cache hit that
-ends inside an image."""
+through whole prefill, chunks that an image's run would cut, a batch, a prefix-cache hit that ends
+inside an image, and preemption."""
 
 from __future__ import annotations
 
@@ -41,7 +41,8 @@ def reference(folder):
 
 
 def gemma3_llm(folder, **kwargs) -> LLM:
-    return LLM(str(folder), dtype="float32", quantization="none", max_model_len=1024, kv_cache_tokens=4096, **kwargs)
+    return LLM(str(folder), **{"dtype": "float32", "quantization": "none", "max_model_len": 1024,
+                               "kv_cache_tokens": 4096, **kwargs})
 
 
 @pytest.fixture(scope="module")
@@ -112,14 +113,37 @@ def test_the_tokens_differ_where_images_attend_causally(reference, expected):
     assert (causal[2] - expected["one"][2]).abs().max() > 50 * ATOL
 
 
-@pytest.mark.parametrize("budget, batch_invariant", [(8, True), (13, False)], ids=["exact", "fast"])
-def test_chunks_that_would_cut_an_image_match_transformers(folder, expected, budget, batch_invariant):
-    """A step budget below an image's 16 tokens: a chunk ends before a run of image tokens, and the
-    next covers it whole; through the batch-invariant attention path's fixed tiles and the fast one."""
+def bits(out) -> list[tuple[int, float]]:
+    return [(lp.token_id, lp.logprob) for lp in out.logprobs]
+
+
+OTHER_QUESTION = conversation(ONE_IMAGE[0]["content"][0]["image"], text="Describe it.")
+
+
+@pytest.fixture(scope="module")
+def cold(exact):
+    """Each prompt's output from an empty prefix cache, whole prompts in one chunk."""
+    outputs = {}
+    for name, messages in (("one", ONE_IMAGE), ("two", TWO_IMAGES), ("other", OTHER_QUESTION)):
+        exact.engine.kv_manager.reset_prefix_cache()
+        outputs[name] = exact.generate([messages], PARAMS)[0]
+    exact.engine.kv_manager.reset_prefix_cache()
+    return outputs
+
+
+@pytest.mark.parametrize("budget, batch_invariant", [(16, True), (13, False)], ids=["exact", "fast"])
+def test_chunks_that_would_cut_an_image_match_transformers(folder, expected, cold, budget, batch_invariant):
+    """Chunks of at most 16 tokens: a chunk ends before a run of image tokens, and the next covers
+    it whole (past the budget on the fast path's 13); through the batch-invariant attention path's
+    fixed tiles (the same bits as one whole chunk) and the fast one."""
     llm = gemma3_llm(folder, max_num_batched_tokens=budget, enable_prefix_caching=False,
                      batch_invariant=batch_invariant)
+    assert llm.engine.invariance.holds == batch_invariant, llm.engine.invariance.reason
     for messages, name in ((ONE_IMAGE, "one"), (TWO_IMAGES, "two")):
-        assert_same_as_transformers(llm.generate([messages], PARAMS)[0], expected[name])
+        out = llm.generate([messages], PARAMS)[0]
+        assert_same_as_transformers(out, expected[name])
+        if batch_invariant:
+            assert bits(out) == bits(cold[name])
     llm.engine.check_invariants()
 
 
@@ -133,16 +157,33 @@ def test_an_image_alone_and_in_a_batch_matches_transformers(folder, expected):
     llm.engine.check_invariants()
 
 
-def test_a_prefix_cache_hit_ending_inside_an_image_matches_transformers(exact, reference, expected):
+def test_a_prefix_cache_hit_ending_inside_an_image_matches_a_cold_run(exact, reference, cold):
     """The second prompt shares the first's tokens up to its image's end, but not the block after:
-    its cached prefix ends inside the image's run, whose keys were computed with the whole image."""
-    image = ONE_IMAGE[0]["content"][0]["image"]
-    other_question = conversation(image, text="Describe it.")
+    its cached prefix ends inside the image's run, whose keys were computed with the whole image,
+    and its first chunk covers the rest of the run."""
+    exact.engine.kv_manager.reset_prefix_cache()
     exact.generate([ONE_IMAGE], PARAMS)
-    _, media = exact.encode_with_images(other_question)
-    out = exact.generate([other_question], PARAMS)[0]
+    _, media = exact.encode_with_images(OTHER_QUESTION)
+    out = exact.generate([OTHER_QUESTION], PARAMS)[0]
     assert media[0].start < out.num_cached_tokens < media[0].stop
-    assert_same_as_transformers(out, reference_run(reference, other_question))
+    assert bits(out) == bits(cold["other"])
+    assert_same_as_transformers(out, reference_run(reference, OTHER_QUESTION))
+
+
+def test_preempted_image_requests_recompute_their_images_right(folder, cold):
+    """A cache too small for the batch: requests are preempted and their prompts, images included,
+    computed again (the prefix cache may hand back blocks that end inside an image)."""
+    llm = gemma3_llm(folder, kv_cache_tokens=128)
+    prompts = [TWO_IMAGES, ONE_IMAGE, OTHER_QUESTION, TWO_IMAGES]
+    params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True, logprobs=0)
+    outs = llm.generate(prompts, params)
+    assert llm.engine.stats().num_preemptions > 0
+    for out, name in zip(outs, ("two", "one", "other", "two")):
+        # a token decoded, then recomputed in a prefill, may differ in its last bits
+        assert out.token_ids[:PARAMS.max_tokens] == cold[name].token_ids
+        ours = torch.tensor([lp.logprob for lp in out.logprobs[:PARAMS.max_tokens]])
+        assert torch.allclose(ours, torch.tensor([lp.logprob for lp in cold[name].logprobs]), atol=ATOL)
+    llm.engine.check_invariants()
 
 
 def test_an_image_request_has_the_same_bits_alone_and_in_a_batch(folder):
