@@ -65,6 +65,16 @@ def write_convertible_smolvlm(folder: pathlib.Path, seed: int = 0) -> pathlib.Pa
     return folder
 
 
+def convert_pair(script: pathlib.Path, folder: pathlib.Path, into: pathlib.Path, outtype: str
+                 ) -> tuple[pathlib.Path, pathlib.Path]:
+    """The folder's language GGUF and its mmproj in `into`, named as llama.cpp's repos name them
+    (NAME-F16.gguf, mmproj-NAME-F16.gguf)."""
+    tag = outtype.upper()
+    into.mkdir(parents=True, exist_ok=True)
+    return (convert(script, folder, into / f"{folder.name}-{tag}.gguf", outtype),
+            convert(script, folder, into / f"mmproj-{folder.name}-{tag}.gguf", outtype, mmproj=True))
+
+
 def convert(script: pathlib.Path, folder: pathlib.Path, out: pathlib.Path, outtype: str,
             mmproj: bool = False) -> pathlib.Path:
     """Run the converter on `folder` into `out` (outtype f32, f16, bf16 or q8_0)."""

@@ -2,7 +2,7 @@
 which of its mmproj files (a vision model's projector) goes with it.
 
 Without a tag: the Q4_K_M file, else the smallest 4-bit file, else the smallest file. The mmproj:
-one in the model file's folder whose precision is nearest the model's, as llama.cpp chooses."""
+one in the model file's folder whose precision is nearest the model's."""
 
 from __future__ import annotations
 

@@ -22,7 +22,7 @@ from ember.loaders import load_model_source
 from ember.loaders.hf_folder import load_hf_folder
 from ember.media.processing import source_image_processing
 from ember.models.weights import BlockWeights
-from gguf_vision import convert, copy_converter, llama_cpp_source, write_convertible_smolvlm
+from gguf_vision import convert_pair, copy_converter, llama_cpp_source, write_convertible_smolvlm
 from unit.gguf_helpers import write_gguf
 from unit.gguf_models import state_dict_of, tiny_model
 from vision_fixtures import conversation, picture
@@ -40,12 +40,7 @@ def converted(tmp_path_factory):
     root = tmp_path_factory.mktemp("gguf_vision")
     script = copy_converter(source, root / "llama.cpp")
     folder = write_convertible_smolvlm(root / "SmolVLM-tiny")
-    pairs = {}
-    for outtype in ("f16", "q8_0"):
-        tag = outtype.upper()
-        (root / tag).mkdir()
-        pairs[outtype] = convert(script, folder, root / tag / f"SmolVLM-tiny-{tag}.gguf", outtype)
-        convert(script, folder, root / tag / f"mmproj-SmolVLM-tiny-{tag}.gguf", outtype, mmproj=True)
+    pairs = {outtype: convert_pair(script, folder, root / outtype.upper(), outtype)[0] for outtype in ("f16", "q8_0")}
     return folder, pairs, root / "cache"
 
 
@@ -170,6 +165,25 @@ def test_an_mmproj_is_not_a_model_and_goes_with_a_gguf_only(converted, tmp_path)
     assert caught.value.param == "mmproj"
     with pytest.raises(ModelLoadError, match="is not an mmproj file") as caught:
         load_model_source(str(converted[1]["q8_0"]), converted[2], mmproj=str(converted[1]["f16"]))
+    assert caught.value.param == "mmproj"
+
+
+def test_a_projector_type_ember_does_not_read_is_refused_by_name(tmp_path):
+    import gguf
+    import numpy as np
+
+    other = tmp_path / "mmproj-other.gguf"
+    writer = gguf.GGUFWriter(str(other), "clip")
+    writer.add_bool("clip.has_vision_encoder", True)
+    writer.add_string("clip.projector_type", "gemma3")
+    writer.add_tensor("mm.input_projection.weight", np.zeros((4, 4), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ModelLoadError, match="mmproj-other.gguf: its projector type is 'gemma3', and ember reads "
+                                             "idefics3") as caught:
+        load_model_source(str(tiny_text_gguf(tmp_path / "plain.gguf")), tmp_path / "cache", mmproj=str(other))
     assert caught.value.param == "mmproj"
 
 
