@@ -96,6 +96,23 @@ def image_bytes(width: int, height: int, color: tuple[int, int, int] = (200, 40,
     return out.getvalue()
 
 
+def picture(width: int, height: int, seed: int) -> bytes:
+    """A noisy image file (PNG), so that tiles differ."""
+    import torch
+    from PIL import Image
+
+    generator = torch.Generator().manual_seed(seed)
+    pixels = torch.randint(0, 256, (height, width, 3), generator=generator, dtype=torch.uint8).numpy()
+    out = io.BytesIO()
+    Image.fromarray(pixels).save(out, format="PNG")
+    return out.getvalue()
+
+
+def conversation(image: bytes, text: str = "What is in this picture?") -> list[dict]:
+    """One user turn: the image, then the text."""
+    return [{"role": "user", "content": [{"type": "image", "image": image}, {"type": "text", "text": text}]}]
+
+
 def data_url(data: bytes, media_type: str = "image/png") -> str:
     return f"data:{media_type};base64,{base64.b64encode(data).decode()}"
 
