@@ -65,7 +65,8 @@ class EngineCore:
         # the model's images (engine.images), when it reads them
         self.images = (ImageEncoder(model, image_processing, device, int(config.image_cache_mb * 2**20))
                        if image_processing is not None else None)
-        self._decode_seconds = 0.0  # the last step's time when requests decoded: what image work may add
+        # the last step's time when requests decoded, its image work left out: what image work may add
+        self._decode_seconds = 0.0
         self.speculator = None  # the startup check below probes plain decoding
         self.invariance = self._check_invariance()
         self.speculator = build_speculator(config.speculative, self.max_model_len, draft_proposer)
@@ -165,6 +166,7 @@ class EngineCore:
         outputs: list[StepOutput] = []
         if self.images is not None:
             outputs += self._advance_images()
+        image_seconds = time.perf_counter() - began
         if self.speculator is not None:
             self.speculator.propose(self.scheduler.running)
         plan = self.scheduler.schedule()
@@ -221,7 +223,7 @@ class EngineCore:
         seconds = time.perf_counter() - began
         counters.add_step(seconds, plan.num_scheduled_tokens - num_decode_tokens, num_decode_tokens)
         if num_decode_tokens:
-            self._decode_seconds = seconds
+            self._decode_seconds = seconds - image_seconds
         return outputs
 
     def _advance_images(self) -> list[StepOutput]:

@@ -3,7 +3,8 @@ kept by the SHA-256 of its bytes, and spliced into prefill where its image token
 
 An image is encoded when a request that needs it is in the engine and the image's tokens are not
 all in the prefix cache already (an image wholly inside a cached prefix is never encoded). Its
-units (tiles, views) are encoded one after another, a bounded time per step while other requests
+work goes in small pieces (preparing its pixels, then the model's encode_image_steps: some patches
+through one stage of one tower layer at a time), a bounded time per step while other requests
 decode (`advance`), so running streams keep their pace; until an image is ready, its request's
 prefill stops before the image's first token (Request.unready_spans: the scheduler only knows that
 some positions cannot be computed yet). Two requests that bring the same image share its one
@@ -11,7 +12,7 @@ encoding. An image stays cached while any request holds it, and afterwards while
 budget allows, the least recently used going first.
 
 Shapes: an image's embeddings are (its image tokens, hidden), one row per image-token position of
-its span, in order; a unit's are (tokens per unit, hidden).
+its span, in order.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import OrderedDict
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -39,8 +41,7 @@ class _Image:
     sha256: bytes
     data: bytes
     users: set[str] = field(default_factory=set)  # ids of the requests that hold it
-    units: list[dict[str, np.ndarray]] | None = None  # prepared, still to encode
-    outputs: list[torch.Tensor] = field(default_factory=list)  # the units encoded so far
+    steps: Iterator[None] | None = None  # its encoding under way (the model's encode_image_steps)
     embeddings: torch.Tensor | None = None  # (image tokens, hidden) once ready
     error: str | None = None  # why it cannot be used
 
@@ -139,28 +140,32 @@ class ImageEncoder:
             self._mark_unready(request)
 
     def _work_on(self, image: _Image, num_tokens: int) -> None:
-        """One unit of work: prepare the image, or encode its next unit (or finish it)."""
+        """One piece of work: prepare the image's pixels, or take its encoding one piece further."""
         try:
-            if image.units is None:
-                prepared = self.processing.prepare(image.data)
-                count = len(next(iter(prepared.values())))
-                image.units = [{name: array[i:i + 1] for name, array in prepared.items()} for i in range(count)]
+            if image.steps is None:
+                inputs = {name: torch.from_numpy(array).to(self.device)
+                          for name, array in self.processing.prepare(image.data).items()}
+                image.steps = self.model.encode_image_steps(**inputs)
                 return
-            unit = image.units[len(image.outputs)]
-            inputs = {name: torch.from_numpy(array).to(self.device) for name, array in unit.items()}
             with torch.inference_mode():
-                image.outputs.append(self.model.encode_images(**inputs))
-            if len(image.outputs) == len(image.units):
-                embeddings = torch.cat(image.outputs)
-                image.units, image.outputs = [], []
-                if embeddings.shape[0] != num_tokens:
-                    raise ValueError(f"the image gives {embeddings.shape[0]} embeddings for {num_tokens} image "
-                                     "tokens in the prompt")
-                image.embeddings = embeddings
-                self.num_encoded += 1
+                next(image.steps)
+        except StopIteration as done:
+            image.steps = None
+            embeddings = done.value
+            if embeddings.shape[0] != num_tokens:
+                self._fail(image, ValueError(f"the image gives {embeddings.shape[0]} embeddings for {num_tokens} "
+                                             "image tokens in the prompt"))
+                return
+            image.embeddings = embeddings
+            self.num_encoded += 1
         except Exception as exc:  # a bad image fails the requests that hold it, not the engine
-            logger.warning("an image could not be used: %s: %s", type(exc).__name__, exc)
-            image.error = f"an image could not be prepared or encoded: {exc}"
+            self._fail(image, exc)
+
+    @staticmethod
+    def _fail(image: _Image, exc: Exception) -> None:
+        logger.warning("an image could not be used: %s: %s", type(exc).__name__, exc)
+        image.steps = None
+        image.error = f"an image could not be prepared or encoded: {exc}"
 
     def _mark_unready(self, request: Request) -> None:
         request.unready_spans = [(int(span.positions[0]), int(span.positions[-1]) + 1)

@@ -113,9 +113,15 @@ class Gemma3Processing(ImageProcessing):
         return {"pixel_values": np.ascontiguousarray(self._pixels(data)["pixel_values"])}
 
 
+# Gemma 3's image tokens attend to each other both ways, which the engine's attention does not do yet:
+# its images are refused (vision_disabled) rather than read wrong
+_NOT_YET = ("gemma3",)
+
+
 def reads_images(hf_config: dict[str, Any], vision: bool) -> bool:
     """Whether a model of this config reads images, `vision` (--no-vision turns it off) allowing."""
-    return vision and hf_config.get("model_type") in VISION_ARCHITECTURES and "vision_config" in hf_config
+    model_type = hf_config.get("model_type")
+    return vision and model_type in VISION_ARCHITECTURES and model_type not in _NOT_YET and "vision_config" in hf_config
 
 
 def load_image_processing(model_type: str, folder: str | Path, hf_config: dict[str, Any],

@@ -30,7 +30,7 @@ from ember.errors import ModelLoadError
 from ember.models import gemma3_text
 from ember.models.gemma3_text import GemmaRMSNorm
 from ember.models.layers import Linear, load_checkpoint, rename_prefixes
-from ember.models.siglip import VisionConfig, VisionTransformer, grid_position_ids, patch_weights
+from ember.models.siglip import Steps, VisionConfig, VisionTransformer, drain, grid_position_ids, patch_weights
 
 DEFAULT_IMAGE_TOKEN_ID = 262144  # Gemma3Config's image_token_index
 DEFAULT_TOKENS_PER_IMAGE = 256
@@ -92,9 +92,16 @@ class Model(gemma3_text.Model):
     def encode_images(self, pixel_values: torch.Tensor) -> torch.Tensor:
         """pixel_values (images, 3, image_size, image_size) as the image processor gives them (an image
         and its pan-and-scan crops, in prompt order) -> (images * image_seq_len, hidden)."""
+        return drain(self.encode_image_steps(pixel_values))
+
+    def encode_image_steps(self, pixel_values: torch.Tensor) -> Steps:
+        """`encode_images` a piece at a time (models.siglip: the engine spreads it over steps)."""
         positions = grid_position_ids(self.vision_tower.config.patches_per_side ** 2, pixel_values.device)
-        return torch.cat([self.multi_modal_projector(self.vision_tower(pixels, positions))
-                          for pixels in pixel_values])  # an image per call (models.siglip)
+        outputs = []
+        for pixels in pixel_values:  # an image per call (models.siglip)
+            hidden = yield from self.vision_tower.steps(pixels, positions)
+            outputs.append(self.multi_modal_projector(hidden))
+        return torch.cat(outputs)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: Any,
                 embeds: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:

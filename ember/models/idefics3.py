@@ -26,7 +26,8 @@ from ember.config import ModelConfig
 from ember.errors import ModelLoadError
 from ember.models import llama
 from ember.models.layers import Linear, load_checkpoint, rename_prefixes
-from ember.models.siglip import VisionConfig, VisionTransformer, navit_position_ids, patch_weights
+from ember.models.siglip import (Steps, VisionConfig, VisionTransformer, drain, navit_position_ids,
+                                 patch_weights)
 
 # Idefics3VisionConfig's defaults where they differ from SigLIP's
 VISION_DEFAULTS = dict(hidden_size=1152, num_attention_heads=16, patch_size=32)
@@ -86,6 +87,11 @@ class Model(llama.Model):
         pixel_attention_mask (tiles, H, W), nonzero on real pixels (None: all of them) ->
         (tiles * image_seq_len, hidden), tile after tile: the embeddings of the image's placeholders
         in prompt order."""
+        return drain(self.encode_image_steps(pixel_values, pixel_attention_mask))
+
+    def encode_image_steps(self, pixel_values: torch.Tensor, pixel_attention_mask: torch.Tensor | None = None
+                           ) -> Steps:
+        """`encode_images` a piece at a time (models.siglip: the engine spreads it over steps)."""
         p = self.vision_model.config.patch_size
         tiles, _, height, width = pixel_values.shape
         rows, cols = height // p, width // p
@@ -95,8 +101,11 @@ class Model(llama.Model):
             patch_mask = pixel_attention_mask[:, :rows * p, :cols * p].reshape(tiles, rows, p, cols, p).sum((2, 4)) > 0
         positions = navit_position_ids(patch_mask, self.vision_model.config.patches_per_side)
         keys = patch_mask.reshape(tiles, -1)
-        return torch.cat([self.connector(self.vision_model(pixel_values[i], positions[i], keys[i]))
-                          for i in range(tiles)])  # a tile per call (models.siglip)
+        outputs = []
+        for i in range(tiles):  # a tile per call (models.siglip)
+            hidden = yield from self.vision_model.steps(pixel_values[i], positions[i], keys[i])
+            outputs.append(self.connector(hidden))
+        return torch.cat(outputs)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: Any,
                 embeds: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:

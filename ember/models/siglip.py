@@ -14,12 +14,18 @@ state per patch out (no pooling head).
 The tower takes one tile (an image, or a crop of one) per call: a matmul may round otherwise when
 handed more rows, and a tile's bits must not depend on the tiles encoded beside it. The multimodal
 models loop over an image's tiles.
+
+Within a tile, the work goes in pieces of PIECE_ROWS patches through one stage of one layer (the
+projections into queries, keys and values; attention and its output; the MLP), and `steps` yields
+after each piece, so the engine can spread one image's encoding over many steps and keep the
+streams beside it at their pace (engine.images). Every call takes the same pieces (`forward`
+runs them all at once), so a tile's bits do not depend on how its pieces were spread.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Iterator
+from collections.abc import Generator, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,6 +35,22 @@ from torch import nn
 
 from ember.errors import ModelLoadError
 from ember.models.layers import Embedding, Linear, QKVLinear
+
+PIECE_ROWS = 256  # patches a piece of work takes through one stage of a layer
+Steps = Generator[None, None, torch.Tensor]  # yields after each piece; returns the result
+
+
+def drain(steps: Steps) -> torch.Tensor:
+    """Run a generator of steps to its end; its result."""
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return done.value
+
+
+def _pieces(rows: int) -> list[slice]:
+    return [slice(start, min(start + PIECE_ROWS, rows)) for start in range(0, rows, PIECE_ROWS)]
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,12 +125,14 @@ class Attention(nn.Module):
         self.qkv_proj = QKVLinear(config.hidden_size, self.num_heads, self.num_heads, self.head_dim, bias=True)
         self.out_proj = Linear(config.hidden_size, config.hidden_size, bias=True)
 
-    def forward(self, x: torch.Tensor, key_mask: torch.Tensor | None) -> torch.Tensor:
-        """x (patches, hidden); key_mask (patches,), True where a patch holds pixels."""
-        q, k, v = (t.transpose(0, 1) for t in self.qkv_proj(x))  # (heads, patches, head_dim)
-        mask = None if key_mask is None else key_mask[None, :]
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # scaled by head_dim ** -0.5
-        return self.out_proj(out.transpose(0, 1).reshape(x.shape[0], -1))
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor | None
+               ) -> torch.Tensor:
+        """q (rows, heads, head_dim) of some patches; k, v (patches, heads, head_dim) of them all;
+        key_mask (patches,), True where a patch holds pixels -> (rows, hidden) after out_proj."""
+        mask = None if key_mask is None else key_mask[None, :]  # a tile of real pixels only: None
+        out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                                             attn_mask=mask)  # (heads, rows, head_dim), scaled by head_dim ** -0.5
+        return self.out_proj(out.transpose(0, 1).reshape(q.shape[0], -1))
 
 
 class MLP(nn.Module):
@@ -129,20 +153,28 @@ class EncoderLayer(nn.Module):
         self.layer_norm2 = LayerNorm(config.hidden_size, config.layer_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, x: torch.Tensor, key_mask: torch.Tensor | None) -> torch.Tensor:
-        x = x + self.self_attn(self.layer_norm1(x), key_mask)
-        return x + self.mlp(self.layer_norm2(x))
+    def steps(self, x: torch.Tensor, key_mask: torch.Tensor | None) -> Steps:
+        """x (patches, hidden) -> the layer's output, piece by piece (x is not changed)."""
+        pieces = _pieces(x.shape[0])
+        projected = []
+        for rows in pieces:
+            projected.append(self.self_attn.qkv_proj(self.layer_norm1(x[rows])))
+            yield
+        q, k, v = (torch.cat(parts) for parts in zip(*projected))  # (patches, heads, head_dim) each
+        x = x.clone()
+        for rows in pieces:
+            x[rows] += self.self_attn.attend(q[rows], k, v, key_mask)
+            yield
+        for rows in pieces:
+            x[rows] += self.mlp(self.layer_norm2(x[rows]))
+            yield
+        return x
 
 
 class Encoder(nn.Module):
     def __init__(self, config: VisionConfig) -> None:
         super().__init__()
         self.layers = nn.ModuleList(EncoderLayer(config) for _ in range(config.num_hidden_layers))
-
-    def forward(self, x: torch.Tensor, key_mask: torch.Tensor | None) -> torch.Tensor:
-        for layer in self.layers:
-            x = layer(x, key_mask)
-        return x
 
 
 class VisionTransformer(nn.Module):
@@ -160,7 +192,17 @@ class VisionTransformer(nn.Module):
                 key_mask: torch.Tensor | None = None) -> torch.Tensor:
         """One tile: pixels (channels, H, W); position_ids (patches,); key_mask (patches,), or None when
         every patch holds pixels -> (patches, hidden)."""
-        return self.post_layernorm(self.encoder(self.embeddings(pixels, position_ids), key_mask))
+        return drain(self.steps(pixels, position_ids, key_mask))
+
+    def steps(self, pixels: torch.Tensor, position_ids: torch.Tensor, key_mask: torch.Tensor | None = None) -> Steps:
+        """`forward` a piece at a time."""
+        if key_mask is not None and bool(key_mask.all()):
+            key_mask = None  # every patch real: attention without a mask takes torch's fused path
+        x = self.embeddings(pixels, position_ids)
+        yield
+        for layer in self.encoder.layers:
+            x = yield from layer.steps(x, key_mask)
+        return self.post_layernorm(x)
 
 
 def grid_position_ids(patches: int, device: torch.device) -> torch.Tensor:
