@@ -36,9 +36,13 @@ def noise_png(side: int) -> bytes:
 
 
 @pytest.fixture(scope="module")
-def vision_server(tmp_path_factory):
-    folder = add_random_weights(write_smolvlm_folder(tmp_path_factory.mktemp("smolvlm") / MODEL))
-    process = ServerProcess(str(folder), "--ui", "--max-model-len", "1024", "--max-images", "2",
+def smolvlm(tmp_path_factory):
+    return add_random_weights(write_smolvlm_folder(tmp_path_factory.mktemp("smolvlm") / MODEL))
+
+
+@pytest.fixture(scope="module")
+def vision_server(smolvlm):
+    process = ServerProcess(str(smolvlm), "--ui", "--max-model-len", "1024", "--max-images", "2",
                             "--max-image-mb", str(MAX_IMAGE_MB), "--media-budget-mb", "0.5").start()
     yield process
     process.stop()
@@ -133,12 +137,18 @@ def put_on_clipboard(page, data: bytes) -> None:
 
 # ---- the model card ----------------------------------------------------------------------------
 
-def test_the_model_card_says_whether_the_model_reads_images_and_its_limits(http, one_slot_server):
+def test_the_model_card_says_whether_the_model_reads_images_and_its_limits(http, one_slot_server, smolvlm):
     card = http.get("/v1/models").json()["data"][0]
     assert card["capabilities"]["vision"] is True
     assert card["max_images"] == 2 and card["max_image_bytes"] == int(MAX_IMAGE_MB * 2**20)
     text = httpx.get(one_slot_server.url + "/v1/models", timeout=60).json()["data"][0]
     assert "vision" not in text["capabilities"] and "max_images" not in text
+    no_vision = ServerProcess(str(smolvlm), "--no-vision", "--max-model-len", "1024").start()
+    try:
+        card = httpx.get(no_vision.url + "/v1/models", timeout=60).json()["data"][0]
+    finally:
+        no_vision.stop()
+    assert card["id"] == MODEL and "vision" not in card["capabilities"] and "max_images" not in card
 
 
 # ---- attaching and sending ---------------------------------------------------------------------
