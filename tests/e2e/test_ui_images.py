@@ -1,7 +1,8 @@
 """Images on the chat page (`ember serve --ui`) in headless Chromium: against a real server of a tiny
 random SmolVLM folder, an image attached with the button, by pasting or by dropping it is shown,
 sent as an image_url part, kept across a reload and exported; what the server would refuse is
-refused on the page, and the server's own refusals are shown. A text-only server offers no button."""
+refused on the page, and the server's own refusals are shown. A text model offers no button, and
+neither it nor a vision model under --no-vision claims vision in its model card."""
 
 from __future__ import annotations
 
