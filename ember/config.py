@@ -226,6 +226,9 @@ class EngineConfig:
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     # A vision model's images (engine.images): read when on; its encoded images kept in this many MiB
     vision: bool = True
+    # A GGUF model's vision part, llama.cpp's mmproj file (loaders.mmproj): its path; auto: an mmproj*.gguf
+    # file beside the model (for a Hugging Face repo id, the repo's); none: the GGUF is a text model
+    mmproj: str = "auto"
     image_cache_mb: float = 256.0
 
     def __post_init__(self) -> None:
@@ -235,6 +238,8 @@ class EngineConfig:
             raise ValueError(f"background_wait_steps must be a whole number of steps, got {self.background_wait_steps!r}")
         if self.num_threads is not None and (not isinstance(self.num_threads, int) or self.num_threads < 1):
             raise ValueError(f"num_threads must be a positive integer, got {self.num_threads!r}")
+        if not isinstance(self.mmproj, str) or not self.mmproj:
+            raise ValueError(f"mmproj must be a file's path, auto or none, got {self.mmproj!r}")
         if self.image_cache_mb < 0:
             raise ValueError(f"image_cache_mb must be 0 or more, got {self.image_cache_mb!r}")
         if self.attention_cost_tokens is not None and (not isinstance(self.attention_cost_tokens, int)

@@ -36,10 +36,10 @@ class LLM:
 
     def __init__(self, model: str | None = None, *, cache_dir: str | Path | None = None, revision: str | None = None,
                  ollama_models: str | Path | None = None, **engine_kwargs) -> None:
-        open_source = source_opener(cache_dir, ollama_models)
-        self.source = open_source(model, revision)
-        self.tokenizer = self.source.tokenizer
         config = EngineConfig(**engine_kwargs)
+        open_source = source_opener(cache_dir, ollama_models)
+        self.source = open_source(model, revision, config.mmproj)
+        self.tokenizer = self.source.tokenizer
         group = None
         if config.tensor_parallel_size > 1:
             from ember.engine.messages import WorkerSettings

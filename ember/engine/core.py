@@ -25,7 +25,7 @@ from ember.engine.request import Request, RequestStatus
 from ember.engine.spec.speculator import Proposer, build_speculator
 from ember.engine.stats import EngineCounters, EngineStats
 from ember.errors import InvalidRequest
-from ember.media.processing import ImageProcessing, load_image_processing, reads_images
+from ember.media.processing import ImageProcessing, source_image_processing
 from ember.types import FinishReason, SamplingParams, StepOutput, TokenConstraint
 
 logger = logging.getLogger("ember.engine")
@@ -108,10 +108,7 @@ class EngineCore:
             raise InvalidRequest("tensor parallelism needs its group of ranks: serve with the engine worker "
                                  "(ember serve) or use ember.llm.LLM", param="tensor_parallel_size")
         built = load_model(source, config, group)
-        processing = None
-        if reads_images(source.hf_config, config.vision):
-            processing = load_image_processing(built.model_config.model_type, source.path, source.hf_config,
-                                               source.tokenizer.hf.convert_tokens_to_ids)
+        processing = source_image_processing(source, config.vision)
         draft = None
         if config.speculative.draft_model:
             from ember.engine.spec.draft_model import load_draft_proposer

@@ -169,7 +169,8 @@ def rank_main(argv: list[str]) -> int:
     try:
         source = load_model_source(settings.model, Path(settings.cache_dir) if settings.cache_dir else None,
                                    revision=settings.revision,
-                                   ollama_models=Path(settings.ollama_models) if settings.ollama_models else None)
+                                   ollama_models=Path(settings.ollama_models) if settings.ollama_models else None,
+                                   mmproj=settings.engine.mmproj)
         share_cores(settings.engine)
         # drafting happens on rank 0 alone: a follower only runs the verify steps it is sent
         core = EngineCore.from_source(source, replace(settings.engine, speculative=SpeculativeConfig()), group=group)

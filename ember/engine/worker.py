@@ -38,7 +38,7 @@ def load_engine(settings: WorkerSettings) -> EngineDriver:
     from ember.loaders import source_opener
 
     open_source = source_opener(settings.cache_dir, settings.ollama_models)
-    source = open_source(settings.model, settings.revision)
+    source = open_source(settings.model, settings.revision, settings.engine.mmproj)
     if settings.chat_template is not None:
         source.tokenizer.chat_template = settings.chat_template
     group = None

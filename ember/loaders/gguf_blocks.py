@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ember.loaders.gguf_file import GGUFModel, hf_tensor_name, unpermute_qk_rows
+from ember.loaders.gguf_file import GGUFFile, GGUFModel, hf_tensor_name, unpermute_qk_rows
 from ember.models.weights import QBLOCK, QuantBlocks
 
 _FLOAT_TYPES = {"F32", "F16", "BF16", "F64"}
@@ -27,21 +27,31 @@ def read_blocks(path: pathlib.Path, hf_config: dict[str, Any]) -> Iterator[tuple
     model = GGUFModel(path)
     num_layers = hf_config["num_hidden_layers"]
     heads = {".attn_q.": hf_config["num_attention_heads"], ".attn_k.": hf_config["num_key_value_heads"]}
-    for name, tensor in model.tensors.items():
-        kind = tensor.tensor_type.name
+    for name in model.tensors:
         hf_name = hf_tensor_name(name, num_layers, model.arch)
-        shape = model.torch_shape(name)
-        if hf_name is None or kind in _FLOAT_TYPES or len(shape) != 2 or shape[1] % QBLOCK:
-            continue
-        blocks = _exact_blocks(kind, np.asarray(tensor.data), shape)
+        blocks = tensor_blocks(model, name) if hf_name is not None else None
         if blocks is None:
-            blocks = QuantBlocks.quantize(model.dequantize(name), 8 if kind in _EIGHT_BIT_CLASS else 4)
+            continue
         if model.arch == "llama":
             for part, count in heads.items():
                 if part in name:
-                    order = unpermute_qk_rows(torch.arange(shape[0])[:, None], count, name)[:, 0]
+                    order = unpermute_qk_rows(torch.arange(blocks.shape[0])[:, None], count, name)[:, 0]
                     blocks = blocks.select_rows(order)
         yield hf_name, blocks
+
+
+def tensor_blocks(file: GGUFFile, name: str) -> QuantBlocks | None:
+    """A quantized 2-D tensor of the file as QuantBlocks; None for a float tensor, or one whose rows
+    do not split into blocks."""
+    tensor = file.tensors[name]
+    kind = tensor.tensor_type.name
+    shape = file.torch_shape(name)
+    if kind in _FLOAT_TYPES or len(shape) != 2 or shape[1] % QBLOCK:
+        return None
+    blocks = _exact_blocks(kind, np.asarray(tensor.data), shape)
+    if blocks is None:
+        blocks = QuantBlocks.quantize(file.dequantize(name), 8 if kind in _EIGHT_BIT_CLASS else 4)
+    return blocks
 
 
 def _exact_blocks(kind: str, raw: np.ndarray, shape: tuple[int, int]) -> QuantBlocks | None:

@@ -1,6 +1,8 @@
-"""Which GGUF file of a repo a quantization tag names, as llama.cpp spells tags (`:Q4_K_M`).
+"""Which GGUF file of a repo a quantization tag names, as llama.cpp spells tags (`:Q4_K_M`), and
+which of its mmproj files (a vision model's projector) goes with it.
 
-Without a tag: the Q4_K_M file, else the smallest 4-bit file, else the smallest file."""
+Without a tag: the Q4_K_M file, else the smallest 4-bit file, else the smallest file. The mmproj:
+one in the model file's folder whose precision is nearest the model's."""
 
 from __future__ import annotations
 
@@ -25,8 +27,32 @@ def quant_tag(filename: str) -> str | None:
 
 def gguf_files(sizes: dict[str, int]) -> dict[str, int]:
     """The loadable GGUF files among a repo's files (name -> size in bytes): no split parts or projectors."""
-    return {name: size for name, size in sizes.items()
-            if name.lower().endswith(".gguf") and not name.rsplit("/", 1)[-1].lower().startswith("mmproj")}
+    return {name: size for name, size in sizes.items() if name.lower().endswith(".gguf") and not is_mmproj(name)}
+
+
+def is_mmproj(name: str) -> bool:
+    """Whether a file name (or repo path) is a vision model's projector, as llama.cpp names them."""
+    base = name.rsplit("/", 1)[-1].lower()
+    return base.startswith("mmproj") and base.endswith(".gguf")
+
+
+def choose_mmproj(names: list[str], model: str) -> str | None:
+    """The mmproj file among `names` (repo paths or file names) for the GGUF file `model`: one in the
+    same folder, the nearest in bits to the model's quantization (F16 is 16 bits, Q8_0 8), the more
+    precise of two as near, then by name; None when the folder has none."""
+    folder = model.rsplit("/", 1)[0] if "/" in model else ""
+    candidates = [name for name in names if is_mmproj(name)
+                  and (name.rsplit("/", 1)[0] if "/" in name else "") == folder]
+    if not candidates:
+        return None
+    bits = quant_bits(model)
+    return min(candidates, key=lambda name: (abs(quant_bits(name) - bits), -quant_bits(name), name))
+
+
+def quant_bits(filename: str) -> int:
+    """The bits its quantization tag names (Q4_K_M: 4, F16: 16), 0 without one."""
+    digits = re.search(r"\d+", quant_tag(filename) or "")
+    return int(digits.group()) if digits else 0
 
 
 def choose_gguf(sizes: dict[str, int], tag: str | None, where: str) -> str:

@@ -30,6 +30,7 @@ _HF_ARCHITECTURE_CLASS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalL
                           "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
                           "gemma3_text": "Gemma3ForCausalLM"}
 _PERMUTED_QK = {"llama"}  # llama.cpp's converter interleaves q/k rows for these
+MMPROJ_ARCHITECTURE = "clip"  # what llama.cpp writes as the architecture of every mmproj file
 
 _GLOBAL_NAMES = {
     "token_embd": "model.embed_tokens",
@@ -106,8 +107,9 @@ def model_name_from_file(path: pathlib.Path) -> str:
     return _QUANT_SUFFIX.sub("", stem) or stem
 
 
-class GGUFModel:
-    """An opened, validated GGUF file: its metadata as plain values and its tensors by name."""
+class GGUFFile:
+    """An opened GGUF file of any kind: its metadata as plain values and its tensors by name,
+    checked to lie within the file."""
 
     def __init__(self, path: pathlib.Path) -> None:
         import gguf
@@ -136,7 +138,41 @@ class GGUFModel:
                 raise ModelLoadError(f"{path} is truncated: tensor {t.name} runs past the end of "
                                      f"the file", param="model", code="invalid_model")
 
+    def torch_shape(self, name: str) -> tuple[int, ...]:
+        # GGUF lists dimensions fastest-first (ne[0] = columns); torch wants them slowest-first.
+        return tuple(int(n) for n in reversed(self.tensors[name].shape.tolist()))
+
+    def tensor_type(self, name: str) -> str:
+        return self.tensors[name].tensor_type.name
+
+    def dequantize(self, name: str) -> torch.Tensor:
+        """The named GGUF tensor as float32, in torch's shape and GGUF's row order."""
+        import gguf
+        import torch
+
+        tensor = self.tensors[name]
+        try:
+            values = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+        except NotImplementedError:
+            raise ModelLoadError(f"{self.path.name}: tensor {name} has type "
+                                 f"{tensor.tensor_type.name}, which ember cannot dequantize",
+                                 param="model", code="invalid_model") from None
+        array = np.asarray(values, dtype=np.float32).reshape(self.torch_shape(name))
+        if not array.flags.writeable or not array.flags.owndata:
+            array = array.copy()  # never hand out a view of the memory-mapped file
+        return torch.from_numpy(array)
+
+
+class GGUFModel(GGUFFile):
+    """An opened, validated GGUF file of a language model."""
+
+    def __init__(self, path: pathlib.Path) -> None:
+        super().__init__(path)
         arch = self.metadata.get("general.architecture")
+        if arch == MMPROJ_ARCHITECTURE:
+            raise ModelLoadError(f"{path.name} is a vision model's projector (an mmproj file), not a language "
+                                 f"model: serve its language model's GGUF with --mmproj {path.name}",
+                                 param="model", code="invalid_model")
         if arch not in GGUF_ARCHITECTURES:
             raise ModelLoadError(
                 f"{path.name}: GGUF architecture {arch!r} is not supported by ember (supported: "
@@ -197,8 +233,8 @@ class GGUFModel:
             "num_key_value_heads": kv_heads,
             "head_dim": head_dim,
             "hidden_act": "silu",
-            "rms_norm_eps": _shortest_float32(self._arch_value("attention.layer_norm_rms_epsilon", 1e-6)),
-            "rope_theta": _shortest_float32(theta),
+            "rms_norm_eps": shortest_float32(self._arch_value("attention.layer_norm_rms_epsilon", 1e-6)),
+            "rope_theta": shortest_float32(theta),
             "rope_scaling": self._rope_scaling(theta, head_dim),
             "max_position_embeddings": int(self._arch_value("context_length") or 2048),
             "tie_word_embeddings": "output.weight" not in self.tensors,
@@ -287,7 +323,7 @@ class GGUFModel:
         for key, name in _SAMPLING_KEYS.items():
             if self.metadata.get(key) is not None:
                 value = self.metadata[key]
-                config[name] = int(value) if name == "top_k" else _shortest_float32(value)
+                config[name] = int(value) if name == "top_k" else shortest_float32(value)
         return config
 
     # ---- tensors ------------------------------------------------------------------------------
@@ -314,30 +350,6 @@ class GGUFModel:
             raise ModelLoadError(f"{self.path.name} has tensors ember does not know for "
                                  f"{self.arch}: {', '.join(unknown[:5])}", param="model",
                                  code="invalid_model")
-
-    def torch_shape(self, name: str) -> tuple[int, ...]:
-        # GGUF lists dimensions fastest-first (ne[0] = columns); torch wants them slowest-first.
-        return tuple(int(n) for n in reversed(self.tensors[name].shape.tolist()))
-
-    def tensor_type(self, name: str) -> str:
-        return self.tensors[name].tensor_type.name
-
-    def dequantize(self, name: str) -> torch.Tensor:
-        """The named GGUF tensor as float32, in torch's shape and GGUF's row order."""
-        import gguf
-        import torch
-
-        tensor = self.tensors[name]
-        try:
-            values = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
-        except NotImplementedError:
-            raise ModelLoadError(f"{self.path.name}: tensor {name} has type "
-                                 f"{tensor.tensor_type.name}, which ember cannot dequantize",
-                                 param="model", code="invalid_model") from None
-        array = np.asarray(values, dtype=np.float32).reshape(self.torch_shape(name))
-        if not array.flags.writeable or not array.flags.owndata:
-            array = array.copy()  # never hand out a view of the memory-mapped file
-        return torch.from_numpy(array)
 
     def weights(self, hf_config: Mapping[str, Any], *, keep_half: bool = False,
                 skip: frozenset[str] = frozenset()) -> Iterator[tuple[str, torch.Tensor]]:
@@ -418,7 +430,7 @@ def llama3_rope_factors(theta: float, head_dim: int, factor: float, low_freq_fac
     return np.where(wavelen < high_wavelen, 1.0, np.where(wavelen > low_wavelen, factor, blended))
 
 
-def _shortest_float32(value: Any) -> float:
+def shortest_float32(value: Any) -> float:
     """GGUF stores float32; 9.999999747378752e-06 reads back as the 1e-05 that was written."""
     return float(str(np.float32(value)))
 

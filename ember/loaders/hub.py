@@ -2,7 +2,8 @@
 
 A repo whose needed files are already in the cache is served from there with no network; otherwise
 only the files ember loads are downloaded (config, tokenizer files, chat template, generation
-config, safetensors weights, or one GGUF file), with huggingface_hub's progress bars; files already
+config, safetensors weights, or one GGUF file and the mmproj file that goes with it, a vision
+model's projector, where the repo has one), with huggingface_hub's progress bars; files already
 in the cache are not fetched again. huggingface_hub reads its own settings (HF_HOME, HF_HUB_CACHE, HF_HUB_OFFLINE,
 HF_TOKEN, HF_ENDPOINT); `cache_dir` and `offline` override the first and third for the caller.
 """
@@ -17,7 +18,7 @@ import re
 from collections.abc import Iterator
 
 from ember.errors import ModelLoadError
-from ember.loaders.gguf_choice import choose_gguf, gguf_files, quant_tag
+from ember.loaders.gguf_choice import choose_gguf, choose_mmproj, gguf_files, quant_tag
 from ember.loaders.model_names import LocalModel, ModelName
 
 logger = logging.getLogger("ember.loaders")
@@ -74,13 +75,15 @@ def resolve_hub_model(name: ModelName, *, cache_dir: pathlib.Path | None = None,
 
 
 def files_to_fetch(sizes: dict[str, int], name: ModelName) -> list[str]:
-    """The repo files ember needs (sizes: repo path -> bytes). A GGUF file when a tag is named or the
-    repo has no config.json; else the config and tokenizer files and the weights (the shard index
-    alone when there is one: it names the shards)."""
+    """The repo files ember needs (sizes: repo path -> bytes). A GGUF file (first) and its mmproj
+    (gguf_choice.choose_mmproj) when a tag is named or the repo has no config.json; else the config
+    and tokenizer files and the weights (the shard index alone when there is one: it names the shards)."""
     top = {path for path in sizes if "/" not in path}
     ggufs = gguf_files(sizes)
     if name.tag is not None or ("config.json" not in top and ggufs):
-        return [choose_gguf(ggufs, name.tag, _label(name))]
+        chosen = choose_gguf(ggufs, name.tag, _label(name))
+        mmproj = choose_mmproj(sorted(sizes), chosen)
+        return [chosen] if mmproj is None else [chosen, mmproj]
     if "config.json" not in top:
         raise ModelLoadError(f"{_label(name)} has neither a config.json nor GGUF files, so it holds no model "
                              f"ember can load", param="model", code="invalid_model")

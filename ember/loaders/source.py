@@ -32,6 +32,10 @@ class ModelSource:
     cache_path: str | None = None  # a GGUF's converted cache entry, when there is one
     from_cache: bool = False  # True when a GGUF was served from its cache (no parse, no dequantize)
     read_blocks: Callable[[], Iterator[tuple[str, "QuantBlocks"]]] | None = field(default=None, repr=False)
+    mmproj_path: str | None = None  # a GGUF's vision part (loaders.mmproj), when it has one
+    # the image processor's settings (preprocessor_config.json's fields) where the model's files
+    # hold them elsewhere than a folder's preprocessor_config.json: an mmproj's metadata
+    preprocessor_config: dict[str, Any] | None = None
 
     def weights(self, blocks: bool = False, cut: Callable[[str], "Cut | None"] | None = None
                 ) -> Iterator[tuple[str, "torch.Tensor | QuantBlocks"]]:

@@ -1,5 +1,6 @@
 """Each vision architecture's image preparation, through transformers' own image processors and
-the model folder's processor config, so that the pixels ember encodes are transformers' pixels.
+the model folder's processor config (or the same settings from a GGUF model's mmproj metadata,
+loaders.mmproj), so that the pixels ember encodes are transformers' pixels.
 
 Two halves of one object, so the layout the prompt gets and the pixels the tower gets agree:
 - `layout(image)` (the front end): the text that stands for an image in the prompt (its image
@@ -59,16 +60,18 @@ class Idefics3Processing(ImageProcessing):
     marker = "<image>"
     image_token = "<image>"
 
-    def __init__(self, model_type: str, folder: Path, hf_config: dict[str, Any], token_id) -> None:
+    def __init__(self, model_type: str, folder: Path, hf_config: dict[str, Any], token_id,
+                 settings: dict[str, Any] | None = None) -> None:
+        # Idefics3's processor writes the same layout as SmolVLM's get_image_prompt_string, inline
+        from transformers.models.smolvlm.processing_smolvlm import get_image_prompt_string
+
         if model_type == "smolvlm":
             from transformers.models.smolvlm.image_processing_pil_smolvlm import SmolVLMImageProcessorPil as cls
-            from transformers.models.smolvlm.processing_smolvlm import get_image_prompt_string
         else:
             from transformers.models.idefics3.image_processing_pil_idefics3 import Idefics3ImageProcessorPil as cls
-            from transformers.models.idefics3.processing_idefics3 import get_image_prompt_string
-        self.processor = cls.from_pretrained(str(folder))
+        self.processor = _image_processor(cls, folder, settings)
         self._prompt_string = get_image_prompt_string
-        processor_config = _read_json(folder / "processor_config.json")
+        processor_config = _read_json(folder / "processor_config.json") if settings is None else {}
         vision = hf_config.get("vision_config") or {}
         self.image_seq_len = int(processor_config.get("image_seq_len") or
                                  (vision["image_size"] // vision["patch_size"]) ** 2 // hf_config["scale_factor"] ** 2)
@@ -94,10 +97,11 @@ class Gemma3Processing(ImageProcessing):
     marker = "<start_of_image>"
     image_token = "<image_soft_token>"
 
-    def __init__(self, folder: Path, hf_config: dict[str, Any], token_id) -> None:
+    def __init__(self, folder: Path, hf_config: dict[str, Any], token_id,
+                 settings: dict[str, Any] | None = None) -> None:
         from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
 
-        self.processor = Gemma3ImageProcessorPil.from_pretrained(str(folder))
+        self.processor = _image_processor(Gemma3ImageProcessorPil, folder, settings)
         if getattr(self.processor, "do_pan_and_scan", False):
             raise ModelLoadError("this model's image processor asks for pan and scan, which ember does not take; "
                                  "set do_pan_and_scan to false in its preprocessor_config.json",
@@ -119,20 +123,36 @@ def reads_images(hf_config: dict[str, Any], vision: bool) -> bool:
     return vision and model_type in VISION_ARCHITECTURES and "vision_config" in hf_config
 
 
+def source_image_processing(source, vision: bool) -> ImageProcessing | None:
+    """The image preparation of a loaders.ModelSource; None when it reads no images (a text model, or
+    `vision` off)."""
+    if not reads_images(source.hf_config, vision):
+        return None
+    return load_image_processing(source.hf_config["model_type"], source.path, source.hf_config,
+                                 source.tokenizer.hf.convert_tokens_to_ids, source.preprocessor_config)
+
+
 def load_image_processing(model_type: str, folder: str | Path, hf_config: dict[str, Any],
-                          token_id) -> ImageProcessing:
+                          token_id, preprocessor_config: dict[str, Any] | None = None) -> ImageProcessing:
     """The image preparation of a vision model's folder; `token_id(text)`: a token's id in its
-    tokenizer. ModelLoadError when the folder lacks what it needs."""
+    tokenizer; `preprocessor_config`: the image processor's settings where they do not come from the
+    folder's preprocessor_config.json (an mmproj's). ModelLoadError when the folder lacks what it needs."""
     folder = Path(folder)
-    if not (folder / "preprocessor_config.json").is_file():
+    if preprocessor_config is None and not (folder / "preprocessor_config.json").is_file():
         raise ModelLoadError(f"{folder} has no preprocessor_config.json: ember cannot prepare this model's images",
                              param="model")
     if model_type in ("idefics3", "smolvlm"):
-        return Idefics3Processing(model_type, folder, hf_config, token_id)
+        return Idefics3Processing(model_type, folder, hf_config, token_id, preprocessor_config)
     if model_type == "gemma3":
-        return Gemma3Processing(folder, hf_config, token_id)
+        return Gemma3Processing(folder, hf_config, token_id, preprocessor_config)
     raise ModelLoadError(f"ember does not read images for model type {model_type!r} (it does for "
                          f"{', '.join(VISION_ARCHITECTURES)})", param="model")
+
+
+def _image_processor(cls, folder: Path, settings: dict[str, Any] | None):
+    """transformers' image processor of class `cls`: from `settings` (preprocessor_config.json's fields)
+    when given, else from the folder's files."""
+    return cls.from_dict(settings) if settings is not None else cls.from_pretrained(str(folder))
 
 
 def _read_json(path: Path) -> dict[str, Any]:

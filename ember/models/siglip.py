@@ -130,8 +130,10 @@ class Attention(nn.Module):
         """q (rows, heads, head_dim) of some patches; k, v (patches, heads, head_dim) of them all;
         key_mask (patches,), True where a patch holds pixels -> (rows, hidden) after out_proj."""
         mask = None if key_mask is None else key_mask[None, :]  # a tile of real pixels only: None
-        out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
-                                             attn_mask=mask)  # (heads, rows, head_dim), scaled by head_dim ** -0.5
+        # 4-D (1, heads, rows, head_dim): torch's fused CPU kernel takes batched inputs only (3-D ones
+        # fall back to a matmul-softmax-matmul path four times slower); scaled by head_dim ** -0.5
+        out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
+                                             v.transpose(0, 1)[None], attn_mask=mask)[0]
         return self.out_proj(out.transpose(0, 1).reshape(q.shape[0], -1))
 
 

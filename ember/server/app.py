@@ -101,9 +101,14 @@ def _add_routes(app: FastAPI, state: ServerState, observability: Observability) 
 
     def model_card() -> dict:
         chat = state.model.chat
-        return {"id": state.model.name, "object": "model", "created": state.started, "owned_by": "ember",
+        card = {"id": state.model.name, "object": "model", "created": state.started, "owned_by": "ember",
                 "max_model_len": state.model.max_model_len,
                 "capabilities": {"reasoning": chat.think is not None, "tool_calls": chat.tool_format is not None}}
+        if state.loaded.vision is not None:  # the limits a client (the chat page) can check before sending
+            limits = state.config.media_limits
+            card["capabilities"]["vision"] = True
+            card["max_images"], card["max_image_bytes"] = limits.max_images, limits.max_image_bytes
+        return card
 
     @app.get("/v1/models", summary="The served model")
     async def list_models() -> dict:

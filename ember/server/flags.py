@@ -208,6 +208,10 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     images.add_argument("--no-vision", action="store_true",
                         help="serve a vision model as text only: its vision tower is not loaded and image parts get "
                              "400 vision_disabled (default: a vision model reads images)")
+    images.add_argument("--mmproj", default=_ENGINE_DEFAULTS.mmproj, metavar="FILE",
+                        help="a GGUF model's vision part: llama.cpp's mmproj file. auto: a file whose name starts "
+                             "with mmproj beside the GGUF (for a Hugging Face repo id, the repo's); none: serve the "
+                             "GGUF as a text model. A GGUF without one is a text model (default auto)")
     images.add_argument("--max-images", type=int, default=DEFAULT_MAX_IMAGES, metavar="N",
                         help=f"images one request may bring (default {DEFAULT_MAX_IMAGES})")
     images.add_argument("--max-image-mb", type=float, default=DEFAULT_MAX_IMAGE_MB, metavar="MIB",
@@ -287,7 +291,7 @@ def build_config(args: argparse.Namespace, environ=os.environ) -> ServerConfig:
                           attention_cost_tokens=args.attention_cost_tokens, max_pinned_kv_share=args.kv_pin_share,
                           background_wait_steps=args.background_wait_steps,
                           speculative=speculative_config(args), vision=not args.no_vision,
-                          image_cache_mb=args.image_cache_mb)
+                          image_cache_mb=args.image_cache_mb, mmproj=args.mmproj)
     if args.max_request_mb <= 0:
         raise ValueError("--max-request-mb must be positive")
     fault = environ.get(FAULT_ENV_VAR) or None

@@ -16,7 +16,7 @@ import ember
 from ember.constraint_spec import ConstraintSpec
 from ember.engine.contract import Engine
 from ember.errors import EmberError
-from ember.media.processing import ImageProcessing, load_image_processing, reads_images
+from ember.media.processing import ImageProcessing, source_image_processing
 from ember.protocols.errors import ImagesBusy, ModelLoading, ServerUnavailable
 from ember.protocols.chat_reply import ChatFeatures, ReplyPlan, plan_reply
 from ember.protocols.neutral import GenerationRequest, ModelInfo, Prompt, encode_prompt
@@ -58,16 +58,13 @@ def load_model(config: ServerConfig) -> LoadedModel:
     process, or with `engine_worker` off a thread of this process (runs in a loading thread)."""
     from ember.loaders import source_opener
 
-    source = source_opener(config.cache_dir, config.ollama_models)(config.model, config.revision)
+    source = source_opener(config.cache_dir, config.ollama_models)(config.model, config.revision, config.engine.mmproj)
     tokenizer = source.tokenizer
     if config.chat_template is not None:
         tokenizer.chat_template = config.chat_template
     chat = chat_features(config, tokenizer)
     _ = tokenizer.token_bytes, tokenizer.template_traits  # built now rather than on the first request
-    vision = None
-    if reads_images(source.hf_config, config.engine.vision):
-        vision = load_image_processing(source.hf_config["model_type"], source.path, source.hf_config,
-                                       tokenizer.hf.convert_tokens_to_ids)
+    vision = source_image_processing(source, config.engine.vision)
     engine = _start_engine(config, source)
     info = engine.info
     defaults = sampling_defaults(getattr(source, "generation_config", None) or {}, config.override_generation_config,

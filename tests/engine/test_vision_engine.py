@@ -14,22 +14,9 @@ import transformers
 from PIL import Image
 
 from ember import LLM, SamplingParams
-from vision_fixtures import add_random_weights, image_bytes, write_smolvlm_folder
+from vision_fixtures import add_random_weights, conversation, image_bytes, picture, write_smolvlm_folder
 
 SIZES = ((40, 40), (150, 90), (60, 130))  # 1 tile; 2x2 tiles plus the whole; portrait
-
-
-def picture(width: int, height: int, seed: int) -> bytes:
-    """A noisy image file (PNG), so that tiles differ."""
-    generator = torch.Generator().manual_seed(seed)
-    pixels = torch.randint(0, 256, (height, width, 3), generator=generator, dtype=torch.uint8).numpy()
-    out = io.BytesIO()
-    Image.fromarray(pixels).save(out, format="PNG")
-    return out.getvalue()
-
-
-def conversation(image: bytes, text: str = "What is in this picture?") -> list[dict]:
-    return [{"role": "user", "content": [{"type": "image", "image": image}, {"type": "text", "text": text}]}]
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from ember.errors import ModelLoadError
-from ember.loaders.gguf_choice import choose_gguf, quant_tag
+from ember.loaders.gguf_choice import choose_gguf, choose_mmproj, quant_bits, quant_tag
 from ember.loaders.hub import files_to_fetch
 from ember.loaders.model_names import parse_model_name
 
@@ -112,9 +112,21 @@ def test_a_repo_of_pickles_is_refused():
         files_to_fetch({"config.json": 1, "pytorch_model.bin": 1}, parse_model_name("org/m"))
 
 
-def test_a_gguf_repo_fetches_one_file():
-    repo = {**GGUF_REPO, "README.md": 1, "mmproj-m-F16.gguf": 1}
-    assert files_to_fetch(repo, parse_model_name("org/m")) == ["m-Q4_K_M.gguf"]
-    assert files_to_fetch(repo, parse_model_name("org/m:F16")) == ["m-F16.gguf"]
+def test_a_gguf_repo_fetches_one_model_file_and_its_mmproj():
+    assert files_to_fetch({**GGUF_REPO, "README.md": 1}, parse_model_name("org/m")) == ["m-Q4_K_M.gguf"]
+    repo = {**GGUF_REPO, "README.md": 1, "mmproj-m-F16.gguf": 1, "mmproj-m-Q8_0.gguf": 1}
+    assert files_to_fetch(repo, parse_model_name("org/m")) == ["m-Q4_K_M.gguf", "mmproj-m-Q8_0.gguf"]
+    assert files_to_fetch(repo, parse_model_name("org/m:F16")) == ["m-F16.gguf", "mmproj-m-F16.gguf"]
     with pytest.raises(ModelLoadError, match="neither a config.json nor GGUF files"):
         files_to_fetch({"README.md": 1}, parse_model_name("org/m"))
+
+
+def test_the_mmproj_beside_a_model_file_is_the_nearest_in_precision_then_the_more_precise():
+    names = ["mmproj-m-F16.gguf", "mmproj-m-Q8_0.gguf", "mmproj-m-F32.gguf", "sub/mmproj-m-Q4_0.gguf"]
+    assert choose_mmproj(names, "m-Q4_K_M.gguf") == "mmproj-m-Q8_0.gguf"  # 8 bits is nearest to 4
+    assert choose_mmproj(names, "m-BF16.gguf") == "mmproj-m-F16.gguf"
+    assert choose_mmproj(names, "notag.gguf") == "mmproj-m-Q8_0.gguf"
+    assert choose_mmproj(names, "sub/m-Q4_K_M.gguf") == "sub/mmproj-m-Q4_0.gguf"  # its own folder's
+    assert choose_mmproj(["mmproj-a.gguf", "mmproj-b.gguf"], "m-F16.gguf") == "mmproj-a.gguf"  # then by name
+    assert choose_mmproj(["m-F16.gguf", "other/mmproj-m-F16.gguf", "mmproj.txt"], "m-Q8_0.gguf") is None
+    assert [quant_bits(n) for n in ("m-Q4_K_M.gguf", "mmproj-x-f16.gguf", "m-IQ2_XS.gguf", "m.gguf")] == [4, 16, 2, 0]

@@ -62,7 +62,10 @@ export async function fetchModel() {
   const body = await (await request("/v1/models")).json();
   const card = body.data?.[0];
   if (!card) throw new ApiError("refused", "The server lists no model.");
-  return { id: card.id, contextLength: card.max_model_len ?? null, reasoning: !!card.capabilities?.reasoning };
+  return {
+    id: card.id, contextLength: card.max_model_len ?? null, reasoning: !!card.capabilities?.reasoning,
+    vision: !!card.capabilities?.vision, maxImages: card.max_images ?? Infinity, maxImageBytes: card.max_image_bytes ?? null,
+  };
 }
 
 // Yields each JSON chunk of the stream; ends at [DONE]. Aborting `signal` closes the connection,

@@ -1,7 +1,10 @@
-// The chat page: wires the store, the server, the settings, the sidebar and the messages together.
+// The chat page: wires the store, the server, the settings, the sidebar, the composer's images and
+// the messages together.
 
 import { ApiError, describe, fetchModel, streamChat } from "./api.js";
+import { Attachments } from "./attachments.js";
 import { clear, el, newId } from "./dom.js";
+import { ImageStore, isImageUrl } from "./images.js";
 import { MessageView } from "./messages.js";
 import { Settings } from "./settings.js";
 import { Sidebar } from "./sidebar.js";
@@ -20,7 +23,12 @@ class App {
       open: (c) => this.open(c),
       rename: (c, title) => this.store.rename(c, title),
       remove: (c) => this.remove(c),
-      exportOne: (c) => download([c], c.title),
+      exportOne: (c) => this.download([c], c.title),
+    });
+    this.images = new ImageStore();
+    this.attachments = new Attachments({
+      notify: (text) => this.notify(text, "error"),
+      sentImages: () => imagesOf(this.store.current.messages).filter((i) => this.images.url(i.id) !== null).length,
     });
     this.model = null;
     this.running = null;  // { controller, conversation, reply } while a reply streams
@@ -29,6 +37,7 @@ class App {
     this.bind();
     this.show();
     this.connect();
+    this.images.prune(() => this.store.imageIds());
   }
 
   bind() {
@@ -51,7 +60,7 @@ class App {
     });
     $("stop").addEventListener("click", () => this.stop());
     $("new-chat").addEventListener("click", () => this.newChat());
-    $("export-all").addEventListener("click", () => download(this.store.sorted, "all"));
+    $("export-all").addEventListener("click", () => this.download(this.store.sorted, "all"));
     $("toggle-settings").addEventListener("click", () => {
       const panel = $("settings");
       panel.hidden = !panel.hidden;
@@ -81,6 +90,7 @@ class App {
     $("model-name").textContent = this.model.id;
     $("model-context").textContent = this.model.contextLength ? `context ${this.model.contextLength} tokens` : "";
     this.settings.showThinking(this.model.reasoning);
+    this.attachments.setModel(this.model);
     this.notify(null);
     if (!this.running) this.show();  // replies now carry the model's name
   }
@@ -120,11 +130,19 @@ class App {
     this.input.value = this.store.draft(conversation.id);
     this.sidebar.render();
     box.scrollTop = box.scrollHeight;
+    const ids = imagesOf(conversation.messages).map((i) => i.id);
+    if (ids.some((id) => this.images.url(id) === undefined)) {
+      this.images.load(ids).then(() => {
+        if (this.store.current !== conversation) return;
+        for (const view of this.views.values()) view.updateImages();
+      });
+    }
   }
 
   addView(message) {
     const view = new MessageView(message, {
       modelName: this.model?.id,
+      imageUrl: (id) => this.images.url(id),
       actions: {
         edit: (m, text, resend) => this.edit(m, text, resend),
         regenerate: (m) => this.regenerate(m),
@@ -153,24 +171,36 @@ class App {
     if (this.running?.conversation === conversation) this.stop();
     this.store.remove(conversation);
     this.show();
+    this.images.prune(() => this.store.imageIds());
   }
 
   // ---- sending ---------------------------------------------------------------------------
 
   async send() {
     const text = this.input.value;
-    if (!text.trim() || this.running) return;
+    if ((!text.trim() && !this.attachments.items.length) || this.running) return;
     const conversation = this.store.current;
-    conversation.messages.push({ id: newId(), role: "user", content: text });
+    const images = this.attachments.take();
+    const message = { id: newId(), role: "user", content: text };
+    if (images.length) message.images = images.map(({ id, name, type }) => ({ id, name, type }));
+    conversation.messages.push(message);
     this.input.value = "";
     this.store.setDraft(conversation.id, "");
     this.store.touch(conversation);
+    if (images.length) this.keepImages(images);
     this.show();
-    await this.reply(conversation, text);
+    await this.reply(conversation, { text, images });
+  }
+
+  async keepImages(images) {
+    if (await this.images.keep(images)) return;
+    this.notify("The browser's storage did not take the image (full or blocked): it stays in this conversation "
+      + "until the page is reloaded, then shows as not kept. The conversation's text is kept.", "error");
   }
 
   // Streams an assistant reply to the conversation as it stands. A refusal before the reply
-  // opened takes back the reply (and, for a new message, the message, into the input box).
+  // opened takes back the reply (and, for a new message, the message: its text into the input
+  // box, its images into the composer). `draft`: { text, images } of a new message.
   async reply(conversation, draft = null) {
     let fields;
     try {
@@ -178,12 +208,7 @@ class App {
     } catch (error) {
       return this.refused(conversation, draft, error.message);
     }
-    const body = {
-      ...(this.model ? { model: this.model.id } : {}),
-      messages: requestMessages(this.settings.systemPrompt, conversation.messages),
-      stream: true, stream_options: { include_usage: true }, return_progress: true, timings_per_token: true,
-      ...fields,
-    };
+    const history = conversation.messages.slice();
     const reply = { id: newId(), role: "assistant", content: "", reasoning: "", tool_calls: [], state: "streaming" };
     conversation.messages.push(reply);
     this.addView(reply);
@@ -192,6 +217,13 @@ class App {
     this.setRunning(true);
     let opened = false;
     try {
+      await this.images.load(imagesOf(history).map((i) => i.id));  // those not read since the page opened
+      const body = {
+        ...(this.model ? { model: this.model.id } : {}),
+        messages: requestMessages(this.settings.systemPrompt, history, (id) => this.images.url(id)),
+        stream: true, stream_options: { include_usage: true }, return_progress: true, timings_per_token: true,
+        ...fields,
+      };
       for await (const chunk of streamChat(body, controller.signal)) {
         opened = true;
         applyChunk(reply, chunk);
@@ -232,10 +264,12 @@ class App {
     if (draft !== null) {
       conversation.messages.pop();
       this.store.touch(conversation);
+      this.images.forget(draft.images.map((i) => i.id));
       if (this.store.current === conversation) {
         this.show();
-        this.input.value = draft;
-        this.store.setDraft(conversation.id, draft);
+        this.input.value = draft.text;
+        this.store.setDraft(conversation.id, draft.text);
+        this.attachments.restore(draft.images);
       }
     }
     this.notify(message, "error");
@@ -299,6 +333,15 @@ class App {
     this.reply(conversation);
   }
 
+  // Exports conversations as JSON, each image with its data URL (null where it was not kept).
+  async download(conversations, name) {
+    await this.images.load(imagesOf(conversations.flatMap((c) => c.messages)).map((i) => i.id));
+    const withUrl = (image) => ({ ...image, url: this.images.url(image.id) ?? null });
+    saveFile(conversations.map((c) => ({
+      ...c, messages: c.messages.map((m) => (m.images ? { ...m, images: m.images.map(withUrl) } : m)),
+    })), name);
+  }
+
   notify(text, kind = "info") {
     const notice = $("notice");
     notice.hidden = !text;
@@ -313,11 +356,11 @@ class App {
 }
 
 // The conversation as Chat Completions messages: replies that failed before any text are left out.
-function requestMessages(system, messages) {
+function requestMessages(system, messages, imageUrl) {
   const out = system.trim() ? [{ role: "system", content: system }] : [];
   for (const m of messages) {
     if (m.role === "user") {
-      out.push({ role: "user", content: m.content });
+      out.push({ role: "user", content: userContent(m, imageUrl) });
     } else if (m.content || m.tool_calls?.length) {
       const message = { role: "assistant", content: m.content };
       if (m.reasoning) message.reasoning_content = m.reasoning;
@@ -326,6 +369,19 @@ function requestMessages(system, messages) {
     }
   }
   return out;
+}
+
+// A user message's kept images as image_url parts (data URLs) above its text; text alone stays a string.
+function userContent(message, imageUrl) {
+  const urls = (message.images ?? []).map((i) => imageUrl(i.id)).filter(isImageUrl);
+  if (!urls.length) return message.content;
+  const parts = urls.map((url) => ({ type: "image_url", image_url: { url } }));
+  if (message.content) parts.push({ type: "text", text: message.content });
+  return parts;
+}
+
+function imagesOf(messages) {
+  return messages.flatMap((m) => m.images ?? []);
 }
 
 function applyChunk(reply, chunk) {
@@ -345,7 +401,7 @@ function applyChunk(reply, chunk) {
   if (choice.finish_reason) reply.finish_reason = choice.finish_reason;
 }
 
-function download(conversations, name) {
+function saveFile(conversations, name) {
   const link = el("a", {
     href: URL.createObjectURL(exportFile(conversations)),
     download: `ember-chat-${name.replace(/[^\w-]+/g, "-").slice(0, 40) || "conversation"}.json`,

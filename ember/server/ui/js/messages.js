@@ -1,5 +1,6 @@
-// One message on screen: its text (markdown), folded reasoning with its length, tool calls as
-// cards, the reply's figures from ember's timings, its state, and copy / edit / regenerate.
+// One message on screen: its images above its text (markdown), folded reasoning with its length,
+// tool calls as cards, the reply's figures from ember's timings, its state, and copy / edit /
+// regenerate.
 
 import { clear, copyText, el } from "./dom.js";
 import { renderMarkdown } from "./markdown.js";
@@ -10,12 +11,15 @@ const STATE_NOTES = {
 };
 
 export class MessageView {
-  // actions: { edit(message, text, resend), regenerate(message), busy() }
-  constructor(message, { modelName, actions }) {
+  // actions: { edit(message, text, resend), regenerate(message), busy() }; imageUrl(id): an
+  // attached image's data URL, null when it was not kept, undefined while it is being read.
+  constructor(message, { modelName, actions, imageUrl }) {
     this.message = message;
     this.actions = actions;
+    this.imageUrl = imageUrl;
     this.editing = false;
     this.reasoning = el("details", { class: "reasoning" }, el("summary"), el("div", { class: "reasoning-body" }));
+    this.images = el("div", { class: "images" });
     this.content = el("div", { class: "content" });
     this.tools = el("div", { class: "tool-calls" });
     this.figures = el("div", { class: "figures" });
@@ -23,7 +27,7 @@ export class MessageView {
     this.buttons = el("div", { class: "actions" });
     const who = message.role === "user" ? "You" : modelName || "assistant";
     this.node = el("article", { class: `message ${message.role}`, dataset: { id: message.id, role: message.role } },
-      el("div", { class: "who", text: who }), this.reasoning, this.content, this.tools, this.note, this.figures,
+      el("div", { class: "who", text: who }), this.reasoning, this.images, this.content, this.tools, this.note, this.figures,
       this.buttons);
     this.update();
   }
@@ -32,6 +36,7 @@ export class MessageView {
     const m = this.message;
     this.node.dataset.state = m.state ?? "done";
     this.updateReasoning();
+    this.updateImages();
     if (!this.editing) clear(this.content).append(renderMarkdown(m.content ?? ""));
     clear(this.tools).append(...(m.tool_calls ?? []).map(toolCard));
     this.updateNote();
@@ -48,6 +53,17 @@ export class MessageView {
     const running = this.message.state === "streaming" && !this.message.content ? "Thinking" : "Reasoning";
     this.reasoning.querySelector("summary").textContent = `${running} (${length})`;
     clear(this.reasoning.querySelector(".reasoning-body")).append(renderMarkdown(text));
+  }
+
+  updateImages() {
+    const images = this.message.images ?? [];
+    this.images.hidden = !images.length;
+    clear(this.images).append(...images.map((image) => {
+      const url = this.imageUrl(image.id);
+      if (url) return el("img", { src: url, alt: image.name ?? "image", title: image.name ?? "" });
+      return el("div", { class: "image-missing", title: image.name ?? "",
+        text: url === null ? "Image not kept: the browser's storage did not take it." : "Reading the image\u2026" });
+    }));
   }
 
   updateNote() {

@@ -1,4 +1,5 @@
-// Conversations, settings and drafts in the browser's local storage; the API key in session storage.
+// Conversations, settings and drafts in the browser's local storage (an attached image as its id,
+// name and type: its data is in images.js); the API key in session storage.
 
 import { newId } from "./dom.js";
 
@@ -9,6 +10,7 @@ const DRAFTS = "ember.drafts.v1";
 const API_KEY = "ember.apiKey";
 export const UNTITLED = "New chat";
 const TITLE_CHARS = 48;
+const IMAGE_TITLE = "Image";
 
 export const DEFAULT_SETTINGS = Object.freeze({
   system: "", temperature: 0.7, top_p: 0.95, max_tokens: null, thinking: true, thinking_budget: null, extra: "",
@@ -70,7 +72,8 @@ export class Store {
     const first = conversation.messages.find((m) => m.role === "user");
     if (conversation.title === UNTITLED && first) {
       const line = first.content.trim().split("\n")[0];
-      conversation.title = line.length > TITLE_CHARS ? line.slice(0, TITLE_CHARS - 1) + "\u2026" : line || UNTITLED;
+      conversation.title = line.length > TITLE_CHARS ? line.slice(0, TITLE_CHARS - 1) + "\u2026"
+        : line || (first.images?.length ? IMAGE_TITLE : UNTITLED);
     }
     this.save();
   }
@@ -86,6 +89,11 @@ export class Store {
     if (this.currentId === conversation.id) this.select(this.sorted[0]?.id ?? this.create().id);
     this.save();
     write(localStorage, DRAFTS, this.drafts, this.onError);
+  }
+
+  // The ids of the images every conversation refers to.
+  imageIds() {
+    return new Set(this.conversations.flatMap((c) => c.messages.flatMap((m) => (m.images ?? []).map((i) => i.id))));
   }
 
   save() {
