@@ -53,7 +53,7 @@ def test_the_pair_answers_an_image_as_its_folder_does(converted, pair_server, cl
     for seed in (1, 2):
         image = picture(150, 90, seed=seed)
         reply = chat(client, image, logprobs=True)
-        expected = folder.generate([conversation(image, QUESTION)], params)[0]
+        expected = folder.generate([conversation(image, text=QUESTION)], params)[0]
         assert reply.usage.prompt_tokens == len(expected.prompt_token_ids) > 20  # 2x2 tiles and the whole image
         assert reply.choices[0].message.content == expected.text
         assert [lp.logprob for lp in reply.choices[0].logprobs.content] == [lp.logprob for lp in expected.logprobs]

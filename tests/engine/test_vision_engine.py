@@ -101,7 +101,7 @@ def test_an_image_is_encoded_once_and_its_blocks_are_reused(exact):
     assert changed.num_cached_tokens <= media[0].start  # the same tokens beside another image are other KV
     assert images.num_encoded == before + 2
     # two requests bringing one new image at once share its encoding
-    twins = exact.generate([conversation(picture(40, 40, seed=13)), conversation(picture(40, 40, seed=13), "Hi?")],
+    twins = exact.generate([conversation(picture(40, 40, seed=13)), conversation(picture(40, 40, seed=13), text="Hi?")],
                            params)
     assert images.num_encoded == before + 3 and all(t.token_ids for t in twins)
 
