@@ -1,12 +1,14 @@
 """Images on the CPU: ember against transformers in one run, at real towers' shapes with random weights.
 
     python bench/vision.py [--rounds 3] [--only encode-smolvlm,encode-gemma3,ttft,streams] [--streams 4]
+                           [--quantization auto,int8]
 
 - encode-smolvlm, encode-gemma3: the time to encode one image, at SmolVLM-256M's tower shape (SigLIP
   base, 512-pixel tiles of 16-pixel patches; a 1024x1024 image: 2x2 tiles and the whole, five tiles)
   and at Gemma 3 4B's (SigLIP so400m, one 896-pixel view of 14-pixel patches): ember's encode_images
   in its defaults (bfloat16, its weight formats) against transformers' get_image_features in its own
-  (float32), rounds alternating, the median of each.
+  (float32), rounds alternating, the median of each; once per --quantization (auto: the checkpoint's
+  bfloat16; int8: the tower's linear layers in ember's 8-bit blocks, as a Q8_0 mmproj gives them).
 - ttft: a SmolVLM-256M-shaped model (its text model too): the time to the first token of a one-image
   chat request, ember's LLM against transformers' generate of one token.
 - streams: N text streams decode; then an image request arrives and is encoded beside them. The
@@ -94,7 +96,7 @@ def median_seconds(fn, rounds: int) -> float:
     return statistics.median(times)
 
 
-def encode(kind: str, parent: Path, rounds: int) -> None:
+def encode(kind: str, parent: Path, rounds: int, quantization: str) -> None:
     from ember.config import EngineConfig
     from ember.engine.loading import load_model
     from ember.loaders.hf_folder import load_hf_folder
@@ -115,7 +117,7 @@ def encode(kind: str, parent: Path, rounds: int) -> None:
         theirs = lambda: reference.get_image_features(pixels)
         ours_inputs = {"pixel_values": pixels}
         label = "Gemma 3 4B tower, one 896x896 view"
-    model = load_model(load_hf_folder(folder), EngineConfig()).model
+    model = load_model(load_hf_folder(folder), EngineConfig(quantization=quantization)).model
     with torch.inference_mode():
         model.encode_images(**ours_inputs)  # the first call builds what it caches
         theirs()
@@ -124,7 +126,7 @@ def encode(kind: str, parent: Path, rounds: int) -> None:
             ember_times.append(median_seconds(lambda: model.encode_images(**ours_inputs), 1))
             their_times.append(median_seconds(theirs, 1))
     ember_s, their_s = statistics.median(ember_times), statistics.median(their_times)
-    print(f"encode, {label}: ember {ember_s:.2f} s, transformers {their_s:.2f} s: {their_s / ember_s:.2f}x faster "
+    print(f"encode, {label}, ember {quantization}: ember {ember_s:.2f} s, transformers {their_s:.2f} s: {their_s / ember_s:.2f}x faster "
           f"(rounds: ember {', '.join(f'{t:.2f}' for t in ember_times)}; transformers "
           f"{', '.join(f'{t:.2f}' for t in their_times)})", flush=True)
 
@@ -174,7 +176,7 @@ def streams(parent: Path, count: int) -> None:
     folder = smolvlm_folder(parent, SMOLVLM_TEXT)
     llm = LLM(str(folder), max_model_len=4096, enable_prefix_caching=False)
     core, driver = llm.engine, llm.driver
-    long = SamplingParams(max_tokens=100000, temperature=0.0, ignore_eos=True)
+    long = SamplingParams(max_tokens=3000, temperature=0.0, ignore_eos=True)
     for i in range(count):
         ids = llm.encode_prompt([{"role": "user", "content": f"Tell me a long story, number {i}."}])
         driver.admit(Add(f"stream-{i}", ids, long))
@@ -206,6 +208,7 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--only", default="encode-smolvlm,encode-gemma3,ttft,streams")
     parser.add_argument("--streams", type=int, default=4)
+    parser.add_argument("--quantization", default="auto", help="comma-separated: auto, int8, int4")
     args = parser.parse_args()
     wanted = args.only.split(",")
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads", flush=True)
@@ -213,7 +216,8 @@ def main() -> int:
         parent = Path(tmp)
         for kind in ("smolvlm", "gemma3"):
             if f"encode-{kind}" in wanted:
-                encode(kind, parent / f"encode-{kind}", args.rounds)
+                for quantization in args.quantization.split(","):
+                    encode(kind, parent / f"encode-{kind}-{quantization}", args.rounds, quantization)
         if "ttft" in wanted:
             ttft(parent / "ttft", args.rounds)
         if "streams" in wanted:

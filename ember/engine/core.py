@@ -31,8 +31,10 @@ from ember.types import FinishReason, SamplingParams, StepOutput, TokenConstrain
 logger = logging.getLogger("ember.engine")
 
 # While requests decode, a step may spend this share of a decoding step's time on images, so that
-# streams keep at least 1 / (1 + share) of their pace beside an image being encoded.
-IMAGE_WORK_SHARE = 0.5
+# streams keep about 1 / (1 + share) of their pace beside an image being encoded (a piece of work
+# cannot be cut: a step that goes over by part of one is why the share stays below the 1.5x
+# the time between tokens is held to).
+IMAGE_WORK_SHARE = 0.4
 
 
 class EngineCore:

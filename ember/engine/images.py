@@ -39,6 +39,7 @@ from ember.media.processing import ImageProcessing
 logger = logging.getLogger("ember.engine")
 
 DEFAULT_CACHE_MB = 256.0
+_PIECE_DECAY = 0.9  # how fast the slowest recent piece's seconds are forgotten, a piece at a time
 
 
 @dataclass(slots=True, eq=False)
@@ -80,6 +81,9 @@ class ImageEncoder:
         self._spans: dict[str, list[_Span]] = {}  # request id -> its images' spans
         self.num_encoded = 0  # images encoded (each once)
         self.num_reused = 0  # images a request found already encoded or under way
+        # the slowest recent piece of work's seconds (decaying): a piece starts only when one as slow
+        # would end within the step's allowance (the first piece of a step aside)
+        self._piece_seconds = 0.0
 
     # ---- requests ---------------------------------------------------------------------------------
 
@@ -140,9 +144,11 @@ class ImageEncoder:
                 if image.ready or image.error or not len(span.positions) or span.positions[-1] < computed:
                     continue
                 while not image.ready and image.error is None:
-                    if worked and deadline is not None and time.perf_counter() >= deadline:
+                    began = time.perf_counter()
+                    if worked and deadline is not None and began + self._piece_seconds >= deadline:
                         break
                     self._work_on(image, len(span.positions))
+                    self._piece_seconds = max(time.perf_counter() - began, self._piece_seconds * _PIECE_DECAY)
                     worked = True
         for request in requests:
             self._mark_unready(request)

@@ -16,7 +16,8 @@ handed more rows, and a tile's bits must not depend on the tiles encoded beside 
 models loop over an image's tiles.
 
 Within a tile, the work goes in pieces of PIECE_ROWS patches through one stage of one layer (the
-projections into queries, keys and values; attention and its output; the MLP), and `steps` yields
+projections into queries, keys and values; attention and its output; the MLP's first linear layer
+and activation; its second), and `steps` yields
 after each piece, so the engine can spread one image's encoding over many steps and keep the
 streams beside it at their pace (engine.images). Every call takes the same pieces (`forward`
 runs them all at once), so a tile's bits do not depend on how its pieces were spread.
@@ -143,8 +144,8 @@ class MLP(nn.Module):
         self.fc1 = Linear(config.hidden_size, config.intermediate_size, bias=True)
         self.fc2 = Linear(config.intermediate_size, config.hidden_size, bias=True)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(F.gelu(self.fc1(x), approximate="tanh"))
+    def up(self, x: torch.Tensor) -> torch.Tensor:
+        return F.gelu(self.fc1(x), approximate="tanh")
 
 
 class EncoderLayer(nn.Module):
@@ -167,8 +168,12 @@ class EncoderLayer(nn.Module):
         for rows in pieces:
             x[rows] += self.self_attn.attend(q[rows], k, v, key_mask)
             yield
+        hidden = []
         for rows in pieces:
-            x[rows] += self.mlp(self.layer_norm2(x[rows]))
+            hidden.append(self.mlp.up(self.layer_norm2(x[rows])))
+            yield
+        for rows, up in zip(pieces, hidden):
+            x[rows] += self.mlp.fc2(up)
             yield
         return x
 
