@@ -2,7 +2,8 @@
 
 Gemma 3: turns open with <start_of_turn> and the role ("model" for the assistant) on its own line,
 and close with <end_of_turn>; a system message has no turn of its own, it opens the first user
-turn followed by a blank line. Images are not rendered (ember serves text only).
+turn followed by a blank line. Images are not rendered: a Gemma 3 GGUF is served as text (ember
+reads no gemma3 mmproj yet).
 """
 
 GEMMA3 = (
