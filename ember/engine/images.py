@@ -45,7 +45,7 @@ _PIECE_DECAY = 0.9  # how fast the slowest recent piece's seconds are forgotten,
 @dataclass(slots=True, eq=False)
 class _Image:
     sha256: bytes
-    data: bytes
+    data: bytes  # the image file, until its pixels are prepared
     users: set[str] = field(default_factory=set)  # ids of the requests that hold it
     steps: Iterator[None] | None = None  # its encoding under way (the model's encode_image_steps)
     embeddings: torch.Tensor | None = None  # (image tokens, hidden) once ready
@@ -160,6 +160,7 @@ class ImageEncoder:
                 inputs = {name: torch.from_numpy(array).to(self.device)
                           for name, array in self.processing.prepare(image.data).items()}
                 image.steps = self.model.encode_image_steps(**inputs)
+                image.data = b""  # the file's bytes are not needed past its pixels
                 return
             with torch.inference_mode():
                 next(image.steps)
