@@ -14,8 +14,8 @@ import pytest
 from conftest import ServerProcess, wait_idle
 from ember import LLM, SamplingParams
 from gguf_vision import convert_pair, copy_converter, llama_cpp_source, write_convertible_smolvlm
-from test_vision_http import QUESTION, chat, picture
-from vision_fixtures import conversation
+from test_vision_http import QUESTION, chat
+from vision_fixtures import conversation, picture
 
 EXACT_FLAGS = ("--dtype", "float32", "--quantization", "none", "--max-model-len", "1024")
 

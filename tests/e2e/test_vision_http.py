@@ -15,19 +15,9 @@ import pytest
 from PIL import Image
 
 from conftest import ServerProcess, wait_idle
-from vision_fixtures import add_random_weights, data_url, image_bytes, write_smolvlm_folder
+from vision_fixtures import add_random_weights, data_url, image_bytes, picture, write_smolvlm_folder
 
 QUESTION = "What is in this picture?"
-
-
-def picture(width: int, height: int, seed: int) -> bytes:
-    """A noisy PNG, so that the reply depends on the image."""
-    import numpy as np
-
-    pixels = np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)
-    out = io.BytesIO()
-    Image.fromarray(pixels).save(out, format="PNG")
-    return out.getvalue()
 
 
 @pytest.fixture(scope="module")

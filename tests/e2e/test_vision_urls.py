@@ -15,8 +15,8 @@ import openai
 import pytest
 
 from conftest import ServerProcess, wait_idle
-from test_vision_http import QUESTION, picture
-from vision_fixtures import add_random_weights, data_url, write_smolvlm_folder
+from test_vision_http import QUESTION
+from vision_fixtures import add_random_weights, data_url, picture, write_smolvlm_folder
 
 IMAGE = picture(120, 80, seed=7)
 HUGE = picture(400, 400, seed=8)  # about 480 KB of noise: past --max-image-mb 0.1
