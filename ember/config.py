@@ -187,6 +187,13 @@ class EngineConfig:
     num_kv_blocks: int | None = None  # explicit size of the paged KV cache
     kv_cache_tokens: int | None = None  # or: size it to hold this many tokens
     kv_cache_memory_gb: float | None = None  # or: size it from a memory budget (default 2 GiB on CPU)
+    gpu_memory_utilization: float = 0.85  # CUDA, no size given: the pool's share of the memory left after the weights
+    # Tiers behind the pool (engine.cache_tiers). Host memory for blocks the pool evicts, in MiB:
+    # None sizes it (engine.pool.default_cache_ram_mb), 0 turns it off. Disk: a folder (None: off)
+    # and the most it holds, in MiB.
+    cache_ram_mb: float | None = None
+    cache_disk_dir: str | None = None
+    cache_disk_mb: float = 16384.0
     max_num_seqs: int = 64
     # A step's budget in token costs (engine.scheduler). None: 512 on the CPU, where that is a
     # step of about a quarter of a second for a small model (a bound on every stream's gap
@@ -240,6 +247,15 @@ class EngineConfig:
             raise ValueError(f"num_threads must be a positive integer, got {self.num_threads!r}")
         if not isinstance(self.mmproj, str) or not self.mmproj:
             raise ValueError(f"mmproj must be a file's path, auto or none, got {self.mmproj!r}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be above 0 and at most 1, got {self.gpu_memory_utilization!r}")
+        if self.cache_ram_mb is not None and self.cache_ram_mb < 0:
+            raise ValueError(f"cache_ram_mb must be 0 or more, got {self.cache_ram_mb!r}")
+        if self.cache_disk_mb <= 0:
+            raise ValueError(f"cache_disk_mb must be positive, got {self.cache_disk_mb!r}")
+        if self.tensor_parallel_size > 1 and (self.cache_ram_mb or self.cache_disk_dir):
+            raise ValueError("the host and disk KV cache tiers are not supported under tensor parallelism yet: "
+                             "leave --cache-ram and --cache-dir out")
         if self.image_cache_mb < 0:
             raise ValueError(f"image_cache_mb must be 0 or more, got {self.image_cache_mb!r}")
         if self.attention_cost_tokens is not None and (not isinstance(self.attention_cost_tokens, int)

@@ -175,6 +175,8 @@ class StepOutput:
     # speculative decoding this step: tokens drafted for the request, and how many of them it kept
     num_drafted_tokens: int = 0
     num_accepted_tokens: int = 0
+    # num_cached_tokens by where they were found: "device" (the KV pool), "host", "disk"
+    cached_tokens_by_tier: dict[str, int] | None = None
 
 
 @dataclass(slots=True)
@@ -245,6 +247,7 @@ class GenerationOutput:
     num_computed_prompt_tokens: int | None = None  # prefill progress outputs only (see StepOutput)
     num_pinned_tokens: int = 0  # see StepOutput
     speculation: SpeculationCounts | None = None  # set once a round of drafted tokens was verified
+    cached_tokens_by_tier: dict[str, int] | None = None  # see StepOutput
 
     @property
     def finished(self) -> bool:

@@ -214,6 +214,16 @@ class KVCache:
             self.tensor = torch.zeros(num_layers, 2, num_kv_heads, num_blocks * block_size, head_dim,
                                       dtype=dtype, device=device)
         self.layers = [(self.tensor[i, 0], self.tensor[i, 1]) for i in range(num_layers)]  # (k, v) views
+        # (layers, k/v, kv_heads, blocks, block elements): one block's data is [:, :, :, block], in either layout
+        self.blocks = self.tensor.view(num_layers, 2, num_kv_heads, num_blocks, -1)
+
+    def read_block(self, block_id: int, device: torch.device | str = "cpu") -> torch.Tensor:
+        """A copy of one block's keys and values, (layers, k/v, kv_heads, block elements), on `device`."""
+        return self.blocks[:, :, :, block_id].to(device, copy=True)
+
+    def write_block(self, block_id: int, data: torch.Tensor) -> None:
+        """Put read_block's copy (of a block of this layout) into block `block_id`."""
+        self.blocks[:, :, :, block_id].copy_(data, non_blocking=True)
 
     @staticmethod
     def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,

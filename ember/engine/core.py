@@ -16,6 +16,7 @@ import torch
 from ember.config import EngineConfig, ModelConfig
 from ember.context_window import ContextWindow, fit_output
 from ember.engine import invariance
+from ember.engine.cache_tiers import namespace
 from ember.engine.host_memory import release_freed_heap
 from ember.engine.images import ImageEncoder, check_spans, images_attend_both_ways
 from ember.engine.loading import load_model
@@ -43,7 +44,7 @@ class EngineCore:
     def __init__(self, model: torch.nn.Module, model_config: ModelConfig, config: EngineConfig,
                  eos_token_ids: set[int], device: torch.device, dtype: torch.dtype,
                  draft_proposer: Proposer | None = None, group=None,
-                 image_processing: ImageProcessing | None = None) -> None:
+                 image_processing: ImageProcessing | None = None, cache_identity: dict | None = None) -> None:
         self.model_config = model_config
         self.group = group  # engine.parallel.TensorGroup of a tensor-parallel rank, else None
         self.config = config
@@ -58,8 +59,9 @@ class EngineCore:
         num_kv_heads = group.plan.num_kv_heads if group is not None else model_config.num_key_value_heads
         bidirectional = image_processing is not None and images_attend_both_ways(model)
         parts = build_step_parts(model, model_config, config, self.max_model_len, num_kv_heads, device, dtype, group,
-                                 bidirectional_spans=bidirectional)
+                                 bidirectional_spans=bidirectional, cache_identity=cache_identity)
         self.kv_manager, self.scheduler, self.runner = parts.kv_manager, parts.scheduler, parts.runner
+        self.tiers = parts.tiers  # the host and disk tiers behind the pool (engine.cache_tiers), or None
         self.max_num_batched_tokens = parts.max_num_batched_tokens
         # the prompt tokens a step may hold past its budget: a chunk covers a bidirectional span
         # (one image's tokens) whole (Request.computable)
@@ -118,7 +120,7 @@ class EngineCore:
 
             draft = load_draft_proposer(config, source, open_source or source_opener(), cls.from_source)
         return cls(built.model, built.model_config, config, built.eos_token_ids, built.device, built.dtype, draft,
-                   group, processing)
+                   group, processing, cache_identity=namespace.model_identity(source))
 
     # ---- requests ------------------------------------------------------------------------------
 
@@ -174,6 +176,7 @@ class EngineCore:
         if self.speculator is not None:
             self.speculator.propose(self.scheduler.running)
         plan = self.scheduler.schedule()
+        self._move_blocks()  # before the forward writes to blocks the pool let go
         counters.num_preemptions += len(plan.preempted)
         if not plan.scheduled:
             return outputs
@@ -191,6 +194,7 @@ class EngineCore:
         if self.speculator is not None:
             self.speculator.after_step(plan, result, began, forward_began, counters)
         self.scheduler.update_from_output(plan, result.sampled, result.accepted)
+        self._move_blocks()  # newly cached blocks to disk while they are sure to hold their tokens
         num_decode_tokens = 0
         for item in plan.scheduled:
             request = item.request
@@ -219,6 +223,7 @@ class EngineCore:
                 num_pinned_tokens=request.num_pinned_tokens,
                 num_drafted_tokens=num_drafted,
                 num_accepted_tokens=num_accepted,
+                cached_tokens_by_tier=request.cached_tokens_by_tier or None,
             ))
             if finished:
                 self._forget(request.request_id)
@@ -229,6 +234,10 @@ class EngineCore:
         if num_decode_tokens:
             self._decode_seconds = seconds - image_seconds
         return outputs
+
+    def _move_blocks(self) -> None:
+        if self.tiers is not None:
+            self.tiers.move(self.kv_manager.take_moves())
 
     def _advance_images(self) -> list[StepOutput]:
         """Encode the images live requests need, for at most IMAGE_WORK_SHARE of a decoding step's
@@ -283,12 +292,20 @@ class EngineCore:
             kv_blocks_pinned=kv.num_pinned_blocks,
             prefix_cache_queries=kv.prefix_cache_queries,
             prefix_cache_hits=kv.prefix_cache_hits,
+            cache_tiers=self.tiers.stats() if self.tiers is not None else {},
         )
 
     def reset_counters(self) -> None:
         """Zero the counters (after a warm-up, so statistics count clients' work only)."""
         self.counters = EngineCounters()
         self.kv_manager.prefix_cache_queries = self.kv_manager.prefix_cache_hits = 0
+        if self.tiers is not None:
+            self.tiers.reset_counters()
+
+    def close(self) -> None:
+        """Write out what the disk tier still has queued; the core serves nothing after."""
+        if self.tiers is not None:
+            self.tiers.close()
 
     def check_invariants(self) -> None:
         """Raise AssertionError if blocks leaked; meaningful when no request is live."""

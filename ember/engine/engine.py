@@ -156,6 +156,7 @@ class AsyncEngine:
             while message is not None:
                 if type(message) is Shutdown:
                     self._send(outputs + driver.abort_all())
+                    core.close()
                     return
                 outputs += self._call(message) if type(message) is CallInEngine else self._handle(message)
                 try:

@@ -9,6 +9,12 @@ A pinned block (engine.kv_pins) that no request holds waits aside, out of that q
 pin expires. Pins give way only to a request that holds the pool alone and still cannot fit, so
 they never block the engine. The changes to the set of cached hashes go to a feed
 (engine.kv_changes) that the data-parallel router reads.
+
+Behind the pool may stand slower tiers (engine.cache_tiers: host memory, disk) that keep blocks by
+the same hashes. A prompt whose chain leaves the pool goes on through them: each block a tier
+holds is fetched whole (its data, already checked) and loaded into a fresh block. The manager
+only lists what moves (`take_moves`): blocks evicted with their hash, blocks newly cached, and
+fetched data to load; the engine copies them before the step's forward writes to the pool.
 """
 
 from __future__ import annotations
@@ -18,6 +24,8 @@ import time
 from array import array
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 from ember.engine.kv_changes import CacheChangeFeed
 from ember.engine.kv_pins import PinTable
@@ -38,6 +46,46 @@ def hash_block(parent_hash: bytes | None, token_ids: Sequence[int], cache_salt: 
         digest.update(_ROOT if field is None else _CHILD + len(field).to_bytes(8, "little") + field)
     digest.update(array("q", token_ids).tobytes())
     return digest.digest()
+
+
+class BlockTiers(Protocol):
+    """What the manager asks of the tiers behind the pool (engine.cache_tiers.CacheTiers)."""
+
+    keeps_evicted: bool  # wants the blocks the pool evicts (a host tier)
+    keeps_cached: bool  # wants every block as it is cached (a disk tier writes them through)
+
+    def fetch(self, block_hash: bytes) -> "FetchedBlock | None": ...
+
+
+@dataclass(frozen=True, slots=True)
+class FetchedBlock:
+    """A block a tier holds, fetched for a prompt: its hash, its data, and the tier's name."""
+
+    block_hash: bytes
+    data: Any
+    tier: str
+
+
+@dataclass(slots=True)
+class BlockMoves:
+    """What must be copied between the pool and its tiers before the pool is written again."""
+
+    evicted: list[tuple[bytes, int]] = field(default_factory=list)  # (hash, block id) the pool let go
+    cached: list[tuple[bytes, int]] = field(default_factory=list)  # (hash, block id) newly cached
+    loads: dict[int, Any] = field(default_factory=dict)  # block id -> fetched data to write in
+
+    def __bool__(self) -> bool:
+        return bool(self.evicted or self.cached or self.loads)
+
+
+def tokens_by_tier(hits: Sequence[int | FetchedBlock], block_size: int) -> dict[str, int]:
+    """The tokens of get_computed_blocks' hits by where they were found: "device" (the pool), then
+    each tier that served some."""
+    counts = {"device": 0}
+    for hit in hits:
+        tier = "device" if isinstance(hit, int) else hit.tier
+        counts[tier] = counts.get(tier, 0) + block_size
+    return counts
 
 
 class Block:
@@ -62,7 +110,7 @@ class KVCacheManager:
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
                  max_pinned_share: float = DEFAULT_MAX_PINNED_SHARE,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, tiers: BlockTiers | None = None) -> None:
         if num_blocks < 2:
             raise ValueError(f"num_blocks must be at least 2 (block 0 is reserved), got {num_blocks}")
         if block_size < 1:
@@ -83,6 +131,8 @@ class KVCacheManager:
         self.pins = PinTable(int(max_pinned_share * self.num_allocatable_blocks), clock)
         self._pinned_idle: set[int] = set()  # pinned blocks no request holds: out of the free queue
         self._changes = CacheChangeFeed()
+        self.tiers = tiers if enable_prefix_caching else None
+        self._moves = BlockMoves()
 
     @property
     def num_allocatable_blocks(self) -> int:
@@ -114,8 +164,10 @@ class KVCacheManager:
         """Free block ids in the order allocation will take them (a copy; for tests and debugging)."""
         return list(self._free)
 
-    def get_computed_blocks(self, request: Request) -> tuple[list[int], int]:
-        """The cached blocks matching the start of request.token_ids, and the tokens they cover.
+    def get_computed_blocks(self, request: Request) -> tuple[list[int | FetchedBlock], int]:
+        """The cached blocks matching the start of request.token_ids, and the tokens they cover:
+        the pool's block ids, then the blocks the tiers behind it hold, fetched (allocate_slots
+        gives those fresh blocks to load into).
 
         At most num_tokens - 1 tokens are hits, so the engine always computes one token to sample from.
         """
@@ -124,38 +176,47 @@ class KVCacheManager:
         self._expire_pins()
         size = self.block_size
         tokens = request.token_ids
-        hits: list[int] = []
+        hits: list[int | FetchedBlock] = []
         parent = None
+        in_pool = True
         for start in range(0, (len(tokens) - 1) // size * size, size):
             parent = hash_block(parent, tokens[start:start + size], request.cache_salt,
                                 request.media_key(start, start + size))
-            block_id = self.cached_block_ids.get(parent)
-            if block_id is None:
+            block_id = self.cached_block_ids.get(parent) if in_pool else None
+            if block_id is not None:
+                hits.append(block_id)
+                continue
+            in_pool = False  # past the pool's run, blocks come from the tiers or not at all
+            fetched = self.tiers.fetch(parent) if self.tiers is not None else None
+            if fetched is None:
                 break
-            hits.append(block_id)
+            hits.append(fetched)
         return hits, len(hits) * size
 
-    def allocate_slots(self, request: Request, num_new_tokens: int, new_computed_blocks: Sequence[int] = (),
-                       num_new_computed_tokens: int = 0) -> bool:
-        """Attach cache hits, then grow request.block_ids to cover every token up to the new ones.
+    def allocate_slots(self, request: Request, num_new_tokens: int,
+                       new_computed_blocks: Sequence[int | FetchedBlock] = (), num_new_computed_tokens: int = 0) -> bool:
+        """Attach cache hits (get_computed_blocks), then grow request.block_ids to cover every
+        token up to the new ones.
 
         Returns False and changes nothing when the pool cannot cover it.
         """
         assert not new_computed_blocks or not request.block_ids, "cache hits attach only to a request with no blocks"
+        pool_hits = [hit for hit in new_computed_blocks if isinstance(hit, int)]
+        fetched = new_computed_blocks[len(pool_hits):]
         num_tokens = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens
         num_required = -(-num_tokens // self.block_size)
-        num_new_blocks = max(0, num_required - len(request.block_ids) - len(new_computed_blocks))
+        num_new_blocks = max(0, num_required - len(request.block_ids) - len(pool_hits))
         self._expire_pins()
-        num_free_hits = sum(1 for block_id in new_computed_blocks if block_id in self._free)
+        num_free_hits = sum(1 for block_id in pool_hits if block_id in self._free)
         shortage = num_new_blocks + num_free_hits - len(self._free)
         if shortage > 0 and not (self._holders.keys() <= {request.request_id}
-                                 and self._unpin_idle(shortage, keep=new_computed_blocks)):
+                                 and self._unpin_idle(shortage, keep=pool_hits)):
             return False
 
         if self.enable_prefix_caching and not request.block_ids and request.num_computed_tokens == 0:
             self.prefix_cache_queries += request.num_tokens
             self.prefix_cache_hits += num_new_computed_tokens
-        for block_id in new_computed_blocks:
+        for block_id in pool_hits:
             block = self.blocks[block_id]
             if block_id in self._free:
                 self._unqueue_cached(block_id)
@@ -163,14 +224,18 @@ class KVCacheManager:
             block.ref_count += 1
             request.block_ids.append(block_id)
             request.block_hashes.append(block.hash)
-        if new_computed_blocks:
-            self._apply_pins(request, 0)
-        for _ in range(num_new_blocks):
+        for index in range(num_new_blocks):
             block = self.blocks[self._take_free_block(request.block_ids[-1] + 1 if request.block_ids else 0)]
             if block.hash is not None:
                 self._evict(block)
             block.ref_count = 1
             request.block_ids.append(block.block_id)
+            if index < len(fetched):  # a tier's block: its data is written in before the step runs
+                self._moves.loads[block.block_id] = fetched[index].data
+                self._register(fetched[index].block_hash, block)
+                request.block_hashes.append(fetched[index].block_hash)
+        if new_computed_blocks:
+            self._apply_pins(request, 0)
         if request.block_ids:
             self._holders[request.request_id] = request
         return True
@@ -193,11 +258,27 @@ class KVCacheManager:
         self._num_cached_free -= 1
 
     def _evict(self, block: Block) -> None:
-        """Forget the hash of a cached block just taken from the free queue."""
+        """Forget the hash of a cached block just taken from the free queue (a tier that keeps
+        evicted blocks gets it first)."""
+        # a block whose data has not been loaded yet is in the tier it came from: nothing to keep
+        if self._moves.loads.pop(block.block_id, None) is None and self.tiers is not None and self.tiers.keeps_evicted:
+            self._moves.evicted.append((block.hash, block.block_id))
         del self.cached_block_ids[block.hash]
         self._changes.removed(block.hash)
         block.hash = None
         self._num_cached_free -= 1
+
+    def _register(self, block_hash: bytes, block: Block) -> None:
+        """Make `block` the one the hash map names for `block_hash`, unless another already is."""
+        if block_hash not in self.cached_block_ids:
+            self.cached_block_ids[block_hash] = block.block_id
+            block.hash = block_hash
+            self._changes.stored(block_hash)
+
+    def take_moves(self) -> BlockMoves:
+        """The copies between the pool and its tiers asked for since the last call (BlockMoves)."""
+        moves, self._moves = self._moves, BlockMoves()
+        return moves
 
     def cache_full_blocks(self, request: Request) -> None:
         """Hash and register each block that became full and computed since the last call."""
@@ -214,9 +295,9 @@ class KVCacheManager:
             hashes.append(parent)
             block = self.blocks[request.block_ids[index]]
             if parent not in self.cached_block_ids:
-                self.cached_block_ids[parent] = block.block_id
-                block.hash = parent
-                self._changes.stored(parent)
+                self._register(parent, block)
+                if self.tiers is not None and self.tiers.keeps_cached:
+                    self._moves.cached.append((parent, block.block_id))
         if len(hashes) > first_new:
             self._apply_pins(request, first_new)
 

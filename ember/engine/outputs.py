@@ -80,6 +80,7 @@ class RequestTracker:
             num_computed_prompt_tokens=step.num_computed_prompt_tokens,
             num_pinned_tokens=step.num_pinned_tokens,
             speculation=self.speculation,
+            cached_tokens_by_tier=step.cached_tokens_by_tier,
         )
 
     def _through_stop(self, new_ids: list[int]) -> tuple[list[int], str, str | None]:

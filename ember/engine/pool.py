@@ -11,6 +11,7 @@ import torch
 from ember import kernels
 from ember.config import EngineConfig, ModelConfig
 from ember.engine.attention import KVCache
+from ember.engine.cache_tiers import CacheTiers, build_cache_tiers, namespace
 from ember.engine.kernel_attention import KERNEL_BLOCK_SIZE
 from ember.engine.kv_cache import KVCacheManager
 from ember.engine.runner import ModelRunner
@@ -21,7 +22,7 @@ logger = logging.getLogger("ember.engine")
 
 _DEFAULT_CPU_KV_GIB = 2.0
 _CPU_STEP_TOKENS, _GPU_STEP_TOKENS = 512, 2048  # default step budgets (EngineConfig.max_num_batched_tokens)
-_CUDA_MEMORY_FRACTION = 0.85  # of the memory still free after the weights are loaded
+_MAX_DEFAULT_CACHE_RAM_MB = 8192  # the host tier's default: a quarter of the available memory, at most this
 # Measured: ember's CPU attention kernel does about a third of the linear kernel's work per second
 # (1,500- and 8,000-token prefills on AMD EPYC Zen 4), so a key costs three times its FLOPs' share.
 _ATTENTION_WORK_RATIO = 3
@@ -36,26 +37,22 @@ class StepParts:
     kv_capacity_tokens: int  # the most tokens the pool holds
     kv_cache_bytes: int
     uses_cpu_kernels: bool  # the KV cache is laid out for ember's attention kernel
+    tiers: CacheTiers | None  # the host and disk tiers behind the pool, where they are on
 
 
 def build_step_parts(model: torch.nn.Module, model_config: ModelConfig, config: EngineConfig, max_model_len: int,
                      num_kv_heads: int, device: torch.device, dtype: torch.dtype, group=None,
-                     bidirectional_spans: bool = False) -> StepParts:
+                     bidirectional_spans: bool = False, cache_identity: dict | None = None) -> StepParts:
     """`num_kv_heads`: the KV heads this process caches (its shard's under tensor parallelism);
     `bidirectional_spans`: some prompts' spans attend both ways (engine.images), which ember's
-    attention kernel does not do (it is causal only), so attention takes the torch path."""
+    attention kernel does not do (it is causal only), so attention takes the torch path;
+    `cache_identity`: the model's part of the disk tier's namespace (cache_tiers.namespace), None
+    where the model has no files to name (then there is no disk tier)."""
     max_num_batched_tokens = config.max_num_batched_tokens or (_CPU_STEP_TOKENS if device.type == "cpu"
                                                                else _GPU_STEP_TOKENS)
     num_blocks = num_kv_blocks(config, model_config, num_kv_heads, dtype, device, max_model_len)
     if group is not None:  # rank 0 hands out the block ids: every rank must hold them all
         num_blocks = group.agree_min(num_blocks)
-    kv_manager = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching,
-                                config.max_pinned_kv_share)
-    scheduler = Scheduler(
-        SchedulerConfig(config.max_num_seqs, max_num_batched_tokens, max_model_len,
-                        attention_cost_tokens(model_config, config.attention_cost_tokens),
-                        config.background_wait_steps, release_window=local_only_window(model_config.layer_windows)),
-        kv_manager)
     uses_cpu_kernels = (config.cpu_kernels and device.type == "cpu" and config.block_size == KERNEL_BLOCK_SIZE
                         and dtype in (torch.bfloat16, torch.float32) and model_config.head_dim % 16 == 0
                         and kernels.available() and not bidirectional_spans)
@@ -65,6 +62,21 @@ def build_step_parts(model: torch.nn.Module, model_config: ModelConfig, config: 
     cache = KVCache(model_config.num_hidden_layers, num_blocks, config.block_size, num_kv_heads,
                     model_config.head_dim, dtype, device, kernel_layout=uses_cpu_kernels,
                     layer_windows=model_config.layer_windows)
+    tiers = None
+    if config.enable_prefix_caching and group is None:
+        description = None if cache_identity is None else namespace.describe(
+            cache_identity, config, model_config, dtype=dtype, device=device, kernel_layout=uses_cpu_kernels,
+            num_kv_heads=num_kv_heads)
+        host_mb = default_cache_ram_mb() if config.cache_ram_mb is None else config.cache_ram_mb
+        tiers = build_cache_tiers(cache, int(host_mb * 2**20), config.cache_disk_dir if description else None,
+                                  int(config.cache_disk_mb * 2**20), description)
+    kv_manager = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching,
+                                config.max_pinned_kv_share, tiers=tiers)
+    scheduler = Scheduler(
+        SchedulerConfig(config.max_num_seqs, max_num_batched_tokens, max_model_len,
+                        attention_cost_tokens(model_config, config.attention_cost_tokens),
+                        config.background_wait_steps, release_window=local_only_window(model_config.layer_windows)),
+        kv_manager)
     sampler = Sampler(model_config.vocab_size, device,
                       cpu_kernel=config.cpu_kernels and device.type == "cpu" and kernels.available())
     runner = ModelRunner(model, cache, sampler, device, exact=config.batch_invariant and device.type == "cpu")
@@ -75,7 +87,19 @@ def build_step_parts(model: torch.nn.Module, model_config: ModelConfig, config: 
     logger.info("KV cache: %d blocks of %d tokens (%d tokens, %.2f GiB, %s)", num_blocks - 1, config.block_size,
                 capacity, kv_cache_bytes / 2**30, dtype)
     return StepParts(kv_manager, scheduler, runner, max_num_batched_tokens, capacity, kv_cache_bytes,
-                     uses_cpu_kernels)
+                     uses_cpu_kernels, tiers)
+
+
+def default_cache_ram_mb() -> float:
+    """The host tier's size when none is asked for: a quarter of the memory available now, at most
+    _MAX_DEFAULT_CACHE_RAM_MB (it takes memory only as blocks are evicted into it)."""
+    try:
+        for line in open("/proc/meminfo"):
+            if line.startswith("MemAvailable:"):
+                return min(_MAX_DEFAULT_CACHE_RAM_MB, int(line.split()[1]) / 1024 / 4)
+    except OSError:
+        pass
+    return 1024.0
 
 
 def num_kv_blocks(config: EngineConfig, model_config: ModelConfig, num_kv_heads: int, dtype: torch.dtype,
@@ -92,7 +116,7 @@ def num_kv_blocks(config: EngineConfig, model_config: ModelConfig, num_kv_heads:
         budget = config.kv_cache_memory_gb * 2**30
     elif device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
-        budget = free * _CUDA_MEMORY_FRACTION
+        budget = free * config.gpu_memory_utilization
     else:
         budget = _DEFAULT_CPU_KV_GIB * 2**30
     most_needed = config.max_num_seqs * -(-max_model_len // config.block_size)

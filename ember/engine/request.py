@@ -43,7 +43,7 @@ class Request:
     __slots__ = (
         "request_id", "token_ids", "num_prompt_tokens", "sampling_params", "max_tokens",
         "eos_token_ids", "arrival_time", "priority", "cache_salt", "num_computed_tokens",
-        "num_cached_tokens", "block_ids", "block_hashes", "status", "finish_reason",
+        "num_cached_tokens", "cached_tokens_by_tier", "block_ids", "block_hashes", "status", "finish_reason",
         "stop_reason", "num_preemptions", "constraint", "num_waiting_steps", "waiting_since_step", "promoted",
         "num_pinned_tokens", "draft_token_ids", "media", "unready_spans", "bidirectional_spans",
     )
@@ -63,6 +63,7 @@ class Request:
         self.cache_salt = cache_salt
         self.num_computed_tokens = 0  # tokens whose KV is in the cache
         self.num_cached_tokens = 0  # prompt tokens the prefix cache served at its first admission
+        self.cached_tokens_by_tier: dict[str, int] = {}  # those tokens by where they were found (kv_cache.tokens_by_tier)
         self.block_ids: list[int] = []
         self.block_hashes: list[bytes] = []
         self.status = RequestStatus.WAITING

@@ -34,7 +34,7 @@ from ember.constraint_spec import ConstraintSpec
 from ember.engine.client import EngineClient
 from ember.engine.kv_cache import hash_block
 from ember.engine.messages import EngineInfo, MediaSpan, QueryKind, WorkerSettings, media_key
-from ember.engine.stats import EngineStats
+from ember.engine.stats import EngineStats, sum_stats
 from ember.errors import EngineUnavailable
 from ember.types import GenerationOutput, SamplingParams
 
@@ -176,8 +176,7 @@ class EngineRouter:
         snapshots = [stats for stats in (client.latest_stats for client in self.clients) if stats is not None]
         if not snapshots:
             return None
-        names = [field.name for field in dataclasses.fields(EngineStats)]
-        return EngineStats(**{name: sum(getattr(stats, name) for stats in snapshots) for name in names})
+        return sum_stats(snapshots)
 
     def health(self) -> dict:
         workers = []

@@ -25,7 +25,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from ember.engine.kv_cache import KVCacheManager
+from ember.engine.kv_cache import KVCacheManager, tokens_by_tier
 from ember.engine.request import Request, RequestStatus
 from ember.engine.step_budget import chunk_cost, tokens_within
 from ember.engine.waiting_queue import WaitingQueue, served_priority
@@ -195,7 +195,8 @@ class Scheduler:
                         request, num_new_tokens, hit_block_ids, num_hit_tokens):
                     break
                 # Only less important requests yield, and only when that can make the room.
-                victim = self._yielding_victim(request, num_hit_tokens + num_new_tokens, len(hit_block_ids))
+                num_pool_hits = sum(1 for hit in hit_block_ids if isinstance(hit, int))
+                victim = self._yielding_victim(request, num_hit_tokens + num_new_tokens, num_pool_hits)
                 if victim is None:
                     return budget
                 budget += self._preempt(victim, scheduled)
@@ -203,6 +204,7 @@ class Scheduler:
             self.waiting.pop(self.num_steps)
             if request.status is RequestStatus.WAITING:  # its first admission: a preempted one waits as PREEMPTED
                 request.num_cached_tokens = min(num_hit_tokens, request.num_prompt_tokens)
+                request.cached_tokens_by_tier = tokens_by_tier(hit_block_ids, self.kv_cache.block_size)
             request.num_computed_tokens = num_hit_tokens
             request.status = RequestStatus.RUNNING
             self.running.append(request)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 
 @dataclass(slots=True)
@@ -60,6 +60,8 @@ class EngineStats:
     spec_rounds: int
     spec_proposed_tokens: int
     spec_accepted_tokens: int
+    # the tiers behind the pool that are on, by name ("host", "disk"): CacheTiers.stats()
+    cache_tiers: dict[str, dict] = field(default_factory=dict)
 
     @classmethod
     def build(cls, counters: EngineCounters, **gauges) -> "EngineStats":
@@ -68,3 +70,19 @@ class EngineStats:
 
 
 _COUNTER_NAMES = tuple(f.name for f in fields(EngineCounters))
+
+
+def sum_stats(snapshots: list[EngineStats]) -> EngineStats:
+    """Several workers' stats as one: every number summed, the tiers' tier by tier (a flag such as
+    a disk tier's `enabled` holds when it holds for all)."""
+    totals = {name: sum(getattr(stats, name) for stats in snapshots) for name in _NUMBER_NAMES}
+    tiers: dict[str, dict] = {}
+    for stats in snapshots:
+        for tier, values in stats.cache_tiers.items():
+            merged = tiers.setdefault(tier, {})
+            for key, value in values.items():
+                merged[key] = (merged.get(key, True) and value) if isinstance(value, bool) else merged.get(key, 0) + value
+    return EngineStats(**totals, cache_tiers=tiers)
+
+
+_NUMBER_NAMES = tuple(f.name for f in fields(EngineStats) if f.name != "cache_tiers")

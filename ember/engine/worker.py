@@ -154,6 +154,7 @@ def main(argv: list[str]) -> int:
         outbox.send(messages.encode(Fatal(f"{type(exc).__name__}: {exc}")))
         return 1
     finally:
+        core.close()
         inbox.close(0)
         outbox.close()
         context.term()

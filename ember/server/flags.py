@@ -168,6 +168,22 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                              "differ in the last bits with what shares its batch (default: batch-invariant)")
     engine.add_argument("--no-prefix-caching", action="store_true",
                         help="do not reuse the KV cache of prompt prefixes seen before")
+    engine.add_argument("--kv-cache-mib", type=float, default=None, metavar="MIB",
+                        help="memory for the KV cache pool, in MiB (default: 2048 on the CPU; on a GPU, "
+                             "--gpu-memory-utilization of the memory left after the weights)")
+    engine.add_argument("--gpu-memory-utilization", type=float, default=_ENGINE_DEFAULTS.gpu_memory_utilization,
+                        metavar="F", help="on a GPU without --kv-cache-mib: the share of the memory left after "
+                                          f"the weights that the pool takes (default {_ENGINE_DEFAULTS.gpu_memory_utilization})")
+    engine.add_argument("--cache-ram", type=float, default=None, metavar="MIB",
+                        help="host memory, in MiB, that keeps the prompt blocks the KV pool evicts, so a prompt "
+                             "seen before is copied back instead of computed again (default: a quarter of the "
+                             "memory available at start, at most 8192; 0: off)")
+    engine.add_argument("--cache-dir", default=None, metavar="DIR",
+                        help="also keep prompt blocks on disk in DIR, so they outlive the worker and the server "
+                             "(default: off)")
+    engine.add_argument("--cache-disk-mib", type=float, default=_ENGINE_DEFAULTS.cache_disk_mb, metavar="MIB",
+                        help="the most --cache-dir holds for this model and setup, in MiB; the blocks used least "
+                             f"recently go first (default {_ENGINE_DEFAULTS.cache_disk_mb:g})")
     engine.add_argument("--kv-pin-share", type=float, default=_ENGINE_DEFAULTS.max_pinned_kv_share, metavar="F",
                         help="the most of the KV cache that cache breakpoints (cache_control, "
                              "prompt_cache_breakpoint) may pin, as a fraction from 0 to 1 (default "
@@ -291,7 +307,10 @@ def build_config(args: argparse.Namespace, environ=os.environ) -> ServerConfig:
                           attention_cost_tokens=args.attention_cost_tokens, max_pinned_kv_share=args.kv_pin_share,
                           background_wait_steps=args.background_wait_steps,
                           speculative=speculative_config(args), vision=not args.no_vision,
-                          image_cache_mb=args.image_cache_mb, mmproj=args.mmproj)
+                          image_cache_mb=args.image_cache_mb, mmproj=args.mmproj,
+                          kv_cache_memory_gb=None if args.kv_cache_mib is None else args.kv_cache_mib / 1024,
+                          gpu_memory_utilization=args.gpu_memory_utilization, cache_ram_mb=args.cache_ram,
+                          cache_disk_dir=args.cache_dir, cache_disk_mb=args.cache_disk_mib)
     if args.max_request_mb <= 0:
         raise ValueError("--max-request-mb must be positive")
     fault = environ.get(FAULT_ENV_VAR) or None

@@ -79,7 +79,8 @@ def _load(config: EngineConfig, name: str, target_source, open_source, build_eng
     # weights in its own file's format (a quantized copy of the served model is a fair draft), and
     # its bits need not be batch-invariant: a draft only proposes, the served model decides
     draft_config = replace(config, speculative=SpeculativeConfig(), batch_invariant=False, quantization="auto",
-                           tensor_parallel_size=1, nnodes=1, dist_init_addr=None)  # unsharded, beside rank 0
+                           tensor_parallel_size=1, nnodes=1, dist_init_addr=None,  # unsharded, beside rank 0
+                           cache_ram_mb=0, cache_disk_dir=None)  # its prefixes are cheap to compute again
     engine = build_engine(source, draft_config)
     logger.info("draft model: %s", name)
     return DraftModelProposer(engine)
