@@ -93,14 +93,14 @@ def _idefics3_preprocessor(mmproj: "Mmproj") -> dict[str, Any]:
             "image_mean": mmproj.floats("clip.vision.image_mean"), "image_std": mmproj.floats("clip.vision.image_std")}
 
 
-GEMMA3_POOLING = 4  # clip.cpp's default for gemma3 (every Gemma 3 release): patches per side pooled 4 to 1
+_GEMMA3_POOLING = 4  # clip.cpp's default for gemma3 (every Gemma 3 release): patches per side pooled 4 to 1
 
 
 def _gemma3_settings(mmproj: "Mmproj", image_token_id: int) -> dict[str, Any]:
     """Gemma3Config's fields: an image's tokens are the tower's square of patches average-pooled
     `clip.vision.projector.scale_factor` to 1 along each side (written only where it is not 4)."""
     side = int(mmproj.required("clip.vision.image_size")) // int(mmproj.required("clip.vision.patch_size"))
-    pooling = int(mmproj.metadata.get("clip.vision.projector.scale_factor", GEMMA3_POOLING))
+    pooling = int(mmproj.metadata.get("clip.vision.projector.scale_factor", _GEMMA3_POOLING))
     if pooling < 1 or side % pooling:
         raise ModelLoadError(f"{mmproj.path.name}: its scale factor {pooling} does not pool the tower's {side} x "
                              f"{side} patches evenly", param="mmproj", code="invalid_model")
