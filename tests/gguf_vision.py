@@ -1,5 +1,6 @@
-"""A tiny SmolVLM folder turned into llama.cpp's pair of GGUF files (the language model, and the mmproj
-with the vision tower, the projector and the preprocessing settings) by llama.cpp's own converter.
+"""A tiny SmolVLM or Gemma 3 folder turned into llama.cpp's pair of GGUF files (the language model, and
+the mmproj with the vision tower, the projector and the preprocessing settings) by llama.cpp's own
+converter.
 
 The converter is llama.cpp's source (convert_hf_to_gguf.py, conversion/, gguf-py/), as the
 llama-cpp-python source package ships it under vendor/llama.cpp; the environment variable
@@ -9,7 +10,8 @@ in a subprocess, with its own gguf-py on the path.
 
 The folder is made convertible as real SmolVLM folders are: its text_config names its
 architecture (VLlama3ForCausalLM, which the converter reads for the language GGUF), and its weights
-are rounded to float16 values, so that a float16 conversion holds them exactly.
+are rounded to float16 values, so that a float16 conversion holds them exactly. A Gemma 3 folder is
+made convertible as Google's release is (write_convertible_gemma3), its weights rounded too.
 """
 
 from __future__ import annotations
@@ -23,10 +25,12 @@ import sys
 
 import pytest
 
-from vision_fixtures import add_random_weights, write_smolvlm_folder
+from vision_fixtures import GEMMA3_TOKENS_PER_IMAGE, add_random_weights, write_gemma3_folder, write_smolvlm_folder
 
 LLAMA_CPP_ENV = "EMBER_LLAMA_CPP"
 _CONVERTER_PARTS = ("convert_hf_to_gguf.py", "conversion", "gguf-py")
+# llama.cpp takes every sixth Gemma 3 layer as global rather than reading the config's layer types
+GEMMA3_LAYER_TYPES = ["sliding_attention"] * 5 + ["full_attention"]
 
 
 def llama_cpp_source() -> pathlib.Path:
@@ -51,16 +55,32 @@ def copy_converter(source: pathlib.Path, into: pathlib.Path) -> pathlib.Path:
 
 def write_convertible_smolvlm(folder: pathlib.Path, seed: int = 0) -> pathlib.Path:
     """The tiny SmolVLM folder (vision_fixtures) with random weights, as the converter takes it."""
-    import torch
-    from safetensors.torch import load_file, save_file
-
     add_random_weights(write_smolvlm_folder(folder), seed)
     config_file = folder / "config.json"
     config = json.loads(config_file.read_text())
     config["text_config"]["architectures"] = ["VLlama3ForCausalLM"]
     config_file.write_text(json.dumps(config, indent=2))
+    return round_to_float16(folder)
+
+
+def write_convertible_gemma3(folder: pathlib.Path, seed: int = 0) -> pathlib.Path:
+    """The tiny Gemma 3 folder (vision_fixtures) as the converter takes it, shaped as Google's release:
+    six decoder layers, the sixth global (GEMMA3_LAYER_TYPES); the tower's weights under
+    vision_tower.vision_model. (the names the converter maps); processor_config.json's
+    image_seq_length (from which the converter writes the projector's pooling)."""
+    write_gemma3_folder(folder, seed=seed, text_config={"num_hidden_layers": 6, "layer_types": GEMMA3_LAYER_TYPES})
+    (folder / "processor_config.json").write_text(json.dumps({"image_seq_length": GEMMA3_TOKENS_PER_IMAGE,
+                                                              "processor_class": "Gemma3Processor"}))
+    return round_to_float16(folder, lambda name: name.replace("vision_tower.", "vision_tower.vision_model.", 1))
+
+
+def round_to_float16(folder: pathlib.Path, rename=lambda name: name) -> pathlib.Path:
+    """The folder's weights rounded to float16 values (in their own dtype), each saved as rename(name)."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
     weights_file = folder / "model.safetensors"
-    weights = {name: tensor.to(torch.float16).to(tensor.dtype) for name, tensor in load_file(weights_file).items()}
+    weights = {rename(name): tensor.to(torch.float16).to(tensor.dtype) for name, tensor in load_file(weights_file).items()}
     save_file(weights, weights_file, metadata={"format": "pt"})
     return folder
 

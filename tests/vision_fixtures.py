@@ -100,12 +100,14 @@ GEMMA3_CHAT_TEMPLATE = (
 GEMMA3_TOKENS_PER_IMAGE = 16
 
 
-def write_gemma3_folder(folder: pathlib.Path, *, sliding_window: int = 12, seed: int = 0) -> pathlib.Path:
+def write_gemma3_folder(folder: pathlib.Path, *, sliding_window: int = 12, seed: int = 0,
+                        text_config: dict[str, Any] | None = None) -> pathlib.Path:
     """Write the folder (created if need be) and return it: a random transformers
     Gemma3ForConditionalGeneration (float32) saved with save_pretrained, preprocessor_config.json
     (Gemma3ImageProcessorPil, no pan and scan), and the tokenizer's files; its tokenizer_config.json
     names the image tokens (boi_token, image_token, eoi_token) as Gemma 3's does, so that
-    transformers' Gemma3Processor can be built on it."""
+    transformers' Gemma3Processor can be built on it. `text_config`: fields that replace the tiny
+    decoder's."""
     import torch
     import transformers
     from tokenizers import AddedToken
@@ -126,7 +128,7 @@ def write_gemma3_folder(folder: pathlib.Path, *, sliding_window: int = 12, seed:
     config = transformers.Gemma3Config(
         text_config={**TINY_TEXT_CONFIG, "num_hidden_layers": 3, "head_dim": 16, "query_pre_attn_scalar": 16,
                      "vocab_size": tokenizer.vocab_size, "sliding_window": sliding_window,
-                     "layer_types": ["sliding_attention", "full_attention", "sliding_attention"]},
+                     "layer_types": ["sliding_attention", "full_attention", "sliding_attention"], **(text_config or {})},
         vision_config={**TINY_VISION_CONFIG, "image_size": 32, "patch_size": 4, "vision_use_head": False},
         mm_tokens_per_image=GEMMA3_TOKENS_PER_IMAGE, image_token_index=image, boi_token_index=boi,
         eoi_token_index=eoi)

@@ -8,10 +8,12 @@ which holds the vision tower, the projector and the image preprocessing settings
   transformers' checkpoint names, its quantized 2-D weights as blocks where the loader takes blocks
   (dequantized otherwise);
 - image preprocessing: transformers' image processor settings (preprocessor_config.json's shape)
-  from the metadata: tile size, mean and std, the longest edge; what llama.cpp fixes for the
-  projector type rather than storing (Lanczos resampling, tiles plus the whole image) written out.
+  from the metadata: image or tile size, mean and std, the longest edge; what llama.cpp fixes for
+  the projector type rather than storing (Idefics3's Lanczos resampling and tiles plus the whole
+  image, Gemma 3's bilinear resize to one square view) written out.
 
-Projector types: idefics3 (Idefics3 and SmolVLM: llama.cpp writes both as this one type).
+Projector types: idefics3 (Idefics3 and SmolVLM: llama.cpp writes both as this one type) and gemma3
+(Gemma 3's SigLIP tower, average pooling, soft embedding norm and input projection).
 
 Which file: the `mmproj` setting names one, or is "auto" (a file whose name starts with mmproj beside
 the language GGUF, gguf_choice.choose_mmproj's choice of several) or "none". A language GGUF does not
@@ -28,7 +30,7 @@ import logging
 import pathlib
 import re
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ember.errors import ModelLoadError
@@ -62,11 +64,15 @@ class Projector:
     architecture: str  # its HF class
     language_model_type: str  # the model_type of the language GGUF it joins
     tower_prefix: str  # the tower's checkpoint prefix
-    tensors: dict[str, str]  # the projector's tensors: llama.cpp's name -> transformers'
+    tensors: dict[str, str]  # the projector's tensors: llama.cpp's name -> transformers' checkpoint name
     image_token: str
     layout_tokens: tuple[str, ...]  # the tokens its image layout writes: the vocabulary must hold them
     settings: Callable[["Mmproj", int], dict[str, Any]]  # (mmproj, image token id) -> the config's own fields
     preprocessor: Callable[["Mmproj"], dict[str, Any]]  # -> transformers' image processor settings
+    # llama.cpp's name -> what its converter added to the tensor (Gemma's norms scale by 1 + w)
+    norm_shifts: dict[str, float] = field(default_factory=dict)
+    # llama.cpp's names of weights stored (in, out), a linear weight's transpose: read as floats, never blocks
+    float_only: frozenset[str] = frozenset()
 
 
 def _idefics3_settings(mmproj: "Mmproj", image_token_id: int) -> dict[str, Any]:
@@ -87,12 +93,45 @@ def _idefics3_preprocessor(mmproj: "Mmproj") -> dict[str, Any]:
             "image_mean": mmproj.floats("clip.vision.image_mean"), "image_std": mmproj.floats("clip.vision.image_std")}
 
 
+_GEMMA3_POOLING = 4  # clip.cpp's default for gemma3 (every Gemma 3 release): patches per side pooled 4 to 1
+
+
+def _gemma3_settings(mmproj: "Mmproj", image_token_id: int) -> dict[str, Any]:
+    """Gemma3Config's fields: an image's tokens are the tower's square of patches average-pooled
+    `clip.vision.projector.scale_factor` to 1 along each side (written only where it is not 4)."""
+    side = int(mmproj.required("clip.vision.image_size")) // int(mmproj.required("clip.vision.patch_size"))
+    pooling = int(mmproj.metadata.get("clip.vision.projector.scale_factor", _GEMMA3_POOLING))
+    if pooling < 1 or side % pooling:
+        raise ModelLoadError(f"{mmproj.path.name}: its scale factor {pooling} does not pool the tower's {side} x "
+                             f"{side} patches evenly", param="mmproj", code="invalid_model")
+    return {"mm_tokens_per_image": (side // pooling) ** 2, "image_token_index": image_token_id}
+
+
+def _gemma3_preprocessor(mmproj: "Mmproj") -> dict[str, Any]:
+    """Gemma3ImageProcessor's settings: one bilinear resize to the tower's square, no pan and scan
+    (clip.cpp takes none)."""
+    size = int(mmproj.required("clip.vision.image_size"))
+    return {"image_processor_type": "Gemma3ImageProcessor", "do_pan_and_scan": False, "resample": 2,  # bilinear
+            "size": {"height": size, "width": size},
+            "image_mean": mmproj.floats("clip.vision.image_mean"), "image_std": mmproj.floats("clip.vision.image_std")}
+
+
 PROJECTORS = {
     "idefics3": Projector(
         model_type="idefics3", architecture="Idefics3ForConditionalGeneration", language_model_type="llama",
-        tower_prefix="model.vision_model.", tensors={"mm.model.fc": "model.connector.modality_projection.proj"},
+        tower_prefix="model.vision_model.",
+        tensors={"mm.model.fc.weight": "model.connector.modality_projection.proj.weight"},
         image_token="<image>", layout_tokens=("<image>", "<fake_token_around_image>", "<global-img>", "<row_1_col_1>"),
         settings=_idefics3_settings, preprocessor=_idefics3_preprocessor),
+    # Gemma 3's original checkpoint names; its input projection is stored (vision, text), as llama.cpp keeps it
+    "gemma3": Projector(
+        model_type="gemma3", architecture="Gemma3ForConditionalGeneration", language_model_type="gemma3_text",
+        tower_prefix="vision_tower.vision_model.",
+        tensors={"mm.input_projection.weight": "multi_modal_projector.mm_input_projection_weight",
+                 "mm.soft_emb_norm.weight": "multi_modal_projector.mm_soft_emb_norm.weight"},
+        image_token="<image_soft_token>", layout_tokens=("<start_of_image>", "<image_soft_token>", "<end_of_image>"),
+        settings=_gemma3_settings, preprocessor=_gemma3_preprocessor,
+        norm_shifts={"mm.soft_emb_norm.weight": 1.0}, float_only=frozenset({"mm.input_projection.weight"})),
 }
 
 
@@ -145,11 +184,11 @@ class Mmproj(GGUFFile):
                 "hidden_act": "gelu_pytorch_tanh"}
 
     def _hf_name(self, name: str) -> str | None:
+        if name in self.projector.tensors:
+            return self.projector.tensors[name]
         base, _, kind = name.rpartition(".")
         if kind not in ("weight", "bias"):
             return None
-        if base in self.projector.tensors:
-            return f"{self.projector.tensors[base]}.{kind}"
         if base in _TOWER_NAMES:
             return f"{self.projector.tower_prefix}{_TOWER_NAMES[base]}.{kind}"
         match = _TOWER_LAYER.fullmatch(base)
@@ -175,14 +214,16 @@ class Mmproj(GGUFFile):
         """(transformers' name, float32 tensor) for every tensor not named in skip."""
         for name, hf_name in self._names.items():
             if hf_name not in skip:
-                yield hf_name, self.dequantize(name)
+                tensor = self.dequantize(name)
+                shift = self.projector.norm_shifts.get(name)
+                yield hf_name, tensor if shift is None else tensor - shift
 
     def blocks(self) -> Iterator[tuple[str, "QuantBlocks"]]:
-        """(transformers' name, QuantBlocks) for every quantized 2-D weight."""
+        """(transformers' name, QuantBlocks) for every quantized 2-D weight the projector does not read as floats."""
         from ember.loaders.gguf_blocks import tensor_blocks
 
         for name, hf_name in self._names.items():
-            blocks = tensor_blocks(self, name)
+            blocks = None if name in self.projector.float_only else tensor_blocks(self, name)
             if blocks is not None:
                 yield hf_name, blocks
 

@@ -175,14 +175,14 @@ def test_a_projector_type_ember_does_not_read_is_refused_by_name(tmp_path):
     other = tmp_path / "mmproj-other.gguf"
     writer = gguf.GGUFWriter(str(other), "clip")
     writer.add_bool("clip.has_vision_encoder", True)
-    writer.add_string("clip.projector_type", "gemma3")
-    writer.add_tensor("mm.input_projection.weight", np.zeros((4, 4), dtype=np.float32))
+    writer.add_string("clip.projector_type", "pixtral")
+    writer.add_tensor("mm.1.weight", np.zeros((4, 4), dtype=np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    with pytest.raises(ModelLoadError, match="mmproj-other.gguf: its projector type is 'gemma3', and ember reads "
-                                             "idefics3") as caught:
+    with pytest.raises(ModelLoadError, match="mmproj-other.gguf: its projector type is 'pixtral', and ember reads "
+                                             "idefics3, gemma3") as caught:
         load_model_source(str(tiny_text_gguf(tmp_path / "plain.gguf")), tmp_path / "cache", mmproj=str(other))
     assert caught.value.param == "mmproj"
 
