@@ -56,7 +56,8 @@ class LLM:
         return self.driver.core
 
     def close(self) -> None:
-        """Stop a tensor-parallel group's other ranks (nothing to do on one rank)."""
+        """Write out the disk tier's queued blocks and stop a tensor-parallel group's other ranks."""
+        self.engine.close()
         if self.engine.group is not None:
             self.engine.group.close()
             self.engine.group = None

@@ -40,7 +40,7 @@ def cold_and_host(tmp_path_factory):
     from_host = _answer(llm)
     _no_leaks(llm)
     stats = llm.engine.stats().cache_tiers
-    llm.engine.close()  # what the disk writer has queued is written
+    llm.close()  # what the disk writer has queued is written
     return folder, cold, from_host, stats
 
 
@@ -60,7 +60,7 @@ def test_after_a_restart_the_prompt_is_read_from_disk_exactly(cold_and_host):
     assert from_disk.cached_tokens_by_tier.get("disk", 0) >= len(cold.prompt_token_ids) - 16
     assert _same(from_disk, cold)
     _no_leaks(llm)
-    llm.engine.close()
+    llm.close()
 
 
 def test_another_kv_dtype_sharing_the_folder_reads_none_of_its_blocks(cold_and_host):
@@ -71,4 +71,4 @@ def test_another_kv_dtype_sharing_the_folder_reads_none_of_its_blocks(cold_and_h
     assert llm.engine.stats().cache_tiers["disk"]["corrupt"] == 0  # not even opened: another folder
     assert len([p for p in folder.iterdir() if p.is_dir()]) == 2  # one namespace each
     _no_leaks(llm)
-    llm.engine.close()
+    llm.close()
