@@ -9,12 +9,13 @@
 // so a step's scores and its weighted values are plain vector dot products (vdpbf16ps), with no
 // transposition and no sum across lanes.
 //
-// A row takes the steps in order with an online softmax in float32: scores scaled, the running
-// max and its correction, the step's probabilities rounded to bfloat16 for the values' products,
-// their sum kept in 16 lanes until the end. A row's arithmetic depends on its own data alone, not
-// on the rows beside it, so it gives the same bits in a piece of any size. Work items are (head,
-// block of QUERY_BLOCK rows); within one, each step's K and V are read once from memory and shared
-// by the block's rows, ROWS at a time, while they are in L1.
+// A row takes the steps in order with an online softmax in float32, in base 2 (scores scaled by
+// log2 e with the scale, then a polynomial 2^x): the running max and its correction, the step's
+// probabilities rounded to bfloat16 for the values' products, their sum kept in 16 lanes until the
+// end. A row's arithmetic depends on its own data alone, not on the rows beside it, so it gives the
+// same bits in a piece of any size. Work items are (head, block of QUERY_BLOCK rows); within one,
+// each step's K and V are read once from memory and shared by the block's rows, ROWS at a time,
+// while they are in L1.
 //
 // The op is built only where the processor has the bfloat16 dot products (EMBER_BF16_DOT); the
 // tower keeps torch's attention elsewhere.
@@ -29,6 +30,21 @@ namespace {
 constexpr int64_t STEP = 64;         // keys per online-softmax step: four vectors of scores
 constexpr int ROWS = 4;              // query rows sharing each load of K and V
 constexpr int64_t QUERY_BLOCK = 32;  // rows of one work item: their sums stay in L1 beside a step's K and V
+
+// 2^x for x <= 0: 2^n * p(r), r = x - n in [-1/2, 1/2], p of degree 6 (relative error ~2e-7).
+inline __m512 exp2_nonpositive(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-126.f));
+  const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 r = _mm512_sub_ps(x, n);
+  __m512 p = _mm512_set1_ps(1.5403530393381606e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3333558146428443e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(9.618129107628477e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.550410866482158e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(2.402265069591007e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(6.931471805599453e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(p, n);
+}
 
 // One row's running state: its max, the sum of its probabilities in 16 lanes, its D weighted values.
 struct RowState {
@@ -53,7 +69,7 @@ inline void step_probabilities(const uint32_t* const* q, const uint32_t* kstep, 
       for (int s = 0; s < 4; ++s) acc[r][s] = _mm512_dpbf16_ps(acc[r][s], k[s], pair);
     }
   }
-  const __m512 vscale = _mm512_set1_ps(scale);
+  const __m512 vscale = _mm512_set1_ps(scale * 1.44269504088896341f);  // scores in base 2
   for (int r = 0; r < ROWS_; ++r) {
     __m512 scores[4];
     __m512 vmax = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
@@ -63,13 +79,13 @@ inline void step_probabilities(const uint32_t* const* q, const uint32_t* kstep, 
     }
     // the step holds a visible key (steps without one are skipped), so the max is finite
     const float max = std::max(rows[r].max, _mm512_reduce_max_ps(vmax));
-    correction[r] = std::exp(rows[r].max - max);  // 0 on a row's first step (its max was -inf)
+    correction[r] = std::exp2(rows[r].max - max);  // 0 on a row's first step (its max was -inf)
     rows[r].max = max;
     __m512 sums = _mm512_mul_ps(_mm512_loadu_ps(rows[r].sums), _mm512_set1_ps(correction[r]));
     __m512 p[4];
     for (int s = 0; s < 4; ++s) {
       p[s] = _mm512_maskz_mov_ps(__mmask16(visible >> (16 * s)),
-                                 exp_nonpositive(_mm512_sub_ps(scores[s], _mm512_set1_ps(max))));
+                                 exp2_nonpositive(_mm512_sub_ps(scores[s], _mm512_set1_ps(max))));
       sums = _mm512_add_ps(sums, p[s]);
     }
     _mm512_storeu_ps(rows[r].sums, sums);
@@ -211,25 +227,31 @@ std::tuple<at::Tensor, at::Tensor> tower_pack_kv(const at::Tensor& k, const at::
   check_heads(v, "v");
   TORCH_CHECK(v.sizes() == k.sizes(), "k and v must be alike");
   const int64_t N = k.size(0), H = k.size(1), D = k.size(2), steps = (N + STEP - 1) / STEP;
-  TORCH_CHECK(D % 2 == 0, "head_dim must be even");
+  TORCH_CHECK(D % 2 == 0 && k.stride(0) % 2 == 0 && k.stride(1) % 2 == 0, "head_dim and strides must be even");
   auto kp = at::empty({H, steps, D / 2, STEP, 2}, k.options());
   auto vp = at::empty({H, steps * STEP / 2, D, 2}, v.options());
-  const uint16_t* ks = reinterpret_cast<const uint16_t*>(k.data_ptr<at::BFloat16>());
-  const uint16_t* vs = reinterpret_cast<const uint16_t*>(v.data_ptr<at::BFloat16>());
-  uint16_t* kd = reinterpret_cast<uint16_t*>(kp.data_ptr<at::BFloat16>());
+  const at::BFloat16* ks = k.data_ptr<at::BFloat16>();
+  const at::BFloat16* vs = v.data_ptr<at::BFloat16>();
+  const int64_t k_row = k.stride(0), k_head = k.stride(1), v_row = v.stride(0), v_head = v.stride(1);
+  uint32_t* kd = reinterpret_cast<uint32_t*>(kp.data_ptr<at::BFloat16>());
   uint16_t* vd = reinterpret_cast<uint16_t*>(vp.data_ptr<at::BFloat16>());
-  at::parallel_for(0, H * steps, 1, [&](int64_t begin, int64_t end) {
+  // a step's heads in turn, while its rows of k and v are in cache
+  at::parallel_for(0, steps * H, 1, [&](int64_t begin, int64_t end) {
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t h = item / steps, step = item % steps;
-      uint16_t* kstep = kd + item * STEP * D;  // (D / 2, STEP, 2)
-      uint16_t* vstep = vd + item * STEP * D;  // (STEP / 2, D, 2)
+      const int64_t step = item / H, h = item % H;
+      uint32_t* kstep = kd + (h * steps + step) * STEP * D / 2;  // (D / 2, STEP) pairs of dims
+      uint16_t* vstep = vd + (h * steps + step) * STEP * D;      // (STEP / 2, D, 2)
       for (int64_t key = 0; key < STEP; ++key) {
         const int64_t n = step * STEP + key;
-        const uint16_t* krow = ks + n * k.stride(0) + h * k.stride(1);
-        const uint16_t* vrow = vs + n * v.stride(0) + h * v.stride(1);
-        for (int64_t d = 0; d < D; ++d) {
-          kstep[((d / 2) * STEP + key) * 2 + d % 2] = n < N ? krow[d] : 0;
-          vstep[((key / 2) * D + d) * 2 + key % 2] = n < N ? vrow[d] : 0;
+        uint16_t* vpair = vstep + (key / 2) * D * 2 + key % 2;
+        if (n < N) {
+          const uint32_t* krow = reinterpret_cast<const uint32_t*>(ks + n * k_row + h * k_head);
+          const uint16_t* vrow = reinterpret_cast<const uint16_t*>(vs + n * v_row + h * v_head);
+          for (int64_t i = 0; i < D / 2; ++i) kstep[i * STEP + key] = krow[i];
+          for (int64_t d = 0; d < D; ++d) vpair[2 * d] = vrow[d];
+        } else {
+          for (int64_t i = 0; i < D / 2; ++i) kstep[i * STEP + key] = 0;
+          for (int64_t d = 0; d < D; ++d) vpair[2 * d] = 0;
         }
       }
     }
