@@ -42,24 +42,28 @@ def main() -> None:
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {ROWS} query rows, bfloat16")
     generator = torch.Generator().manual_seed(0)
     for label, (patches, heads, head_dim) in SHAPES.items():
-        q = torch.randn(ROWS, heads, head_dim, generator=generator).bfloat16()
-        k, v = (torch.randn(patches, heads, head_dim, generator=generator).bfloat16() for _ in range(2))
-        k_packed, v_packed = torch.ops.ember.tower_pack_kv(k, v)
-        k4, v4 = k.transpose(0, 1)[None], v.transpose(0, 1)[None]
-        theirs = lambda: F.scaled_dot_product_attention(q.transpose(0, 1)[None], k4, v4)
-        ours = lambda: torch.ops.ember.tower_attention(q, k_packed, v_packed, None, patches, head_dim ** -0.5)
-        pack = lambda: torch.ops.ember.tower_pack_kv(k, v)
-        theirs(), ours(), pack()
-        times: dict[str, list[float]] = {"torch": [], "ember": [], "pack": []}
-        for _ in range(args.rounds):
-            for name, call in (("torch", theirs), ("ember", ours), ("pack", pack)):
-                times[name].append(seconds(call))
-        median = {name: statistics.median(values) for name, values in times.items()}
-        gflops = 4 * heads * ROWS * patches * head_dim / median["ember"] / 1e9
-        print(f"{label} ({patches} patches, {heads} heads, head_dim {head_dim}): torch {median['torch'] * 1e3:.1f} ms, "
-              f"ember {median['ember'] * 1e3:.1f} ms ({gflops:.0f} GFLOP/s): {median['torch'] / median['ember']:.2f}x; "
-              f"packing once per layer {median['pack'] * 1e3:.1f} ms", flush=True)
+        print(compare(label, patches, heads, head_dim, args.rounds, generator), flush=True)
 
+
+def compare(label: str, patches: int, heads: int, head_dim: int, rounds: int, generator: torch.Generator) -> str:
+    q = torch.randn(ROWS, heads, head_dim, generator=generator).bfloat16()
+    k, v = (torch.randn(patches, heads, head_dim, generator=generator).bfloat16() for _ in range(2))
+    k_packed, v_packed = torch.ops.ember.tower_pack_kv(k, v)
+    k4, v4 = k.transpose(0, 1)[None], v.transpose(0, 1)[None]
+    calls = {"torch": lambda: F.scaled_dot_product_attention(q.transpose(0, 1)[None], k4, v4),
+             "ember": lambda: torch.ops.ember.tower_attention(q, k_packed, v_packed, None, patches, head_dim ** -0.5),
+             "pack": lambda: torch.ops.ember.tower_pack_kv(k, v)}
+    times: dict[str, list[float]] = {name: [] for name in calls}
+    for call in calls.values():  # a first call of each, untimed
+        call()
+    for _ in range(rounds):
+        for name, call in calls.items():
+            times[name].append(seconds(call))
+    median = {name: statistics.median(values) for name, values in times.items()}
+    gflops = 4 * heads * ROWS * patches * head_dim / median["ember"] / 1e9
+    return (f"{label} ({patches} patches, {heads} heads, head_dim {head_dim}): torch {median['torch'] * 1e3:.1f} ms, "
+            f"ember {median['ember'] * 1e3:.1f} ms ({gflops:.0f} GFLOP/s): {median['torch'] / median['ember']:.2f}x; "
+            f"packing once per layer {median['pack'] * 1e3:.1f} ms")
 
 if __name__ == "__main__":
     main()
