@@ -1,7 +1,9 @@
 """ember's compiled CPU kernels: block-quantized linear layers (linear.cpp), paged attention over
 a kernel-native cache layout (attention.cpp), the row-wise ops of a decoder layer
-(layer_ops.cpp), the sampler's greedy choice (sampling.cpp), all batch-invariant by construction,
-and a Llama-shaped decoder's layers in one call of those ops (decoder.cpp).
+(layer_ops.cpp), the sampler's greedy choice (sampling.cpp), the vision tower's full bfloat16
+attention (tower_attention.cpp, where the processor has bfloat16 dot products), all
+batch-invariant by construction, and a Llama-shaped decoder's layers in one call of those ops
+(decoder.cpp).
 
 They are built on first use with the C++ compiler torch's extensions use, for the processor at
 hand (-march=native), and cached by torch under its extensions folder
@@ -29,7 +31,8 @@ import torch
 logger = logging.getLogger("ember.kernels")
 
 _FOLDER = Path(__file__).parent
-_SOURCES = [_FOLDER / name for name in ("linear.cpp", "attention.cpp", "layer_ops.cpp", "sampling.cpp", "decoder.cpp")]
+_SOURCES = [_FOLDER / name for name in ("linear.cpp", "attention.cpp", "layer_ops.cpp", "sampling.cpp", "decoder.cpp",
+                                        "tower_attention.cpp")]
 _FLAGS = ["-O3", "-march=native", "-fopenmp"]
 _status = "not loaded yet"
 

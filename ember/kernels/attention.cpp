@@ -27,12 +27,6 @@ constexpr int64_t CHUNK = 64;  // keys per online-softmax step: 4 blocks
 constexpr int64_t SPLIT = 256;
 constexpr int64_t ROW_TILE = 8;
 
-#if EMBER_AVX512 && defined(__AVX512BF16__)
-#define EMBER_BF16_DOT 1
-#else
-#define EMBER_BF16_DOT 0
-#endif
-
 // Where element (slot-in-block `key`, dim d) of a block lives.
 template <typename T> inline int64_t k_offset(int64_t key, int64_t d, int64_t D);
 template <> inline int64_t k_offset<at::BFloat16>(int64_t key, int64_t d, int64_t) { return ((d / 2) * BLOCK + key) * 2 + d % 2; }

@@ -30,6 +30,12 @@
 #if EMBER_AVX512 || EMBER_AVX2
 #include <immintrin.h>
 #endif
+// bfloat16 dot products (vdpbf16ps: Zen 4, Xeons since Cooper Lake), on top of AVX-512.
+#if EMBER_AVX512 && defined(__AVX512BF16__)
+#define EMBER_BF16_DOT 1
+#else
+#define EMBER_BF16_DOT 0
+#endif
 
 // The namespace of the ops under torch.ops: a test builds a second copy under another name.
 #ifndef EMBER_OPS

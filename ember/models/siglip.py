@@ -9,7 +9,10 @@ state per patch out (no pooling head).
   patch's row-major index; `navit_position_ids`: Idefics3's positions for a tile whose real pixels
   cover only part of it);
 - pre-norm encoder layers (LayerNorm with bias), full non-causal attention over one tile's patches
-  (padding patches masked as keys), an MLP with tanh-approximated GELU; a final LayerNorm.
+  (padding patches masked as keys), an MLP with tanh-approximated GELU; a final LayerNorm;
+- attention is torch's, except in bfloat16 on the CPU with ember's kernels loaded, where ember's
+  own kernel (ember/kernels/tower_attention.cpp) takes it: torch's runs bfloat16 no faster than
+  float32 there.
 
 The tower takes one tile (an image, or a crop of one) per call: a matmul may round otherwise when
 handed more rows, and a tile's bits must not depend on the tiles encoded beside it. The multimodal
@@ -118,6 +121,20 @@ class Embeddings(nn.Module):
         return self.patch_embedding(patches) + self.position_embedding(position_ids)
 
 
+@dataclass(frozen=True, slots=True)
+class LayerKeys:
+    """Every patch's keys and values of one layer, as `Attention.attend` reads them: for torch's
+    attention (1, heads, patches, head_dim) with the mask (1, patches); packed for ember's kernel
+    (ember/kernels/tower_attention.cpp) with the mask (patches,). mask: True where a patch holds
+    pixels, None when all do."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    mask: torch.Tensor | None
+    patches: int
+    packed: bool
+
+
 class Attention(nn.Module):
     def __init__(self, config: VisionConfig) -> None:
         super().__init__()
@@ -125,17 +142,35 @@ class Attention(nn.Module):
         self.head_dim = config.hidden_size // config.num_attention_heads
         self.qkv_proj = QKVLinear(config.hidden_size, self.num_heads, self.num_heads, self.head_dim, bias=True)
         self.out_proj = Linear(config.hidden_size, config.hidden_size, bias=True)
+        self.fused = False  # ember's CPU kernels are loaded (use_fused_ops)
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor | None
-               ) -> torch.Tensor:
-        """q (rows, heads, head_dim) of some patches; k, v (patches, heads, head_dim) of them all;
-        key_mask (patches,), True where a patch holds pixels -> (rows, hidden) after out_proj."""
-        mask = None if key_mask is None else key_mask[None, :]  # a tile of real pixels only: None
-        # 4-D (1, heads, rows, head_dim): torch's fused CPU kernel takes batched inputs only (3-D ones
-        # fall back to a matmul-softmax-matmul path four times slower); scaled by head_dim ** -0.5
-        out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
-                                             v.transpose(0, 1)[None], attn_mask=mask)[0]
-        return self.out_proj(out.transpose(0, 1).reshape(q.shape[0], -1))
+    def _kernel_serves(self, k: torch.Tensor) -> bool:
+        """ember's kernel attends in bfloat16 on the CPU, for head_dim 64 to 128 in multiples of 8, where
+        the processor has bfloat16 dot products (else the op is not built); float32 keeps torch's."""
+        return (self.fused and k.dtype == torch.bfloat16 and k.device.type == "cpu" and self.head_dim % 8 == 0
+                and 64 <= self.head_dim <= 128 and hasattr(torch.ops.ember, "tower_attention"))
+
+    def keys(self, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor | None) -> LayerKeys:
+        """k, v (patches, heads, head_dim) of every patch; key_mask (patches,), True where a patch holds
+        pixels, or None when all do -> what `attend` takes, made once per layer."""
+        if self._kernel_serves(k):
+            k_packed, v_packed = torch.ops.ember.tower_pack_kv(k, v)
+            mask = None if key_mask is None else key_mask.contiguous()
+            return LayerKeys(k_packed, v_packed, mask, k.shape[0], packed=True)
+        # 4-D (1, heads, patches, head_dim): torch's fused CPU kernel takes batched inputs only (3-D
+        # ones fall back to a matmul-softmax-matmul path four times slower)
+        mask = None if key_mask is None else key_mask[None, :]
+        return LayerKeys(k.transpose(0, 1)[None], v.transpose(0, 1)[None], mask, k.shape[0], packed=False)
+
+    def attend(self, q: torch.Tensor, keys: LayerKeys) -> torch.Tensor:
+        """q (rows, heads, head_dim) of some patches, scaled by head_dim ** -0.5 -> (rows, hidden) after
+        out_proj."""
+        if keys.packed:
+            out = torch.ops.ember.tower_attention(q, keys.k, keys.v, keys.mask, keys.patches, self.head_dim ** -0.5)
+        else:
+            out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], keys.k, keys.v, attn_mask=keys.mask)[0]
+            out = out.transpose(0, 1).reshape(q.shape[0], -1)
+        return self.out_proj(out)
 
 
 class MLP(nn.Module):
@@ -164,9 +199,10 @@ class EncoderLayer(nn.Module):
             projected.append(self.self_attn.qkv_proj(self.layer_norm1(x[rows])))
             yield
         q, k, v = (torch.cat(parts) for parts in zip(*projected))  # (patches, heads, head_dim) each
+        keys = self.self_attn.keys(k, v, key_mask)
         x = x.clone()
         for rows in pieces:
-            x[rows] += self.self_attn.attend(q[rows], k, v, key_mask)
+            x[rows] += self.self_attn.attend(q[rows], keys)
             yield
         hidden = []
         for rows in pieces:
