@@ -94,7 +94,11 @@ class EngineCore:
             return invariance.not_promised("not checked under tensor parallelism (the startup check runs on one process)")
         if self.device.type != "cpu":
             return invariance.not_promised(f"not promised on {self.device.type} devices")
-        report = invariance.check(self)
+        tiers, self.kv_manager.tiers = self.kv_manager.tiers, None  # the probes compute: no tier serves or keeps them
+        try:
+            report = invariance.check(self)
+        finally:
+            self.kv_manager.tiers = tiers
         if report.holds:
             logger.info("batch invariance holds: %s (%.1f s)", report.reason, report.seconds)
         else:
