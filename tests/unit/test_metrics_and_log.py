@@ -100,7 +100,7 @@ def test_sampling_summary_counts_stop_strings_without_showing_them():
 def _stats(**values):
     base = dict(prompt_tokens=0, generation_tokens=0, prefix_cache_queries=0, prefix_cache_hits=0, num_preemptions=0,
                 prefill_seconds=0.0, decode_seconds=0.0, num_running=0, num_waiting=0, kv_blocks_used=0,
-                kv_blocks_total=100, spec_rounds=0, spec_proposed_tokens=0, spec_accepted_tokens=0)
+                kv_blocks_total=100, spec_rounds=0, spec_proposed_tokens=0, spec_accepted_tokens=0, cache_tiers={})
     return {**base, **values}
 
 
