@@ -158,7 +158,7 @@ def health_counters(state: ServerState, observability: Observability, stats: dic
     body: dict[str, Any] = {
         "model": state.model.name,
         "max_model_len": state.model.max_model_len,
-        "kv_cache_tokens": state.model.kv_capacity_tokens,  # the most the KV pool holds (a worker's, under data parallelism)
+        "kv_cache_tokens": state.model.kv_capacity_tokens,  # the most the KV pool holds (a worker's pool)
         "tensor_parallel_size": info.tensor_parallel_size if info is not None else 1,
         "data_parallel_size": state.config.data_parallel_size,
         "requests_running": state.admission.num_running,

@@ -27,8 +27,8 @@ OTHER_PROMPTS = [" ".join(f"Note {k}-{i}: a fox jumps over {i} fences at dawn." 
 
 
 def serve(cache_dir) -> ServerProcess:
-    return ServerProcess("--served-model-name", MODEL, "--max-model-len", "1024", "--max-num-seqs", "4", "--kv-cache-mib", "8",
-                         "--cache-ram", str(HOST_MIB), "--cache-dir", str(cache_dir),
+    return ServerProcess("--served-model-name", MODEL, "--max-model-len", "1024", "--max-num-seqs", "4",
+                         "--kv-cache-mib", "8", "--cache-ram", str(HOST_MIB), "--cache-dir", str(cache_dir),
                          "--cache-disk-mib", str(DISK_MIB)).start()
 
 

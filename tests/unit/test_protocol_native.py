@@ -174,7 +174,8 @@ def test_meta_info_splits_cached_tokens_by_tier_naming_every_tier():
                GenerationOutput("r1", [], [5], "x", [5], "x", None, None, FinishReason.STOP, 0, timings,
                                 cached_tokens_by_tier={"device": 0})]
     infos = [renderer.meta_info(result.add(index, output)) for index, output in enumerate(outputs)]
-    assert infos[0]["cached_tokens"] == 32 and infos[0]["cached_tokens_details"] == {"device": 16, "host": 16, "disk": 0}
+    assert infos[0]["cached_tokens"] == 32
+    assert infos[0]["cached_tokens_details"] == {"device": 16, "host": 16, "disk": 0}
     assert infos[1]["cached_tokens"] == 0 and infos[1]["cached_tokens_details"] == {"device": 0, "host": 0, "disk": 0}
 
 
