@@ -259,7 +259,8 @@ class EngineCore:
         return StepOutput(request.request_id, [], None, None, request.num_prompt_tokens,
                           request.num_cached_tokens, scheduled_time=self._scheduled_at[request.request_id],
                           num_computed_prompt_tokens=min(request.num_computed_tokens, request.num_prompt_tokens),
-                          num_pinned_tokens=request.num_pinned_tokens)
+                          num_pinned_tokens=request.num_pinned_tokens,
+                          cached_tokens_by_tier=request.cached_tokens_by_tier or None)
 
     def fail_all(self, message: str) -> list[StepOutput]:
         """End every live request with an error (after an engine fault)."""
@@ -268,7 +269,8 @@ class EngineCore:
     def _finish_all(self, request_ids: list[str], reason: FinishReason, error: str | None = None) -> list[StepOutput]:
         finished = self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
         outputs = [StepOutput(r.request_id, [], None, reason, r.num_prompt_tokens, r.num_cached_tokens,
-                              scheduled_time=self._scheduled_at.get(r.request_id), error=error)
+                              scheduled_time=self._scheduled_at.get(r.request_id), error=error,
+                              cached_tokens_by_tier=r.cached_tokens_by_tier or None)
                    for r in finished]
         for request in finished:
             self._forget(request.request_id)

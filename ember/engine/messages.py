@@ -95,6 +95,7 @@ class EngineInfo(msgspec.Struct):
     eos_token_ids: list[int]
     batch_invariance: dict[str, Any]
     tensor_parallel_size: int  # the ranks the model is split over (1: one process)
+    cache_ram_bytes: int  # the most the host tier behind the pool holds (0: off)
 
 
 class Ready(msgspec.Struct, tag=True):
@@ -165,10 +166,12 @@ def encode(message: msgspec.Struct) -> bytes:
 def engine_info(core) -> EngineInfo:
     """The EngineInfo of a built EngineCore."""
     kv = core.kv_manager
+    host_tier = core.tiers.host if core.tiers is not None else None
     return EngineInfo(
         max_model_len=core.max_model_len, vocab_size=core.model_config.vocab_size,
         kv_capacity_tokens=core.kv_capacity_tokens, dtype=str(core.dtype).replace("torch.", ""),
         device=str(core.device), max_num_batched_tokens=core.max_num_batched_tokens,
         attention_cost_tokens=core.scheduler.config.attention_cost_tokens, kv_cache_blocks=kv.num_blocks - 1,
         block_size=kv.block_size, kv_cache_bytes=core.kv_cache_bytes, eos_token_ids=sorted(core.eos_token_ids),
-        batch_invariance=core.invariance.as_dict(), tensor_parallel_size=core.config.tensor_parallel_size)
+        batch_invariance=core.invariance.as_dict(), tensor_parallel_size=core.config.tensor_parallel_size,
+        cache_ram_bytes=host_tier.capacity_bytes if host_tier is not None else 0)

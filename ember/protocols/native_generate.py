@@ -309,6 +309,7 @@ class GenerateRenderer:
             "prompt_tokens": len(self.result.choice_prompt_ids(choice.index)),
             "completion_tokens": completion,
             "cached_tokens": choice.num_cached_tokens,
+            "cached_tokens_details": choice.cached_tokens_details,
             "e2e_latency": (finished or now) - received,
             "queue_time": max(scheduled - received, 0.0) if scheduled else None,
             "first_token_latency": first - received if first else None,

@@ -254,6 +254,14 @@ def token_sha(token_ids: list[int]) -> str:
     return hashlib.sha256(",".join(map(str, token_ids)).encode()).hexdigest()
 
 
+CACHE_TIERS = ("device", "host", "disk")  # where cached prompt tokens come from: the KV pool, then the tiers behind it
+
+
+def cached_tokens_details(by_tier: dict[str, int]) -> dict[str, int]:
+    """Cached prompt tokens by where they were found, every tier named (0 where none came from it)."""
+    return {tier: by_tier.get(tier, 0) for tier in CACHE_TIERS}
+
+
 @dataclass(slots=True)
 class ChoiceResult:
     index: int
@@ -263,6 +271,7 @@ class ChoiceResult:
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None
     num_cached_tokens: int = 0
+    cached_tokens_by_tier: dict[str, int] = field(default_factory=dict)  # num_cached_tokens by where they were found
     num_pinned_tokens: int = 0  # leading prompt tokens the request's cache pins keep
     timings: RequestTimings | None = None
     error: str | None = None
@@ -284,6 +293,10 @@ class ChoiceResult:
     def token_sha(self) -> str:
         """Of every token the choice generated, through the one that completed a stop string."""
         return token_sha(self.token_ids)
+
+    @property
+    def cached_tokens_details(self) -> dict[str, int]:
+        return cached_tokens_details(self.cached_tokens_by_tier)
 
     @property
     def reply(self) -> ParsedReply:
@@ -319,6 +332,7 @@ class RunResult:
         choice = self.choices[index]
         choice.token_ids = output.token_ids
         choice.num_cached_tokens = output.num_cached_tokens
+        choice.cached_tokens_by_tier = output.cached_tokens_by_tier or {}
         choice.num_pinned_tokens = max(choice.num_pinned_tokens, output.num_pinned_tokens)
         choice.timings = output.timings
         choice.speculation = output.speculation
@@ -377,6 +391,13 @@ class RunResult:
         if self.batch_prompt_ids is not None:
             return sum(c.num_cached_tokens for c in self.choices)
         return self.choices[0].num_cached_tokens
+
+    @property
+    def cached_tokens_details(self) -> dict[str, int]:
+        """num_cached_tokens by where they were found (cached_tokens_details), counted the same way."""
+        if self.batch_prompt_ids is None:
+            return self.choices[0].cached_tokens_details
+        return {tier: sum(c.cached_tokens_details[tier] for c in self.choices) for tier in CACHE_TIERS}
 
     @property
     def num_pinned_tokens(self) -> int:

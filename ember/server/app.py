@@ -85,7 +85,10 @@ def _add_routes(app: FastAPI, state: ServerState, observability: Observability) 
         status_code, status = state.health()
         body: dict = {"status": status}
         if state.loaded is not None:
-            body.update(state.loaded.engine.health())  # worker_pid, worker_restarts
+            body.update(state.loaded.engine.health())  # worker_pid, worker_restarts; workers under data parallelism
+            for worker in body.get("workers", ()):
+                if worker["stats"] is not None:
+                    worker.update(cache_tier_fields(worker["stats"]["cache_tiers"]))
         if status == "ok":
             body.update(health_counters(state, observability, await state.engine_stats()))
         elif state.failure:
@@ -102,7 +105,8 @@ def _add_routes(app: FastAPI, state: ServerState, observability: Observability) 
     def model_card() -> dict:
         chat = state.model.chat
         card = {"id": state.model.name, "object": "model", "created": state.started, "owned_by": "ember",
-                "max_model_len": state.model.max_model_len,
+                "max_model_len": state.model.max_model_len, "kv_cache_tokens": state.model.kv_capacity_tokens,
+                "cache_ram_mib": state.loaded.engine.info.cache_ram_bytes // 2**20,
                 "capabilities": {"reasoning": chat.think is not None, "tool_calls": chat.tool_format is not None}}
         if state.loaded.vision is not None:  # the limits a client (the chat page) can check before sending
             limits = state.config.media_limits
@@ -154,6 +158,7 @@ def health_counters(state: ServerState, observability: Observability, stats: dic
     body: dict[str, Any] = {
         "model": state.model.name,
         "max_model_len": state.model.max_model_len,
+        "kv_cache_tokens": state.model.kv_capacity_tokens,  # the most the KV pool holds (a worker's pool)
         "tensor_parallel_size": info.tensor_parallel_size if info is not None else 1,
         "data_parallel_size": state.config.data_parallel_size,
         "requests_running": state.admission.num_running,
@@ -180,8 +185,20 @@ def health_counters(state: ServerState, observability: Observability, stats: dic
                     draft_tokens_accepted_total=stats.get("spec_accepted_tokens"),
                     streams={"decoding": stats.get("num_running", 0) - prefilling, "prefilling": prefilling,
                              "max": state.config.max_running},
-                    engine=stats)
+                    engine=stats, **cache_tier_fields(stats["cache_tiers"]))
     return body
+
+
+def cache_tier_fields(tiers: dict[str, dict]) -> dict[str, Any]:
+    """The tiers behind the KV pool (EngineStats.cache_tiers) in /health: the host tier's numbers
+    under the names other servers' pollers read (cache_bytes: ember keeps no other prompt state in
+    host memory), the disk tier's beside them, zero or false for a tier that is off; and every
+    tier's statistics whole."""
+    host, disk = tiers.get("host", {}), tiers.get("disk", {})
+    return {"cache_bytes": host.get("bytes", 0), "host_cache_bytes": host.get("bytes", 0),
+            "host_cache_cap_bytes": host.get("capacity_bytes", 0), "host_cache_evictions": host.get("evictions", 0),
+            "disk_cache_bytes": disk.get("bytes", 0), "disk_cache_cap_bytes": disk.get("capacity_bytes", 0),
+            "disk_cache_enabled": disk.get("enabled", False), "cache_tiers": tiers}
 
 
 def _add_error_handlers(app: FastAPI) -> None:

@@ -51,6 +51,27 @@ ENGINE_COUNTERS = {
     "ember:spec_decode_accepted_tokens": ("spec_accepted_tokens", "Speculative decoding: drafted tokens accepted"),
 }
 
+# The tiers behind the KV pool, each sample labelled tier="host" or "disk" (a key only the disk
+# tier has, only "disk"): name -> (CacheTiers.stats() key, help); counters without _total
+TIER_GAUGES = {
+    "ember:kv_cache_tier_bytes": ("bytes", "Bytes of KV blocks the tier holds"),
+    "ember:kv_cache_tier_blocks": ("blocks", "KV blocks the tier holds"),
+    "ember:kv_cache_tier_capacity_bytes": ("capacity_bytes", "The most bytes the tier holds"),
+    "ember:kv_cache_tier_enabled": ("enabled", "1 while the disk tier can be written, 0 once it turned itself off"),
+}
+TIER_COUNTERS = {
+    "ember:kv_cache_tier_hits": ("hits", "KV blocks a prompt asked of the tier and found there"),
+    "ember:kv_cache_tier_misses": ("misses", "KV blocks a prompt asked of the tier and did not find"),
+    "ember:kv_cache_tier_evictions": ("evictions", "KV blocks the tier dropped to stay within its capacity"),
+    "ember:kv_cache_tier_read_seconds": ("read_seconds", "Time spent copying the tier's blocks into the pool "
+                                                         "(the host's) or reading them from files (the disk's)"),
+    "ember:kv_cache_tier_write_seconds": ("write_seconds", "Time spent copying blocks out of the pool (the host's) "
+                                                           "or writing them to files (the disk's)"),
+    "ember:kv_cache_tier_corrupt_blocks": ("corrupt", "Block files found damaged or foreign, and deleted"),
+    "ember:kv_cache_tier_dropped_writes": ("dropped_writes", "KV blocks not written to disk because the writer "
+                                                             "was too far behind"),
+}
+
 
 class LiveCollector:
     """Yields the admission gauges and one engine snapshot's metrics at each scrape."""
@@ -98,6 +119,28 @@ def _engine_metrics(snapshots: list[tuple[tuple[str, ...], dict[str, Any]]], lab
                  lambda stats: stats["kv_blocks_used"] / stats["kv_blocks_total"] if stats["kv_blocks_total"] else 0.0)
     for name, (field, text) in ENGINE_COUNTERS.items():
         yield family(CounterMetricFamily, name, text, lambda stats: stats[field])
+    yield from _tier_metrics(snapshots, labels)
+
+
+def _tier_metrics(snapshots: list[tuple[tuple[str, ...], dict[str, Any]]], labels: tuple[str, ...]
+                  ) -> Iterator[Metric]:
+    """The tiers behind the KV pool, one sample per snapshot and tier that is on; none when no tier is."""
+    tiers = [(label_values + (tier,), values) for label_values, stats in snapshots
+             for tier, values in stats["cache_tiers"].items()]
+    if not tiers:
+        return
+
+    def family(kind, name: str, text: str, key: str) -> Metric:
+        metric = kind(name, text, labels=labels + ("tier",))
+        for label_values, values in tiers:
+            if key in values:
+                metric.add_metric(label_values, float(values[key]))
+        return metric
+
+    for name, (key, text) in TIER_GAUGES.items():
+        yield family(GaugeMetricFamily, name, text, key)
+    for name, (key, text) in TIER_COUNTERS.items():
+        yield family(CounterMetricFamily, name, text, key)
 
 
 def _worker_metrics(workers: list[dict[str, Any]]) -> Iterator[Metric]:

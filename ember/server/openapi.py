@@ -175,6 +175,23 @@ HEALTH = {
     "type": "object", "required": ["status"],
     "properties": {"status": {"enum": ["ok", "loading", "unavailable"]}, "model": {"type": "string"},
                    "max_model_len": _INTEGER,
+                   "kv_cache_tokens": {**_INTEGER, "description": "The most tokens the KV cache pool holds, all "
+                                       "requests together (each worker's under data parallelism)."},
+                   "cache_bytes": {**_INTEGER, "description": "Bytes of prompt cache in host memory (the host "
+                                   "tier's; the same as host_cache_bytes)."},
+                   "host_cache_bytes": {**_INTEGER, "description": "Bytes of KV blocks the host tier holds."},
+                   "host_cache_cap_bytes": {**_INTEGER, "description": "The most the host tier holds (--cache-ram; "
+                                            "0: off)."},
+                   "host_cache_evictions": {**_INTEGER, "description": "Blocks the host tier dropped to stay under "
+                                            "its cap. Only grows."},
+                   "disk_cache_bytes": {**_INTEGER, "description": "Bytes of KV blocks the disk tier holds."},
+                   "disk_cache_cap_bytes": {**_INTEGER, "description": "The most the disk tier holds "
+                                            "(--cache-disk-mib; 0: no --cache-dir)."},
+                   "disk_cache_enabled": {"type": "boolean", "description": "The disk tier is on and writable "
+                                          "(false without --cache-dir, or after a write failed)."},
+                   "cache_tiers": {"type": "object", "description": "Each tier that is on (host, disk): bytes, "
+                                   "blocks, capacity_bytes, evictions, hits, misses (blocks), read_seconds, "
+                                   "write_seconds; the disk's also enabled, corrupt and dropped_writes."},
                    "tensor_parallel_size": {**_INTEGER, "description": "Ranks the model is split over (1: none)."},
                    "data_parallel_size": {**_INTEGER, "description": "Engine workers, each with the whole model "
                                           "(1: one)."},

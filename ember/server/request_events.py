@@ -10,7 +10,7 @@ import logging
 import time
 from typing import Any
 
-from ember.protocols.neutral import GenerationRequest
+from ember.protocols.neutral import GenerationRequest, cached_tokens_details
 from ember.server.request_record import RequestRecord
 from ember.types import FinishReason, SamplingParams
 
@@ -97,11 +97,14 @@ def telemetry(record: RequestRecord) -> dict[str, Any]:
     choices = result.choices if result is not None else []
     timings = result.timings() if result is not None else {}
     first = result.first_token_time() if result is not None else None
+    details = result.cached_tokens_details if result is not None else cached_tokens_details({})
     entry.update({
         "n": len(choices),
         "stream": record.job is not None and record.job.stream,
         "finish_reasons": [c.finish_reason.value if c.finish_reason else None for c in choices],
         "cached_tokens": result.num_cached_tokens if result is not None else 0,
+        "cached_tokens_details": details,
+        "prefix_reuse_path": prefix_reuse_path(details),
         "completion_tokens": result.num_completion_tokens if result is not None else 0,
         "reasoning_tokens": getattr(result, "num_reasoning_tokens", None),
         **_speculation_fields(result),
@@ -120,6 +123,13 @@ def telemetry(record: RequestRecord) -> dict[str, Any]:
         if record.client_gone and not record.error_code:
             entry["code"] = "client_gone"
     return entry
+
+
+def prefix_reuse_path(details: dict[str, int]) -> str:
+    """Where a prompt's reused prefix came from: "root" when nothing was reused (computed from the
+    start), else the tiers that served some of it, nearest first, joined by "+" ("device+host").
+    `details`: cached_tokens_details."""
+    return "+".join(tier for tier, tokens in details.items() if tokens) or "root"
 
 
 def finish_label(record: RequestRecord) -> str:
@@ -148,7 +158,8 @@ def log_line(record: RequestRecord) -> str:
         first = result.first_token_time()
         ttft = f"{(first - record.received) * 1000:.0f}ms" if first is not None else "-"
         reasons = ",".join(sorted({c.finish_reason.value for c in result.choices if c.finish_reason})) or "-"
-        parts.append(f"cached={result.num_cached_tokens} completion={result.num_completion_tokens} "
+        parts.append(f"cached={result.num_cached_tokens} reuse={prefix_reuse_path(result.cached_tokens_details)} "
+                     f"completion={result.num_completion_tokens} "
                      f"ttft={ttft} tok/s={timings['predicted_per_second']:.1f} finish={reasons}")
         if len(result.choices) > 1:
             parts.append(f"n={len(result.choices)}")

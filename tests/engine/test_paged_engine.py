@@ -131,6 +131,20 @@ def test_prefill_progress_outputs_are_opt_in():
     assert all(out.new_token_ids and out.num_computed_prompt_tokens is None for out in seen["plain"])
 
 
+def test_progress_and_abort_outputs_split_the_cached_tokens_as_the_others_do():
+    engine = _engine(_tiny_llama(), torch.float32)  # 8 tokens per step, blocks of 4
+    prompt = list(range(1, 30))
+    params = SamplingParams(temperature=0.0, max_tokens=3)
+    _run(engine, [prompt], [params])  # its 7 full blocks stay in the prefix cache
+    engine.add_request("again", prompt + list(range(60, 80)), params, report_progress=True)
+    progress = engine.step()  # 28 cached tokens, 8 of the other 20 computed: no token yet
+    aborted = engine.abort(["again"])
+    engine.check_invariants()
+    assert [out.new_token_ids for out in progress] == [[]] and len(aborted) == 1
+    for out in progress + aborted:
+        assert out.num_cached_tokens == 28 and out.cached_tokens_by_tier == {"device": 28}
+
+
 def test_counters_add_up_and_reset():
     engine = _engine(_tiny_llama(), torch.float32)
     prompt = list(range(1, 30))

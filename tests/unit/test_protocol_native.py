@@ -11,7 +11,7 @@ from ember.protocols.native_generate import DEFAULT_MAX_NEW_TOKENS, GenerateRend
 from ember.protocols.native_tokens import parse_detokenize, parse_tokenize, render_tokenize
 from ember.protocols.neutral import ChatPrompt, ChoiceResult, ModelInfo, ResponseMeta, RunResult, TextPrompt, \
     TokenPrompt
-from ember.types import FinishReason, TokenLogprob
+from ember.types import FinishReason, GenerationOutput, RequestTimings, TokenLogprob
 
 MODEL = ModelInfo(name="served", max_model_len=100, vocab_size=1000)
 
@@ -162,6 +162,21 @@ def test_logprobs_render_as_sglang_tuples():
     assert body["output_top_logprobs"] == [[[-0.5, 3, "<3>"]]]
     assert body["output_token_ids_logprobs"] == [[[None, 4, "<4>"]]]
     assert body["input_token_logprobs"] == []
+
+
+def test_meta_info_splits_cached_tokens_by_tier_naming_every_tier():
+    job = parse_generate({"text": ["a", "b"]}, MODEL)
+    result = RunResult(2, [1, 2], received=100.0, batch_prompt_ids=[[1] * 40, [2] * 40])
+    renderer = GenerateRenderer(job, result, ResponseMeta("id1", 100, "served", "fp", str))
+    timings = RequestTimings(arrival=100.0, scheduled=100.0)
+    outputs = [GenerationOutput("r0", [], [5], "x", [5], "x", None, None, FinishReason.STOP, 32, timings,
+                                cached_tokens_by_tier={"device": 16, "host": 16}),
+               GenerationOutput("r1", [], [5], "x", [5], "x", None, None, FinishReason.STOP, 0, timings,
+                                cached_tokens_by_tier={"device": 0})]
+    infos = [renderer.meta_info(result.add(index, output)) for index, output in enumerate(outputs)]
+    assert infos[0]["cached_tokens"] == 32
+    assert infos[0]["cached_tokens_details"] == {"device": 16, "host": 16, "disk": 0}
+    assert infos[1]["cached_tokens"] == 0 and infos[1]["cached_tokens_details"] == {"device": 0, "host": 0, "disk": 0}
 
 
 def test_tokenize_forms():
