@@ -11,6 +11,7 @@ import torch
 from ember import SamplingParams
 from ember.config import EngineConfig
 from ember.engine.attention import KVCache
+from ember.engine.cache_tiers import namespace
 from ember.engine.pool import num_kv_blocks
 from ember.engine.runner import StepItem
 from ember.llm import LLM
@@ -75,6 +76,17 @@ def _serve(engine, prompts, params, reset=True):
 def test_the_cache_stores_int8_with_the_kernel_layout(llm_int8):
     cache = llm_int8.engine.runner.cache
     assert cache.kv_dtype == torch.int8 and cache.dtype == torch.bfloat16 and cache.kernel_layout
+
+
+def test_the_disk_namespace_names_the_kv_dtype(llm_int8):
+    """So a disk folder of bfloat16 blocks is never read by an int8 cache, nor the other way."""
+    engine = llm_int8.engine
+    described = {kv_dtype: namespace.describe({}, engine.config, engine.model_config, dtype=torch.bfloat16,
+                                              kv_dtype=kv_dtype, device=torch.device("cpu"), kernel_layout=True,
+                                              num_kv_heads=engine.model_config.num_key_value_heads)
+                 for kv_dtype in (torch.int8, torch.bfloat16)}
+    assert described[torch.int8]["kv_dtype"] == "torch.int8"
+    assert namespace.digest(described[torch.int8]) != namespace.digest(described[torch.bfloat16])
 
 
 def test_the_same_memory_holds_about_1_9_times_the_tokens(llm_int8):
