@@ -8,8 +8,7 @@ For each weight format (float32 and bfloat16 with the weights dequantized, then 
   mean and smallest index of the first token that differs;
 - perplexity of tests/data/lighthouse.txt (about 1,200 tokens), scored in one forward pass.
 
-For each KV cache dtype (--kv-dtype: bfloat16, the reference, then int8, then float32 as a
-measure of the noise: the same values through the torch attention path), at a long context of
+For each KV cache dtype (--kv-dtype: bfloat16, the reference, then int8), at a long context of
 --kv-context tokens of ember's own docs (docs/*.md in name order, as plain text):
 - perplexity of those tokens scored through the engine's paged KV cache, chunk by chunk as a
   prompt is prefilled, so every position reads its context back from the cache;
@@ -36,10 +35,7 @@ FORMATS = {  # label -> LLM keyword arguments
     "int8 blocks": dict(dtype="bfloat16", quantization="int8"),
     "int4 blocks (the GGUF's own, the default)": dict(dtype="bfloat16", quantization="auto"),
 }
-# label -> kv_dtype. float32 KV runs attention on the torch path (the kernel reads the model's dtype
-# or int8) over the same bfloat16 values: how far another attention's rounding alone moves things.
-KV_DTYPES = {"bfloat16 (the reference)": "bf16", "int8, a scale per row": "int8",
-             "float32 (bfloat16's values, torch attention)": "fp32"}
+KV_DTYPES = {"bfloat16 (the reference)": "bf16", "int8, a scale per row": "int8"}  # label -> kv_dtype
 LONG_TEXT = sorted((ROOT / "docs").glob("*.md"))
 KV_PROMPTS, KV_OFFSET_STEP, KV_CHUNK = 4, 500, 512
 KV_QUESTION = "\n\nIn one paragraph, what is the text above about?\n"

@@ -192,7 +192,7 @@ INT8_SCALE_BYTES = 4
 def quantize_rows(x: torch.Tensor) -> torch.Tensor:
     """x (..., head_dim) -> (..., head_dim + 4) int8: each row as round(x / scale) in [-127, 127],
     then its scale's float32 bytes, scale = max |x| / 127 (0 for a row of zeros). A row's bits
-    depend on that row alone. ember's kernel (attention.cpp, quantize_row) rounds the same way."""
+    depend on that row alone. ember's kernel (kv_int8.h, store_row) rounds the same way."""
     x = x.float()
     scale = x.abs().amax(-1, keepdim=True) / 127
     values = torch.where(scale > 0, x / scale, 0.0).round_().clamp_(-127, 127).to(torch.int8)
