@@ -1,6 +1,6 @@
 """Long-context prefill and decode on one sequence, ember against transformers, in one run.
 
-    python bench/long_context.py [--model PATH] [--contexts 2048,8192,20480] [--decode-tokens 32]
+    python bench/long_context.py [--model PATH] [--contexts 2048,8192,20480] [--decode-tokens 32] [--kv-dtype int8]
 
 For each context length: the seconds to prefill a prompt of that many tokens (to its first
 token) and the milliseconds per token of the decode that follows, for ember (chunked prefill
@@ -58,16 +58,18 @@ def main() -> None:
     parser.add_argument("--no-batch-invariant", action="store_true",
                         help="whole-batch matmuls and one attention call per chunk: faster prefill, results may "
                              "vary in the last bits with the batch and the chunking")
+    parser.add_argument("--kv-dtype", default="auto", help="what ember's KV cache stores (auto, bf16, fp32, int8)")
     args = parser.parse_args()
     contexts = [int(c) for c in args.contexts.split(",")]
 
     llm = LLM(args.model, max_model_len=max(contexts) + args.decode_tokens + 16,
-              batch_invariant=not args.no_batch_invariant)
+              batch_invariant=not args.no_batch_invariant, kv_dtype=args.kv_dtype)
     rng = random.Random(0)
     vocab = llm.tokenizer.vocab_size
     prompts = {n: [rng.randrange(100, vocab) for _ in range(n)] for n in contexts}
     ember_run(llm, prompts[contexts[0]][:256], 4)  # warm-up
-    print(f"model {llm.source.name}, dtype {llm.engine.dtype}, batch invariant {not args.no_batch_invariant}, "
+    print(f"model {llm.source.name}, dtype {llm.engine.dtype}, KV cache {llm.engine.runner.cache.kv_dtype}, "
+          f"batch invariant {not args.no_batch_invariant}, "
           f"torch threads {torch.get_num_threads()}, {args.decode_tokens} decode tokens")
     reference = None
     if not args.skip_transformers:

@@ -172,6 +172,7 @@ class SpeculativeConfig:
 
 SPECULATION_MODES = ("off", "ngram", "draft", "auto")
 MAX_DRAFT_TOKENS = 8  # --draft-tokens N
+KV_DTYPES = ("auto", "bfloat16", "bf16", "float32", "fp32", "int8")  # EngineConfig.kv_dtype
 MAX_TUNED_DRAFT_TOKENS = 16  # a tuned length goes this far (text being copied holds for long runs)
 
 
@@ -187,6 +188,9 @@ class EngineConfig:
     num_kv_blocks: int | None = None  # explicit size of the paged KV cache
     kv_cache_tokens: int | None = None  # or: size it to hold this many tokens
     kv_cache_memory_gb: float | None = None  # or: size it from a memory budget (default 2 GiB on CPU)
+    # What the KV cache stores: auto (the model's dtype), bfloat16 / bf16, float32 / fp32, or int8
+    # (each key and value row quantized with its own scale: about half of bfloat16's bytes).
+    kv_dtype: str = "auto"
     gpu_memory_utilization: float = 0.85  # CUDA, no size given: the pool's share of the memory left after the weights
     # Tiers behind the pool (engine.cache_tiers). Host memory for blocks the pool evicts, in MiB:
     # None sizes it (engine.pool.default_cache_ram_mb), 0 turns it off. Disk: a folder (None: off)
@@ -271,6 +275,8 @@ class EngineConfig:
             raise ValueError(f"quantization must be auto, none, int8 or int4, got {self.quantization!r}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.kv_dtype not in KV_DTYPES:
+            raise ValueError(f"kv_dtype must be one of {', '.join(KV_DTYPES)}, got {self.kv_dtype!r}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
         if self.rope_scaling is not None:

@@ -128,7 +128,7 @@ class PrefillSeq:
     mask: torch.Tensor | None  # additive, 0 where a new token sees a key, -inf elsewhere
     exact: bool
     start_pos: int = 0
-    dtype: torch.dtype = torch.float32  # the masks' dtype: the cache's
+    dtype: torch.dtype = torch.float32  # the masks' dtype: attention's (KVCache.dtype)
     window_masks: dict[int, torch.Tensor] = field(default_factory=dict)  # window -> mask within it
     spans: list[tuple[int, int]] = field(default_factory=list)
 
@@ -185,6 +185,26 @@ def _causal_mask(start_pos: int, rows: int, keys: int, n: int, dtype: torch.dtyp
     return torch.zeros(hidden.shape, dtype=dtype, device=device).masked_fill_(hidden, float("-inf"))
 
 
+# Bytes of a key's or value's int8 scale (float32), after its head_dim int8 values.
+INT8_SCALE_BYTES = 4
+
+
+def quantize_rows(x: torch.Tensor) -> torch.Tensor:
+    """x (..., head_dim) -> (..., head_dim + 4) int8: each row as round(x / scale) in [-127, 127],
+    then its scale's float32 bytes, scale = max |x| / 127 (0 for a row of zeros). A row's bits
+    depend on that row alone. ember's kernel (kv_int8.h, store_row) rounds the same way."""
+    x = x.float()
+    scale = x.abs().amax(-1, keepdim=True) / 127
+    values = torch.where(scale > 0, x / scale, 0.0).round_().clamp_(-127, 127).to(torch.int8)
+    return torch.cat((values, scale.view(torch.int8)), -1)
+
+
+def dequantize_rows(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """quantize_rows' (..., head_dim + 4) rows back to (..., head_dim) values in `dtype`."""
+    scales = rows[..., -INT8_SCALE_BYTES:].contiguous().view(torch.float32)
+    return (rows[..., :-INT8_SCALE_BYTES].float() * scales).to(dtype)
+
+
 class KVCache:
     """The paged K/V tensors of every layer. Slot s of a layer is block s // block_size.
 
@@ -192,43 +212,68 @@ class KVCache:
     blocks is already (kv_heads, keys, head_dim), the layout the attention matmuls read without a
     copy. Kernel layout (`kernel_layout`, blocks of 16): (kv_heads, blocks, 16 * head_dim) per
     layer, each block arranged for ember's attention kernel (see ember/kernels/attention.cpp).
+
+    `dtype` is what attention computes in (the model's); `kv_dtype` what the cache stores. A float
+    kv_dtype other than dtype is cast on write and back on read. int8 (quantize_rows) stores each
+    key and value row with its own scale: in the torch layout a slot is (head_dim + 4) int8, its
+    values then its scale's bytes; in the kernel layout a block is its 16 * head_dim int8 values
+    (laid out as float32's) then its 16 float32 scales. Either way a block is still
+    `blocks[:, :, :, block]`, scales included, and a token's bits depend on its own K/V alone.
     """
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
                  head_dim: int, dtype: torch.dtype, device: torch.device, kernel_layout: bool = False,
-                 layer_windows: list[int | None] | None = None) -> None:
+                 layer_windows: list[int | None] | None = None, kv_dtype: torch.dtype | None = None) -> None:
         self.block_size = block_size
         # per layer: the sliding window (keys a token sees, its own included), None where global
         self.layer_windows = list(layer_windows) if layer_windows else [None] * num_layers
         self.num_blocks = num_blocks
         self.kernel_layout = kernel_layout
-        # (layers, k/v, kv_heads, slots, head_dim), or (layers, k/v, kv_heads, blocks, 16 * head_dim)
+        self.head_dim = head_dim
+        self.dtype = dtype
+        self.kv_dtype = kv_dtype or dtype
+        row = head_dim + INT8_SCALE_BYTES if self.kv_dtype == torch.int8 else head_dim  # elements per slot
+        # (layers, k/v, kv_heads, slots, row), or (layers, k/v, kv_heads, blocks, 16 * row)
         if kernel_layout:
             # The kernel never reads a slot past a row's keys, so the pool need not be written up
             # front: the process holds only the pages its requests have used.
-            self.tensor = torch.empty(num_layers, 2, num_kv_heads, num_blocks, block_size * head_dim,
-                                      dtype=dtype, device=device)
+            self.tensor = torch.empty(num_layers, 2, num_kv_heads, num_blocks, block_size * row,
+                                      dtype=self.kv_dtype, device=device)
             self.tensor[:, :, :, 0].zero_()  # the null block
         else:
             # The torch paths weigh padded slots by exact zeros, which must not meet a NaN.
-            self.tensor = torch.zeros(num_layers, 2, num_kv_heads, num_blocks * block_size, head_dim,
-                                      dtype=dtype, device=device)
+            self.tensor = torch.zeros(num_layers, 2, num_kv_heads, num_blocks * block_size, row,
+                                      dtype=self.kv_dtype, device=device)
         self.layers = [(self.tensor[i, 0], self.tensor[i, 1]) for i in range(num_layers)]  # (k, v) views
         # (layers, k/v, kv_heads, blocks, block elements): one block's data is [:, :, :, block], in either layout
         self.blocks = self.tensor.view(num_layers, 2, num_kv_heads, num_blocks, -1)
 
+    def block_layout(self) -> tuple[tuple[int, ...], torch.dtype]:
+        """The shape and dtype of read_block's copies (what the tiers keep)."""
+        return tuple(self.blocks[:, :, :, 0].shape), self.kv_dtype
+
     def read_block(self, block_id: int, device: torch.device | str = "cpu") -> torch.Tensor:
-        """A copy of one block's keys and values, (layers, k/v, kv_heads, block elements), on `device`."""
+        """A copy of one block's keys and values (int8: and their scales), (layers, k/v, kv_heads,
+        block elements), on `device`."""
         return self.blocks[:, :, :, block_id].to(device, copy=True)
 
     def write_block(self, block_id: int, data: torch.Tensor) -> None:
         """Put read_block's copy (of a block of this layout) into block `block_id`."""
         self.blocks[:, :, :, block_id].copy_(data, non_blocking=True)
 
+    def stored(self, x: torch.Tensor) -> torch.Tensor:
+        """New keys or values (..., head_dim) as the torch layout stores them."""
+        return quantize_rows(x) if self.kv_dtype == torch.int8 else x.to(self.kv_dtype)
+
+    def loaded(self, rows: torch.Tensor) -> torch.Tensor:
+        """Rows read from the torch layout (..., slot row) as (..., head_dim) values in `dtype`."""
+        return dequantize_rows(rows, self.dtype) if self.kv_dtype == torch.int8 else rows.to(self.dtype)
+
     @staticmethod
     def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
-                        dtype: torch.dtype) -> int:
-        return num_layers * 2 * block_size * num_kv_heads * head_dim * torch.finfo(dtype).bits // 8
+                        kv_dtype: torch.dtype) -> int:
+        row = head_dim + INT8_SCALE_BYTES if kv_dtype == torch.int8 else head_dim * torch.finfo(kv_dtype).bits // 8
+        return num_layers * 2 * block_size * num_kv_heads * row
 
 
 class PagedAttention:
@@ -244,20 +289,21 @@ class PagedAttention:
 
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q: (T, H, D); k, v: (T, KVH, D) -> (T, H, D)."""
-        k_cache, v_cache = self.cache.layers[layer_idx]  # (KVH, slots, D) each
-        k_cache.index_copy_(1, self.slot_mapping, k.transpose(0, 1))
-        v_cache.index_copy_(1, self.slot_mapping, v.transpose(0, 1))
-        window = self.cache.layer_windows[layer_idx]
+        cache = self.cache
+        k_cache, v_cache = cache.layers[layer_idx]  # (KVH, slots, slot row) each
+        k_cache.index_copy_(1, self.slot_mapping, cache.stored(k).transpose(0, 1))
+        v_cache.index_copy_(1, self.slot_mapping, cache.stored(v).transpose(0, 1))
+        window = cache.layer_windows[layer_idx]
         if len(self.decodes) == 1 and not self.prefills and not self.long_decodes:
             return self._decode(q, k_cache, v_cache, self.decodes[0], window)
         out = torch.empty_like(q)
         for group in self.decodes:
             out[group.token_index] = self._decode(q[group.token_index], k_cache, v_cache, group, window)
         for seq in self.long_decodes:
-            out[seq.row] = _long_decode(q[seq.row], k_cache, v_cache, seq)
+            out[seq.row] = _long_decode(q[seq.row], k_cache, v_cache, seq, cache)
         for seq in self.prefills:
-            out[seq.begin:seq.end] = _prefill(q[seq.begin:seq.end], k_cache[:, seq.key_slots],
-                                              v_cache[:, seq.key_slots], seq, seq.mask_for(window))
+            out[seq.begin:seq.end] = _prefill(q[seq.begin:seq.end], cache.loaded(k_cache[:, seq.key_slots]),
+                                              cache.loaded(v_cache[:, seq.key_slots]), seq, seq.mask_for(window))
         return out
 
     def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -266,9 +312,10 @@ class PagedAttention:
         kv_heads = k_cache.shape[0]
         block_size = self.cache.block_size
         blocks = group.block_table.flatten()
+        row = k_cache.shape[-1]
         # (KVH, B * max_blocks, block_size, D) -> (KVH * B, keys, D): one batch entry per (head, sequence)
-        keys = k_cache.view(kv_heads, -1, block_size, head_dim).index_select(1, blocks)
-        values = v_cache.view(kv_heads, -1, block_size, head_dim).index_select(1, blocks)
+        keys = self.cache.loaded(k_cache.view(kv_heads, -1, block_size, row).index_select(1, blocks))
+        values = self.cache.loaded(v_cache.view(kv_heads, -1, block_size, row).index_select(1, blocks))
         keys = keys.view(kv_heads * batch, -1, head_dim)
         values = values.view(kv_heads * batch, -1, head_dim)
         grouped_q = q.view(batch, kv_heads, heads // kv_heads, head_dim).transpose(0, 1)  # (KVH, B, G, D)
@@ -280,12 +327,14 @@ class PagedAttention:
         return out.view(kv_heads, batch, -1, head_dim).transpose(0, 1).reshape(batch, heads, head_dim)
 
 
-def _long_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq: LongDecode) -> torch.Tensor:
+def _long_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq: LongDecode,
+                 cache: KVCache) -> torch.Tensor:
     """One new token over a long sequence, chunk by chunk. q: (H, D) -> (H, D).
 
     Torch's CPU flash kernel reads cache views through their strides (a matmul would copy them
     first); the G query heads of a KV head are its G query rows, and the chunks of a run are its
-    batch. Chunk outputs are merged by their log-sum-exps in float32.
+    batch. Chunk outputs are merged by their log-sum-exps in float32. A cache stored in another
+    dtype than q's (int8 among them) is converted chunk by chunk instead.
     """
     heads, head_dim = q.shape
     kv_heads = k_cache.shape[0]
@@ -293,8 +342,8 @@ def _long_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     outs, lses = [], []
     for piece, count in seq.pieces:
         # (KVH, count * keys, D) -> (count, KVH, keys, D)
-        keys = k_cache[:, piece].unflatten(1, (count, -1)).transpose(0, 1)
-        values = v_cache[:, piece].unflatten(1, (count, -1)).transpose(0, 1)
+        keys = cache.loaded(k_cache[:, piece]).unflatten(1, (count, -1)).transpose(0, 1)
+        values = cache.loaded(v_cache[:, piece]).unflatten(1, (count, -1)).transpose(0, 1)
         out, lse = _flash_cpu(grouped_q.expand(count, -1, -1, -1), keys, values)[:2]
         outs.append(out)
         lses.append(lse)

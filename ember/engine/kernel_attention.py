@@ -6,7 +6,8 @@ The kernel computes a row from its position and its own keys alone, in fixed key
 blocks (see ember/kernels/attention.cpp), so its bits are the same alone or in any batch, however
 its prompt was chunked or cached, and whether the token was decoded or recomputed in a prefill.
 A layer with a sliding window (KVCache.layer_windows) passes it to the kernel, which then reads
-only the blocks that hold the window's keys.
+only the blocks that hold the window's keys. An int8 cache is quantized by the kernel as it stores
+the rows, and read with its scales in the kernel's inner loops.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ class KernelAttention:
         new k and v into the cache, in one call. Returns q (T, H, D), a view; attend it alone."""
         k_cache, v_cache = self.cache.layers[layer_idx]
         torch.ops.ember.rotary_store_(qkv, cos, sin, k_cache, v_cache, self.slot_mapping, heads, kv_heads)
-        head_dim = k_cache.shape[-1] // KERNEL_BLOCK_SIZE
+        head_dim = self.cache.head_dim
         return qkv[:, :heads * head_dim].view(qkv.shape[0], heads, head_dim)
 
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor | None = None,
@@ -53,7 +54,7 @@ class KernelAttention:
         k caches, v caches, windows (0: the whole sequence), slots, block table, row ranges, first
         positions, the score scale (attend's)."""
         layers = self.cache.layers
-        head_dim = layers[0][0].shape[-1] // KERNEL_BLOCK_SIZE
+        head_dim = self.cache.head_dim
         return ([k for k, _ in layers], [v for _, v in layers], [w or 0 for w in self.cache.layer_windows],
                 self.slot_mapping, self.block_table, self.row_begin, self.first_pos, head_dim ** -0.5)
 

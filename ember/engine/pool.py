@@ -50,23 +50,27 @@ def build_step_parts(model: torch.nn.Module, model_config: ModelConfig, config: 
     where the model has no files to name (then there is no disk tier)."""
     max_num_batched_tokens = config.max_num_batched_tokens or (_CPU_STEP_TOKENS if device.type == "cpu"
                                                                else _GPU_STEP_TOKENS)
-    num_blocks = num_kv_blocks(config, model_config, num_kv_heads, dtype, device, max_model_len)
+    kv_dtype = resolve_kv_dtype(config.kv_dtype, dtype)
+    num_blocks = num_kv_blocks(config, model_config, num_kv_heads, kv_dtype, device, max_model_len)
     if group is not None:  # rank 0 hands out the block ids: every rank must hold them all
         num_blocks = group.agree_min(num_blocks)
     uses_cpu_kernels = (config.cpu_kernels and device.type == "cpu" and config.block_size == KERNEL_BLOCK_SIZE
                         and dtype in (torch.bfloat16, torch.float32) and model_config.head_dim % 16 == 0
-                        and kernels.available() and not bidirectional_spans)
+                        and kv_dtype in (dtype, torch.int8) and kernels.available() and not bidirectional_spans)
     if bidirectional_spans and config.cpu_kernels and device.type == "cpu":
         logger.info("attention: the torch path, as this model's image tokens attend both ways and ember's "
                     "attention kernel is causal only (the linear kernels stay)")
+    if kv_dtype not in (dtype, torch.int8) and config.cpu_kernels and device.type == "cpu":
+        logger.info("attention: the torch path, as ember's attention kernel reads a KV cache in the model's "
+                    "dtype or int8, not %s (--kv-dtype)", kv_dtype)
     cache = KVCache(model_config.num_hidden_layers, num_blocks, config.block_size, num_kv_heads,
                     model_config.head_dim, dtype, device, kernel_layout=uses_cpu_kernels,
-                    layer_windows=model_config.layer_windows)
+                    layer_windows=model_config.layer_windows, kv_dtype=kv_dtype)
     tiers = None
     if config.enable_prefix_caching and group is None:
         description = None if cache_identity is None else namespace.describe(
-            cache_identity, config, model_config, dtype=dtype, device=device, kernel_layout=uses_cpu_kernels,
-            num_kv_heads=num_kv_heads)
+            cache_identity, config, model_config, dtype=dtype, kv_dtype=kv_dtype, device=device,
+            kernel_layout=uses_cpu_kernels, num_kv_heads=num_kv_heads)
         host_mb = default_cache_ram_mb() if config.cache_ram_mb is None else config.cache_ram_mb
         tiers = build_cache_tiers(cache, int(host_mb * 2**20), config.cache_disk_dir if description else None,
                                   int(config.cache_disk_mb * 2**20), description)
@@ -85,7 +89,7 @@ def build_step_parts(model: torch.nn.Module, model_config: ModelConfig, config: 
     capacity = (num_blocks - 1) * config.block_size
     kv_cache_bytes = cache.tensor.numel() * cache.tensor.element_size()
     logger.info("KV cache: %d blocks of %d tokens (%d tokens, %.2f GiB, %s)", num_blocks - 1, config.block_size,
-                capacity, kv_cache_bytes / 2**30, dtype)
+                capacity, kv_cache_bytes / 2**30, kv_dtype)
     return StepParts(kv_manager, scheduler, runner, max_num_batched_tokens, capacity, kv_cache_bytes,
                      uses_cpu_kernels, tiers)
 
@@ -102,16 +106,23 @@ def default_cache_ram_mb() -> float:
     return 1024.0
 
 
-def num_kv_blocks(config: EngineConfig, model_config: ModelConfig, num_kv_heads: int, dtype: torch.dtype,
+def resolve_kv_dtype(name: str, dtype: torch.dtype) -> torch.dtype:
+    """EngineConfig.kv_dtype as what the cache stores; auto: the model's `dtype`."""
+    return {"auto": dtype, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32,
+            "fp32": torch.float32, "int8": torch.int8}[name]
+
+
+def num_kv_blocks(config: EngineConfig, model_config: ModelConfig, num_kv_heads: int, kv_dtype: torch.dtype,
                   device: torch.device, max_model_len: int) -> int:
     """The pool's blocks, the null block 0 included: as the config asks, else what the memory
-    budget holds, never more than every sequence at full length needs."""
+    budget holds (in `kv_dtype`, int8's scales counted), never more than every sequence at full
+    length needs."""
     if config.num_kv_blocks is not None:
         return config.num_kv_blocks + 1
     if config.kv_cache_tokens is not None:
         return -(-config.kv_cache_tokens // config.block_size) + 1
     per_block = KVCache.bytes_per_block(model_config.num_hidden_layers, config.block_size, num_kv_heads,
-                                        model_config.head_dim, dtype)
+                                        model_config.head_dim, kv_dtype)
     if config.kv_cache_memory_gb is not None:
         budget = config.kv_cache_memory_gb * 2**30
     elif device.type == "cuda":

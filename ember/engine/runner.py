@@ -156,7 +156,7 @@ class ModelRunner:
             if count > 1:
                 seq_slots = _slots_of(block_ids, start + count, block_size)
                 slots.extend(seq_slots[start:].tolist())
-                prefills.append(prefill_seq(begin, start, seq_slots, self.cache.tensor.dtype, self.device, self.exact,
+                prefills.append(prefill_seq(begin, start, seq_slots, self.cache.dtype, self.device, self.exact,
                                             item.bidirectional_spans))
             else:
                 slots.append(block_ids[start // block_size] * block_size + start % block_size)

@@ -31,8 +31,13 @@ import torch
 logger = logging.getLogger("ember.kernels")
 
 _FOLDER = Path(__file__).parent
+<<<<<<< HEAD
 _SOURCES = [_FOLDER / name for name in ("linear.cpp", "attention.cpp", "layer_ops.cpp", "sampling.cpp", "decoder.cpp",
                                         "tower_attention.cpp")]
+=======
+_SOURCES = [_FOLDER / name for name in ("linear.cpp", "attention.cpp", "layer_ops.cpp", "sampling.cpp", "decoder.cpp")]
+_HEADERS = sorted(_FOLDER.glob("*.h"))
+>>>>>>> kv-int8
 _FLAGS = ["-O3", "-march=native", "-fopenmp"]
 _status = "not loaded yet"
 
@@ -68,7 +73,7 @@ def available() -> bool:
         return True
     from torch.utils import cpp_extension
 
-    source = b"".join(path.read_bytes() for path in [*_SOURCES, _FOLDER / "common.h"])
+    source = b"".join(path.read_bytes() for path in [*_SOURCES, *_HEADERS])
     key = hashlib.sha256(source + " ".join(_FLAGS).encode() + _processor().encode() + torch.__version__.encode())
     name = f"ember_cpu_{key.hexdigest()[:16]}"
     began = time.perf_counter()
@@ -93,7 +98,7 @@ def status() -> str:
 
 
 def kernel_copy(source: Path, namespace: str, native: bool = True):
-    """One kernel source built a second time, beside this tree's common.h, under the op namespace
+    """One kernel source built a second time, beside this tree's headers, under the op namespace
     `namespace`: for tests and benchmarks that hold one version or build of a kernel against
     another in one process. `native`: for this processor (-march=native), as ember's own build;
     else for the compiler's baseline target (no vector instructions). Returns torch.ops.<namespace>."""
@@ -101,7 +106,8 @@ def kernel_copy(source: Path, namespace: str, native: bool = True):
 
     folder = Path(tempfile.mkdtemp(prefix=f"{namespace}-"))
     shutil.copy(source, folder / source.name)
-    shutil.copy(_FOLDER / "common.h", folder / "common.h")
+    for header in _HEADERS:
+        shutil.copy(header, folder / header.name)
     flags = ["-O3", "-march=native"] if native else ["-O2"]
     cpp_extension.load(name=f"{namespace}_{source.stem}", sources=[str(folder / source.name)],
                        extra_cflags=[*flags, "-fopenmp", f"-DEMBER_OPS={namespace}"], extra_ldflags=["-fopenmp"],

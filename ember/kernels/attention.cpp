@@ -16,8 +16,14 @@
 // its position and its data alone: it is the same alone or in a batch, decoded or inside a prompt
 // chunk, whatever rows share its tile. Sequences of one row spread their splits over the threads;
 // longer ones their tiles of ROW_TILE rows.
+//
+// An int8 cache (kv_int8.h) is read by the same splits and chunks, block by block, its rows
+// quantized as they are stored; q and the output stay in the model's dtype.
+
+#include <type_traits>
 
 #include "common.h"
+#include "kv_int8.h"
 
 namespace ember_kernels {
 namespace {
@@ -453,12 +459,58 @@ inline void attend_chunk<at::BFloat16>(const at::BFloat16* const* q, int64_t G, 
 }
 #endif
 
+// Heads [0, G) of a row over one chunk of an int8 cache, block by block: each head's query
+// widened to floats once for the chunk, up to four heads sharing each block's loads, then each
+// head's softmax step, whose weights take the keys' V scales before the block's values.
+constexpr int64_t INT8_MOST_FLOATS = 8192, INT8_MOST_HEADS = 64;  // the widened queries live on the stack
+
+template <typename T>
+inline void attend_chunk_int8(const T* const* q, int64_t G, const int8_t* const* kblocks,
+                              const int8_t* const* vblocks, int64_t count, int64_t D, int64_t first, int64_t valid,
+                              float scale, State* states) {
+  alignas(64) float qf[INT8_MOST_FLOATS];
+  alignas(64) float weights[INT8_MOST_HEADS][BLOCK];
+  const float* heads[INT8_MOST_HEADS];
+  float* values[INT8_MOST_HEADS];
+  float corrections[INT8_MOST_HEADS];
+  for (int64_t g = 0; g < G; ++g) {
+    for (int64_t d = 0; d < D; ++d) qf[g * D + d] = to_float<T>(q[g][d]);
+    heads[g] = qf + g * D;
+    values[g] = states[g].values;
+  }
+  for (int64_t blk = first / BLOCK; blk < count; ++blk) {
+    const int8_t* kblock = kblocks[blk];
+    const int8_t* vblock = vblocks[blk];
+    for (int64_t g = 0; g < G; g += 4)
+      switch (std::min<int64_t>(4, G - g)) {
+        case 1: kv_int8::heads_scores<1>(heads + g, kblock, D, scale, weights + g); break;
+        case 2: kv_int8::heads_scores<2>(heads + g, kblock, D, scale, weights + g); break;
+        case 3: kv_int8::heads_scores<3>(heads + g, kblock, D, scale, weights + g); break;
+        default: kv_int8::heads_scores<4>(heads + g, kblock, D, scale, weights + g); break;
+      }
+    const int64_t seen = std::min<int64_t>(BLOCK, valid - blk * BLOCK);
+    const float* vscales = kv_int8::scales(vblock, D);
+    for (int64_t g = 0; g < G; ++g) {
+      corrections[g] = softmax_weights(weights[g], std::max<int64_t>(0, first - blk * BLOCK), seen, states[g]);
+      for (int64_t key = 0; key < seen; ++key) weights[g][key] *= vscales[key];
+    }
+    for (int64_t g = 0; g < G; g += 4)
+      switch (std::min<int64_t>(4, G - g)) {
+        case 1: kv_int8::heads_values<1>(weights + g, vblock, D, seen, corrections + g, values + g); break;
+        case 2: kv_int8::heads_values<2>(weights + g, vblock, D, seen, corrections + g, values + g); break;
+        case 3: kv_int8::heads_values<3>(weights + g, vblock, D, seen, corrections + g, values + g); break;
+        default: kv_int8::heads_values<4>(weights + g, vblock, D, seen, corrections + g, values + g); break;
+      }
+  }
+}
+
 struct Batch {
   const void* q;
   int64_t q_stride, H, KVH, G, D;
   const void* k_cache;
   const void* v_cache;
   int64_t head_stride;  // elements between kv heads in a layer's cache
+  int64_t block_stride;  // elements between blocks of a kv head
   const int32_t* tables;
   int64_t table_width;
   const int32_t* row_begin;  // (S + 1,) rows of sequence s: [row_begin[s], row_begin[s + 1])
@@ -471,13 +523,13 @@ struct Batch {
 constexpr int64_t partial_floats(int64_t D) { return 2 + D; }  // max, sum, values
 
 // Partials of rows [r0, r1) of sequence s, KV head kvh, split `split`: for each row and head of the
-// group, (max, sum, values) into partials[(row - r0) * G + g].
-template <typename T>
+// group, (max, sum, values) into partials[(row - r0) * G + g]. T: q's dtype; C: the cache's (T or int8).
+template <typename T, typename C>
 void split_partials(const Batch& b, int64_t s, int64_t kvh, int64_t split, int64_t r0, int64_t r1, float* partials) {
   const int64_t D = b.D, G = b.G, lo = split * SPLIT, R = r1 - r0;
   const T* q = static_cast<const T*>(b.q);
-  const T* keys = static_cast<const T*>(b.k_cache) + kvh * b.head_stride;
-  const T* vals = static_cast<const T*>(b.v_cache) + kvh * b.head_stride;
+  const C* keys = static_cast<const C*>(b.k_cache) + kvh * b.head_stride;
+  const C* vals = static_cast<const C*>(b.v_cache) + kvh * b.head_stride;
   const int32_t* table = b.tables + s * b.table_width;
   std::vector<State> states(R * G);
   std::vector<const T*> rows(R * G);
@@ -505,15 +557,19 @@ void split_partials(const Batch& b, int64_t s, int64_t kvh, int64_t split, int64
       const int64_t chunk = first_chunk[i] + c * CHUNK;
       if (chunk >= end[i]) continue;
       const int64_t count = (std::min(end[i], chunk + CHUNK) - chunk + BLOCK - 1) / BLOCK;
-      const T* kblocks[CHUNK / BLOCK];
-      const T* vblocks[CHUNK / BLOCK];
+      const C* kblocks[CHUNK / BLOCK];
+      const C* vblocks[CHUNK / BLOCK];
       for (int64_t blk = 0; blk < count; ++blk) {
-        const int64_t base = int64_t(table[chunk / BLOCK + blk]) * BLOCK * D;
+        const int64_t base = int64_t(table[chunk / BLOCK + blk]) * b.block_stride;
         kblocks[blk] = keys + base;
         vblocks[blk] = vals + base;
       }
-      attend_chunk<T>(rows.data() + i * G, G, kblocks, vblocks, count, D, std::max<int64_t>(0, begin[i] - chunk),
-                      std::min(end[i], chunk + CHUNK) - chunk, b.scale, states.data() + i * G);
+      const int64_t first = std::max<int64_t>(0, begin[i] - chunk), valid = std::min(end[i], chunk + CHUNK) - chunk;
+      if constexpr (std::is_same_v<C, int8_t>)
+        attend_chunk_int8<T>(rows.data() + i * G, G, kblocks, vblocks, count, D, first, valid, b.scale,
+                             states.data() + i * G);
+      else
+        attend_chunk<T>(rows.data() + i * G, G, kblocks, vblocks, count, D, first, valid, b.scale, states.data() + i * G);
     }
   }
   for (int64_t i = 0; i < R; ++i)
@@ -541,7 +597,7 @@ void merge(const float* partials, int64_t splits, int64_t stride, int64_t D, T* 
   for (int64_t d = 0; d < D; ++d) out[d] = from_float<T>(values[d] * inv);
 }
 
-template <typename T>
+template <typename T, typename C>
 void attention_impl(const Batch& b, int64_t S) {
   const int64_t G = b.G, D = b.D, P = partial_floats(D);
   // Work items: (sequence, kv head, split) for one-row sequences, (sequence, kv head, tile) else.
@@ -572,13 +628,14 @@ void attention_impl(const Batch& b, int64_t S) {
       const int64_t s = item.s, kvh = item.kvh, row0 = b.row_begin[s];
       if (first_split[s] >= 0) {  // one split of a one-row sequence
         float* p = single.data() + ((first_split[s] + kvh * splits_of[s] + item.part) * G) * P;
-        split_partials<T>(b, s, kvh, item.part, row0, row0 + 1, p);
+        split_partials<T, C>(b, s, kvh, item.part, row0, row0 + 1, p);
         continue;
       }
       const int64_t r0 = row0 + item.part * ROW_TILE, r1 = std::min<int64_t>(b.row_begin[s + 1], r0 + ROW_TILE);
       const int64_t splits = (b.first_pos[s] + (r1 - 1 - row0)) / SPLIT + 1;
       local.assign(splits * (r1 - r0) * G * P, 0.f);
-      for (int64_t j = 0; j < splits; ++j) split_partials<T>(b, s, kvh, j, r0, r1, local.data() + j * (r1 - r0) * G * P);
+      for (int64_t j = 0; j < splits; ++j)
+        split_partials<T, C>(b, s, kvh, j, r0, r1, local.data() + j * (r1 - r0) * G * P);
       for (int64_t r = r0; r < r1; ++r) {
         const int64_t own = (b.first_pos[s] + (r - row0)) / SPLIT + 1;  // splits this row reaches
         for (int64_t g = 0; g < G; ++g)
@@ -598,9 +655,13 @@ void attention_impl(const Batch& b, int64_t S) {
   });
 }
 
+bool is_int8(const at::Tensor& cache) { return cache.scalar_type() == at::kChar; }
+
 void check_cache(const at::Tensor& k_cache, const at::Tensor& v_cache, int64_t D) {
-  TORCH_CHECK(k_cache.dim() == 3 && k_cache.size(2) == BLOCK * D && k_cache.stride(2) == 1 &&
-              k_cache.stride(1) == BLOCK * D, "the cache must be (kv_heads, blocks, 16 * head_dim)");
+  const int64_t block = is_int8(k_cache) ? kv_int8::block_bytes(D) : BLOCK * D;
+  TORCH_CHECK(k_cache.dim() == 3 && k_cache.size(2) == block && k_cache.stride(2) == 1 && k_cache.stride(1) == block,
+              "the cache must be (kv_heads, blocks, 16 * head_dim), or int8 (kv_heads, blocks, 16 * (head_dim + 4))");
+  TORCH_CHECK(!is_int8(k_cache) || D % 16 == 0, "an int8 cache needs head_dim a multiple of 16");
   TORCH_CHECK(v_cache.sizes() == k_cache.sizes() && v_cache.strides() == k_cache.strides() &&
               v_cache.scalar_type() == k_cache.scalar_type(), "v_cache unlike k_cache");
   TORCH_CHECK(k_cache.scalar_type() != at::kBFloat16 || D % 16 == 0 || !EMBER_BF16_DOT,
@@ -615,7 +676,10 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2), "q must be (T, heads, head_dim) rows");
   const int64_t T = q.size(0), H = q.size(1), D = q.size(2), KVH = k_cache.size(0), S = first_pos.numel();
   check_cache(k_cache, v_cache, D);
-  TORCH_CHECK(H % KVH == 0 && q.scalar_type() == k_cache.scalar_type(), "heads: a multiple of kv_heads, one dtype");
+  TORCH_CHECK(H % KVH == 0 && (is_int8(k_cache) || q.scalar_type() == k_cache.scalar_type()),
+              "heads: a multiple of kv_heads; q in the cache's dtype, unless the cache is int8");
+  TORCH_CHECK(!is_int8(k_cache) || ((H / KVH) * D <= INT8_MOST_FLOATS && H / KVH <= INT8_MOST_HEADS),
+              "an int8 cache takes at most 64 query heads per KV head and 8192 of their dims");
   for (const at::Tensor* t : {&block_table, &row_begin, &first_pos})
     TORCH_CHECK(t->scalar_type() == at::kInt && t->is_contiguous(), "block_table, row_begin, first_pos: int32");
   TORCH_CHECK(block_table.dim() == 2 && block_table.size(0) == S && row_begin.numel() == S + 1,
@@ -624,9 +688,15 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
   auto out = at::empty({T, H, D}, q.options());
   if (T == 0) return out;
   Batch b{q.data_ptr(), q.stride(0), H, KVH, H / KVH, D, k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(0),
-          block_table.data_ptr<int32_t>(), block_table.size(1), row_begin.data_ptr<int32_t>(),
+          k_cache.stride(1), block_table.data_ptr<int32_t>(), block_table.size(1), row_begin.data_ptr<int32_t>(),
           first_pos.data_ptr<int32_t>(), window, float(scale), out.data_ptr()};
-  dispatch_float_or_bf16(q.scalar_type(), [&](auto tag) { attention_impl<decltype(tag)>(b, S); });
+  dispatch_float_or_bf16(q.scalar_type(), [&](auto tag) {
+    using T_ = decltype(tag);
+    if (is_int8(k_cache))
+      attention_impl<T_, int8_t>(b, S);
+    else
+      attention_impl<T_, T_>(b, S);
+  });
   return out;
 }
 
@@ -642,22 +712,32 @@ inline void store_row(const T* k, const T* v, int64_t slot, int64_t kvh, T* k_ca
   }
 }
 
+// One row's k and v (D values each) into the cache's `slot` of KV head kvh, quantized where it is int8.
+template <typename T>
+inline void store_slot(const T* k, const T* v, int64_t slot, int64_t kvh, const at::Tensor& k_cache,
+                       const at::Tensor& v_cache, int64_t D) {
+  if (!is_int8(k_cache))
+    return store_row<T>(k, v, slot, kvh, k_cache.data_ptr<T>(), v_cache.data_ptr<T>(), k_cache.stride(0), D);
+  const int64_t at = kvh * k_cache.stride(0) + (slot / BLOCK) * k_cache.stride(1);
+  kv_int8::store_row<T>(k, D, k_cache.data_ptr<int8_t>() + at, slot % BLOCK, false);
+  kv_int8::store_row<T>(v, D, v_cache.data_ptr<int8_t>() + at, slot % BLOCK, true);
+}
+
 // k, v (T, KVH, D) with contiguous heads -> the cache's slots[t].
 void store_kv_(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at::Tensor& v_cache,
                const at::Tensor& slots) {
   const int64_t T = k.size(0), KVH = k.size(1), D = k.size(2);
   check_cache(k_cache, v_cache, D);
   TORCH_CHECK(k.stride(2) == 1 && k.stride(1) == D && v.stride(2) == 1 && v.stride(1) == D && v.sizes() == k.sizes() &&
-              k.scalar_type() == k_cache.scalar_type() && v.scalar_type() == k_cache.scalar_type(),
-              "k and v: (T, kv_heads, head_dim) rows in the cache's dtype");
+              (k.scalar_type() == k_cache.scalar_type() || is_int8(k_cache)) && v.scalar_type() == k.scalar_type(),
+              "k and v: (T, kv_heads, head_dim) rows in the cache's dtype (any, for an int8 cache)");
   TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.numel() == T, "one int64 slot per row");
   dispatch_float_or_bf16(k.scalar_type(), [&](auto tag) {
     using T_ = decltype(tag);
     for (int64_t t = 0; t < T; ++t)
       for (int64_t h = 0; h < KVH; ++h)
-        store_row<T_>(k.data_ptr<T_>() + t * k.stride(0) + h * D, v.data_ptr<T_>() + t * v.stride(0) + h * D,
-                      slots.data_ptr<int64_t>()[t], h, k_cache.data_ptr<T_>(), v_cache.data_ptr<T_>(),
-                      k_cache.stride(0), D);
+        store_slot<T_>(k.data_ptr<T_>() + t * k.stride(0) + h * D, v.data_ptr<T_>() + t * v.stride(0) + h * D,
+                       slots.data_ptr<int64_t>()[t], h, k_cache, v_cache, D);
   });
 }
 
@@ -665,11 +745,12 @@ void store_kv_(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at
 // output in one float rounding), then store its k and v heads at slots[t].
 void rotary_store_(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k_cache,
                    at::Tensor& v_cache, const at::Tensor& slots, int64_t heads, int64_t kv_heads) {
-  const int64_t T = qkv.size(0), D = k_cache.size(2) / BLOCK, half = D / 2;
-  TORCH_CHECK(qkv.dim() == 2 && qkv.size(1) == (heads + 2 * kv_heads) * D && qkv.stride(1) == 1,
+  TORCH_CHECK(qkv.dim() == 2 && qkv.size(1) % (heads + 2 * kv_heads) == 0 && qkv.stride(1) == 1,
               "qkv must be (T, (H + 2 KVH) D) rows");
+  const int64_t T = qkv.size(0), D = qkv.size(1) / (heads + 2 * kv_heads), half = D / 2;
   check_cache(k_cache, v_cache, D);
-  TORCH_CHECK(k_cache.size(0) == kv_heads && k_cache.scalar_type() == qkv.scalar_type(), "the cache: kv_heads, dtype");
+  TORCH_CHECK(k_cache.size(0) == kv_heads && (k_cache.scalar_type() == qkv.scalar_type() || is_int8(k_cache)),
+              "the cache: kv_heads, and qkv's dtype or int8");
   TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.numel() == T, "one int64 slot per row");
   TORCH_CHECK(cos.size(0) == T && cos.size(-1) == half && cos.stride(-1) == 1 && sin.strides() == cos.strides() &&
               sin.sizes() == cos.sizes() && cos.scalar_type() == qkv.scalar_type(), "cos and sin: (T, D / 2) rows");
@@ -683,16 +764,29 @@ void rotary_store_(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin
         rotate_heads<T_>(row, heads + kv_heads, D, half, cos.data_ptr<T_>() + t * row_stride,
                          sin.data_ptr<T_>() + t * row_stride, c.data(), s.data());
         for (int64_t h = 0; h < kv_heads; ++h)
-          store_row<T_>(row + (heads + h) * D, row + (heads + kv_heads + h) * D, slots.data_ptr<int64_t>()[t], h,
-                        k_cache.data_ptr<T_>(), v_cache.data_ptr<T_>(), k_cache.stride(0), D);
+          store_slot<T_>(row + (heads + h) * D, row + (heads + kv_heads + h) * D, slots.data_ptr<int64_t>()[t], h,
+                         k_cache, v_cache, D);
       }
     });
   });
 }
 
-// The cache's blocks back in the (kv_heads, slots, D) layout: for tests and for debugging.
+// The cache's blocks back in the (kv_heads, slots, D) layout: for tests and for debugging. An int8
+// cache comes back as float32, each value times its row's scale.
 at::Tensor unpack_cache(const at::Tensor& cache, bool values, int64_t D) {
   const int64_t KVH = cache.size(0), blocks = cache.size(1);
+  if (is_int8(cache)) {
+    auto out = at::empty({KVH, blocks * BLOCK, D}, cache.options().dtype(at::kFloat));
+    for (int64_t h = 0; h < KVH; ++h)
+      for (int64_t slot = 0; slot < blocks * BLOCK; ++slot) {
+        const int8_t* block = cache.data_ptr<int8_t>() + h * cache.stride(0) + (slot / BLOCK) * cache.stride(1);
+        const int64_t key = slot % BLOCK;
+        for (int64_t d = 0; d < D; ++d)
+          out.data_ptr<float>()[(h * blocks * BLOCK + slot) * D + d] =
+              float(block[values ? key * D + d : d * BLOCK + key]) * kv_int8::scales(block, D)[key];
+      }
+    return out;
+  }
   auto out = at::empty({KVH, blocks * BLOCK, D}, cache.options());
   dispatch_float_or_bf16(cache.scalar_type(), [&](auto tag) {
     using T_ = decltype(tag);

@@ -115,8 +115,8 @@ def build_cache_tiers(cache: KVCache, host_bytes: int, disk_folder: str | None, 
     if disk_folder is not None and disk_bytes > 0:
         name = namespace.digest(description)
         folder = Path(disk_folder).expanduser() / name.hex()
-        shape = tuple(cache.blocks[:, :, :, 0].shape)
-        disk = DiskStore(folder, disk_bytes, name, namespace.CACHE_FORMAT_VERSION, shape, cache.tensor.dtype)
+        shape, dtype = cache.block_layout()
+        disk = DiskStore(folder, disk_bytes, name, namespace.CACHE_FORMAT_VERSION, shape, dtype)
         if disk.enabled:
             try:
                 (folder / "namespace.json").write_text(json.dumps(description, indent=1, default=str))

@@ -2,7 +2,7 @@
 disk are read back only by a server that would have computed the same bits itself.
 
 It covers the model's files (each weight and config file's name, size and modification time, and
-the resolved config), how they are run (dtype, weight format, the KV cache's block size and
+the resolved config), how they are run (dtype, weight format, the KV cache's dtype, block size and
 layout, ember's kernels on or off, batch invariance, rotary scaling), ember's own code (a digest of
 its sources: a new version may round differently), torch's version, and the processor (its model
 and instruction-set flags: an Intel with AMX and an AMD without it round some kernels differently),
@@ -62,14 +62,15 @@ def model_identity(source) -> dict[str, Any]:
             "files": _files(source.path) + _files(source.mmproj_path)}
 
 
-def describe(identity: dict[str, Any], config, model_config, *, dtype: torch.dtype, device: torch.device,
-             kernel_layout: bool, num_kv_heads: int) -> dict[str, Any]:
+def describe(identity: dict[str, Any], config, model_config, *, dtype: torch.dtype, kv_dtype: torch.dtype,
+             device: torch.device, kernel_layout: bool, num_kv_heads: int) -> dict[str, Any]:
     """What the blocks' bits depend on, as a JSON-able mapping (written beside the blocks):
     `identity` (model_identity) and how this engine runs it."""
     return {
         "cache_format": CACHE_FORMAT_VERSION,
         **identity,
         "dtype": str(dtype),
+        "kv_dtype": str(kv_dtype),
         "quantization": config.quantization,
         "block_size": config.block_size,
         "kernel_layout": kernel_layout,
