@@ -31,13 +31,9 @@ import torch
 logger = logging.getLogger("ember.kernels")
 
 _FOLDER = Path(__file__).parent
-<<<<<<< HEAD
 _SOURCES = [_FOLDER / name for name in ("linear.cpp", "attention.cpp", "layer_ops.cpp", "sampling.cpp", "decoder.cpp",
                                         "tower_attention.cpp")]
-=======
-_SOURCES = [_FOLDER / name for name in ("linear.cpp", "attention.cpp", "layer_ops.cpp", "sampling.cpp", "decoder.cpp")]
 _HEADERS = sorted(_FOLDER.glob("*.h"))
->>>>>>> kv-int8
 _FLAGS = ["-O3", "-march=native", "-fopenmp"]
 _status = "not loaded yet"
 
