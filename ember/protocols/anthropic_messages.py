@@ -81,7 +81,7 @@ def _parse(body: Any, model: ModelInfo, *, counting: bool) -> MessagesRequest:
     max_tokens, max_tokens_param = (None, "max_tokens") if counting else read_max_tokens(f, MAX_TOKENS_NAMES)
     marks = AnthropicBreakpoints()
     tools, tools_ttl = read_tools(f, marks)
-    conversation, last_turn = read_messages(f, marks)
+    conversation, last_turn = read_messages(f, marks, model)
     messages = join_leading_system(read_system(f, marks), conversation)
     read_request_cache_control(f, marks, messages)
     if tools and model.chat.tool_format is None:
@@ -179,11 +179,12 @@ class _Turn:
     path: str  # of the first message of the turn
 
 
-def read_messages(f: Fields, marks: AnthropicBreakpoints) -> tuple[list[dict[str, Any]], _Turn]:
+def read_messages(f: Fields, marks: AnthropicBreakpoints, model: ModelInfo) -> tuple[list[dict[str, Any]], _Turn]:
     """(the neutral messages, the last turn they were made from)."""
     items = f.array("messages", non_empty=True)
     if items is None:
         raise InvalidRequest("messages is required: a non-empty array of messages", param="messages")
+    model.check_message_count(len(items), "messages")
     turns: list[_Turn] = []
     for i, raw in enumerate(items):
         m = Fields(raw, f"messages[{i}]")

@@ -67,6 +67,8 @@ class TokenPrompt:
 
 Prompt = Union[ChatPrompt, TextPrompt, TokenPrompt]
 
+DEFAULT_MAX_MESSAGES = 256  # messages one request may carry unless --max-messages says otherwise
+
 
 @dataclass(slots=True)
 class ModelInfo:
@@ -85,6 +87,13 @@ class ModelInfo:
     # text -> the id of the one token it encodes to, None when it takes more or fewer tokens
     single_token_id: Callable[[str], int | None] = lambda text: None
     image_marker: str | None = None  # what stands for an image in a text prompt; None: the model reads no images
+    max_messages: int | None = DEFAULT_MAX_MESSAGES  # messages (Responses: input items) a request may carry
+
+    def check_message_count(self, count: int, param: str) -> None:
+        """A conversation longer than --max-messages is a 400 naming its field."""
+        if self.max_messages is not None and count > self.max_messages:
+            raise InvalidRequest(f"{param} holds {count} entries; this server takes at most {self.max_messages} "
+                                 "(--max-messages)", param=param, code="too_many_messages")
 
     def accepts(self, model: str) -> bool:
         return model == self.name or model in self.aliases
@@ -444,13 +453,20 @@ class RunResult:
             "cache_n": cache_n,
             "prompt_n": prompt_n,
             "prompt_ms": prompt_s * 1000.0,
+            "prompt_per_token_ms": per_token_ms(prompt_s, prompt_n),
             "prompt_per_second": prompt_n / prompt_s if prompt_s > 0 else 0.0,
             "predicted_n": predicted_n,
             "predicted_ms": predicted_s * 1000.0,
+            "predicted_per_token_ms": per_token_ms(predicted_s, decoded),
             "predicted_per_second": decoded / predicted_s if predicted_s > 0 else 0.0,
             "queue_ms": _span(self.received, scheduled) * 1000.0,
             **drafts,
         }
+
+
+def per_token_ms(seconds: float, num_tokens: int) -> float:
+    """llama.cpp's milliseconds per token; 0 where no token or no time was spent (never NaN)."""
+    return seconds * 1000.0 / num_tokens if num_tokens > 0 and seconds > 0 else 0.0
 
 
 def _earliest(values) -> float | None:

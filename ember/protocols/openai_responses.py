@@ -19,6 +19,7 @@ from ember.protocols.errors import OPENAI_ERRORS, unsupported
 from ember.protocols.fields import Fields, as_string
 from ember.protocols.neutral import ChatPrompt, Dialect, ModelInfo, build_sampling_params
 from ember.protocols.openai_common import check_model, read_shared_sampling
+from ember.protocols.output_hints import read_reasoning_summary, read_text_verbosity
 from ember.protocols.responses_items import read_input, to_messages
 from ember.protocols.responses_render import ResponsesRenderer
 from ember.protocols.responses_request import ResponsesContext, ResponseSpec, ResponsesRequest
@@ -54,7 +55,10 @@ def parse_responses(body: Any, model: ModelInfo, context: ResponsesContext) -> R
                                  "(store: false), was deleted, was evicted, or the server restarted",
                                  param="previous_response_id", code="previous_response_not_found")
         history = stored
-    input_items = read_input(f.raw("input"), context.seal)
+    raw_input = f.raw("input")
+    if isinstance(raw_input, list):
+        model.check_message_count(len(raw_input), "input")
+    input_items = read_input(raw_input, context.seal)
     if not input_items and not history:
         raise InvalidRequest("input is required: a string or an array of items", param="input")
     store = f.boolean("store", True)
@@ -146,8 +150,7 @@ def read_reasoning(f: Fields, template_kwargs: dict[str, Any],
     effort = summary = None
     if reasoning is not None:
         effort = reasoning.string("effort", choices=REASONING_EFFORTS)
-        summary = reasoning.string("summary", choices=("auto", "concise", "detailed"))
-        reasoning.string("generate_summary", choices=("auto", "concise", "detailed"))
+        summary = read_reasoning_summary(reasoning)
     effort_param = "reasoning.effort"
     if effort is None and template_kwargs.get("reasoning_effort") is not None:
         effort_param = "chat_template_kwargs.reasoning_effort"
@@ -173,7 +176,7 @@ def read_text(f: Fields) -> tuple[dict[str, Any], GrammarSpec | None]:
     if fmt is not None:
         grammar = read_flat_format(fmt)
         echo["format"] = dict(fmt.obj)
-    verbosity = text.string("verbosity", choices=("low", "medium", "high"))
+    verbosity = read_text_verbosity(text)
     if verbosity is not None:
         echo["verbosity"] = verbosity
     return echo, grammar

@@ -102,9 +102,11 @@ def _add_routes(app: FastAPI, state: ServerState, observability: Observability) 
                       include_in_schema=False)
     add_ui_routes(app, state.config.ui, health)
 
-    def model_card() -> dict:
+    def model_card(name: str) -> dict:
+        """The card of the served model under `name`, its public id or an alias (`root`: the public id)."""
         chat = state.model.chat
-        card = {"id": state.model.name, "object": "model", "created": state.started, "owned_by": "ember",
+        card = {"id": name, "object": "model", "created": state.started, "owned_by": "ember",
+                "root": state.model.name, "aliases": list(state.model.aliases),
                 "max_model_len": state.model.max_model_len, "kv_cache_tokens": state.model.kv_capacity_tokens,
                 "cache_ram_mib": state.loaded.engine.info.cache_ram_bytes // 2**20,
                 "capabilities": {"reasoning": chat.think is not None, "tool_calls": chat.tool_format is not None}}
@@ -117,7 +119,7 @@ def _add_routes(app: FastAPI, state: ServerState, observability: Observability) 
     @app.get("/v1/models", summary="The served model")
     async def list_models() -> dict:
         state.require_ready()
-        return {"object": "list", "data": [model_card()]}
+        return {"object": "list", "data": [model_card(name) for name in (state.model.name, *state.model.aliases)]}
 
     @app.get("/v1/models/{model_id:path}", summary="One model, by id",
              responses={404: {"description": "Another id (model_not_found)."}})
@@ -125,7 +127,7 @@ def _add_routes(app: FastAPI, state: ServerState, observability: Observability) 
         state.require_ready()
         if not state.model.accepts(model_id):
             raise ModelNotFound(model_id, state.model.name)
-        return model_card()
+        return model_card(model_id)
 
     @app.post("/v1/chat/completions", summary="Chat completion", **generation_route_docs("ChatCompletionRequest"))
     async def chat_completions(request: Request) -> Response:
