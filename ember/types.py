@@ -177,6 +177,7 @@ class StepOutput:
     num_accepted_tokens: int = 0
     # num_cached_tokens by where they were found: "device" (the KV pool), "host", "disk"
     cached_tokens_by_tier: dict[str, int] | None = None
+    num_preemptions: int = 0  # times the request was preempted (its KV freed) so far
 
 
 @dataclass(slots=True)
@@ -248,6 +249,8 @@ class GenerationOutput:
     num_pinned_tokens: int = 0  # see StepOutput
     speculation: SpeculationCounts | None = None  # set once a round of drafted tokens was verified
     cached_tokens_by_tier: dict[str, int] | None = None  # see StepOutput
+    num_preemptions: int = 0  # see StepOutput
+    dp_rank: int | None = None  # the data-parallel worker that ran it; None: one engine
 
     @property
     def finished(self) -> bool:

@@ -228,6 +228,7 @@ class EngineCore:
                 num_drafted_tokens=num_drafted,
                 num_accepted_tokens=num_accepted,
                 cached_tokens_by_tier=request.cached_tokens_by_tier or None,
+                num_preemptions=request.num_preemptions,
             ))
             if finished:
                 self._forget(request.request_id)
@@ -270,7 +271,8 @@ class EngineCore:
         finished = self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
         outputs = [StepOutput(r.request_id, [], None, reason, r.num_prompt_tokens, r.num_cached_tokens,
                               scheduled_time=self._scheduled_at.get(r.request_id), error=error,
-                              cached_tokens_by_tier=r.cached_tokens_by_tier or None)
+                              cached_tokens_by_tier=r.cached_tokens_by_tier or None,
+                              num_preemptions=r.num_preemptions)
                    for r in finished]
         for request in finished:
             self._forget(request.request_id)

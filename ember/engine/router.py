@@ -237,6 +237,7 @@ class EngineRouter:
             async for output in self.clients[index].generate(
                     prompt_token_ids, params, request_id=request_id, cache_salt=cache_salt, constraint=constraint,
                     report_progress=report_progress, may_retry=may_retry, media=media):
+                output.dp_rank = index
                 yield output
         finally:
             self.running[index] -= 1

@@ -102,7 +102,7 @@ def _parse(body: Any, model: ModelInfo, *, counting: bool) -> MessagesRequest:
         template_kwargs["continue_final_message"] = True
     options = ChatOptions(tools=tuple(chosen if chosen is not None else tools), tool_choice=choice,
                           parallel_tool_calls=parallel, thinking=thinking and not prefill, thinking_budget=budget,
-                          reasoning_effort=effort)
+                          reasoning_effort=effort, thinking_budget_param="thinking.budget_tokens")
     breakpoints = collect_breakpoints(messages)
     if tools_ttl is not None:  # the tools end where the template's system part does
         breakpoints.insert(0, Breakpoint(1 if messages and messages[0]["role"] == "system" else 0, None, tools_ttl))

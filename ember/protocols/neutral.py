@@ -67,6 +67,10 @@ class TokenPrompt:
 
 Prompt = Union[ChatPrompt, TextPrompt, TokenPrompt]
 
+# The version of the served weights, as SGLang names it: a running ember server never swaps its
+# weights, so every token of every reply comes from this one.
+WEIGHT_VERSION = "default"
+
 DEFAULT_MAX_MESSAGES = 256  # messages one request may carry unless --max-messages says otherwise
 
 
@@ -285,6 +289,8 @@ class ChoiceResult:
     timings: RequestTimings | None = None
     error: str | None = None
     speculation: SpeculationCounts | None = None  # its drafted rounds, when it had any
+    num_preemptions: int = 0  # times the engine preempted it (its KV freed, recomputed later)
+    dp_rank: int | None = None  # the data-parallel worker that ran it; None: one engine
     parser: ReplyParser | None = None  # chat replies with reasoning or tools
     events: list[ReplyEvent] = field(default_factory=list)  # what the latest output added
 
@@ -313,6 +319,12 @@ class ChoiceResult:
         return self.parser.reply if self.parser is not None else ParsedReply(content=self.text)
 
 
+def weight_versions(num_tokens: int) -> dict[str, Any]:
+    """SGLang's weight_version fields for a reply of `num_tokens` tokens."""
+    return {"weight_version": WEIGHT_VERSION,
+            "weight_versions": [{"version": WEIGHT_VERSION, "start": 0, "end": num_tokens}]}
+
+
 def reply_token_fields(request: GenerationRequest, result: "RunResult") -> dict[str, Any]:
     """What a one-choice reply (Responses, Messages) says of its tokens once it is done: `token_sha`,
     and with return_token_ids the prompt's ids and the reply's."""
@@ -333,6 +345,7 @@ class RunResult:
         self.batch_prompt_ids = batch_prompt_ids  # a batch: choice i runs prompt i
         self.fit = fit  # how max_tokens was fitted to the context window
         self.received = received if received is not None else time.time()
+        self.dispatched = time.time()  # made once the request is admitted, as it goes to the engine
         self.plan = plan
         self.choices = [ChoiceResult(i, parser=plan.parser() if plan else None) for i in range(num_choices)]
         self.num_finished = 0
@@ -345,6 +358,8 @@ class RunResult:
         choice.num_pinned_tokens = max(choice.num_pinned_tokens, output.num_pinned_tokens)
         choice.timings = output.timings
         choice.speculation = output.speculation
+        choice.num_preemptions = max(choice.num_preemptions, output.num_preemptions)  # progress outputs carry 0
+        choice.dp_rank = output.dp_rank
         if output.logprobs is not None:
             choice.logprobs = output.logprobs
         if choice.parser is not None:

@@ -13,7 +13,7 @@ from ember.protocols.cache_hints import (
 from ember.protocols.fields import Fields, as_string, json_type
 from ember.protocols.image_parts import misplaced_image, read_chat_image
 from ember.protocols.chat_reply import read_template_kwargs, template_tools
-from ember.protocols.neutral import ChatPrompt, ChoiceResult, Dialect, GenerationRequest, ModelInfo
+from ember.protocols.neutral import ChatPrompt, ChoiceResult, Dialect, GenerationRequest, ModelInfo, weight_versions
 from ember.protocols.openai_chat_options import read_chat_options
 from ember.protocols.output_hints import read_chat_verbosity, refuse_chat_store, refuse_other_prompt_field
 from ember.protocols.openai_common import (
@@ -279,7 +279,10 @@ class ChatRenderer(OpenAIRenderer):
                 "logprobs": {"content": chat_logprobs(choice.logprobs, self.meta.token_text)} if logprobs else None}
 
     def response(self) -> dict[str, Any]:
-        return self.whole_response("chat.completion")
+        """The whole reply, with SGLang's `metadata` (the weights' version) beside usage."""
+        body = self.whole_response("chat.completion")
+        body["metadata"] = weight_versions(self.result.num_completion_tokens)
+        return body
 
 
 CHAT = Dialect(name="chat", id_prefix="chatcmpl-", parse=parse_chat, renderer=ChatRenderer,

@@ -127,6 +127,8 @@ async def serve_generation(request: Request, dialect: Dialect) -> Response:
     fitted = [resolve_sampling(job, len(ids), state.model, run.params, run.prompt_param)
               for run, ids in zip(runs, prompts)]
     params, fit = fitted[0]
+    if plan is not None:
+        plan.check_budget_room(params.max_tokens)
     num_sequences = len(runs) * job.n
     ticket = await state.admission.acquire(num_sequences, record.tenant or DEFAULT_TENANT, params.priority > 0)
     try:

@@ -18,6 +18,7 @@ from ember.engine.contract import Engine
 from ember.errors import EmberError
 from ember.media.processing import ImageProcessing, source_image_processing
 from ember.protocols.errors import ImagesBusy, ModelLoading, ServerUnavailable
+from ember.parsers.constraint import budget_close_text
 from ember.protocols.chat_reply import ChatFeatures, ReplyPlan, plan_reply
 from ember.protocols.neutral import GenerationRequest, ModelInfo, Prompt, encode_prompt
 from ember.grammar.compiler import xgrammar_installed
@@ -278,7 +279,10 @@ class ServerState:
             return None
         tokenizer = self.loaded.tokenizer
         tail = tokenizer.decode(prompt_token_ids[-_PROMPT_TAIL_TOKENS:], skip_special_tokens=False)
-        return plan_reply(job.chat, self.model.chat, tail, tokenizer.token_bytes)
+        plan = plan_reply(job.chat, self.model.chat, tail, tokenizer.token_bytes)
+        if plan is not None and plan.budget is not None:
+            plan.budget_close_tokens = len(tokenizer.encode(budget_close_text(plan.fmt.think)))
+        return plan
 
     async def constraint(self, job: GenerationRequest, plan: ReplyPlan | None) -> ConstraintSpec | None:
         """How every choice's tokens are held: a grammar (compiled by the engine, which checks it
