@@ -1,0 +1,185 @@
+"""Fields the reference servers read that ember now honours, refuses by name or lists as ignored;
+the thinking budget's room; timings; the order of tied top log probabilities; /generate's
+meta_info. Pure logic and the real sampler on synthetic logits (no model)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ember.engine.sampler import Sampler, SamplingRow
+from ember.errors import InvalidRequest
+from ember.parsers.events import ThinkMarkers
+from ember.parsers.hermes import HERMES
+from ember.protocols.anthropic_messages import parse_messages
+from ember.protocols.chat_reply import BUDGET_ROOM_INSUFFICIENT, ChatFeatures, ChatOptions, plan_reply
+from ember.protocols.native_generate import GenerateRenderer, parse_generate
+from ember.protocols.neutral import ModelInfo, ResponseMeta, RunResult
+from ember.protocols.openai_chat import CHAT, parse_chat
+from ember.protocols.openai_completions import parse_completion
+from ember.protocols.openai_responses import parse_responses
+from ember.protocols.reasoning_seal import ReasoningSeal
+from ember.protocols.unknown_fields import watch_fields
+from ember.server.response_store import ResponseStore
+from ember.server.responses_routes import make_context
+from ember.types import FinishReason, GenerationOutput, RequestTimings, SamplingParams
+
+MODEL = ModelInfo(name="served", max_model_len=512, vocab_size=1000, chat=ChatFeatures(ThinkMarkers(), HERMES))
+HI = [{"role": "user", "content": "Hi"}]
+
+
+def refusal(call) -> InvalidRequest:
+    with pytest.raises(InvalidRequest) as caught:
+        call()
+    return caught.value
+
+
+def responses(model=MODEL, **fields):
+    context = make_context(ResponseStore(), ReasoningSeal(b"k" * 32))
+    return parse_responses({"input": "Hi", **fields}, model, context)
+
+
+# ---- item 6: verbosity, store, summaries, the other route's prompt field ------------------------------
+
+
+def test_chat_verbosity_medium_is_honoured_and_low_or_high_refused_by_name():
+    with watch_fields(strict=True) as report:
+        parse_chat({"messages": HI, "verbosity": "medium"}, MODEL)
+    assert report.ignored == []
+    for value in ("low", "high"):
+        error = refusal(lambda: parse_chat({"messages": HI, "verbosity": value}, MODEL))
+        assert (error.param, error.code) == ("verbosity", "unsupported_parameter")
+    assert refusal(lambda: parse_chat({"messages": HI, "verbosity": "loud"}, MODEL)).param == "verbosity"
+
+
+def test_chat_store_true_is_refused_and_false_accepted():
+    parse_chat({"messages": HI, "store": False}, MODEL)
+    error = refusal(lambda: parse_chat({"messages": HI, "store": True}, MODEL))
+    assert (error.param, error.code) == ("store", "unsupported_parameter") and "/v1/responses" in error.message
+
+
+def test_a_prompt_sent_to_the_other_route_is_refused_by_name():
+    error = refusal(lambda: parse_chat({"prompt": "Hi"}, MODEL))
+    assert error.param == "prompt" and "/v1/completions" in error.message
+    assert refusal(lambda: parse_chat({"messages": HI, "prompt": "Hi"}, MODEL)).param == "prompt"
+    error = refusal(lambda: parse_completion({"prompt": "Hi", "messages": HI}, MODEL))
+    assert error.param == "messages" and "/v1/chat/completions" in error.message
+
+
+def test_responses_verbosity_and_summary_are_echoed_and_listed_as_ignored_even_when_strict():
+    with watch_fields(strict=True) as report:
+        job = responses(text={"verbosity": "low"}, reasoning={"effort": "low", "summary": "auto"})
+    assert report.ignored == ["text.verbosity", "reasoning.summary"]
+    assert job.spec.echo["text"]["verbosity"] == "low" and job.spec.echo["reasoning"]["summary"] == "auto"
+    with watch_fields(strict=False) as report:
+        responses(text={"verbosity": "medium"}, reasoning={"generate_summary": "concise"})
+    assert report.ignored == ["reasoning.generate_summary"]
+    assert refusal(lambda: responses(text={"verbosity": "terse"})).param == "text.verbosity"
+
+
+# ---- item 11: the cap on messages -----------------------------------------------------------------
+
+
+def test_messages_beyond_the_cap_are_a_400_naming_the_field_on_every_dialect():
+    capped = ModelInfo(name="served", max_model_len=512, vocab_size=1000, max_messages=2)
+    three = HI * 3
+    for call, param in ((lambda: parse_chat({"messages": three}, capped), "messages"),
+                        (lambda: parse_messages({"model": "m", "max_tokens": 5, "messages": three}, capped),
+                         "messages"),
+                        (lambda: responses(capped, input=[{"role": "user", "content": "Hi"}] * 3), "input")):
+        error = refusal(call)
+        assert (error.param, error.code, error.status) == (param, "too_many_messages", 400)
+        assert "at most 2" in error.message
+    assert len(parse_chat({"messages": HI * 2}, capped).prompt.messages) == 2
+    uncapped = ModelInfo(name="served", max_model_len=512, vocab_size=1000, max_messages=None)
+    assert len(parse_chat({"messages": HI * 300}, uncapped).prompt.messages) == 300
+    assert MODEL.max_messages == 256
+
+
+# ---- item 8: a thinking budget needs room for its close ----------------------------------------
+
+
+def budget_plan(budget: int | None, close_tokens: int = 3, param: str = "thinking_budget", default: int | None = None):
+    features = ChatFeatures(ThinkMarkers(), HERMES, default_thinking_budget=default)
+    plan = plan_reply(ChatOptions(thinking_budget=budget, thinking_budget_param=param), features, "<think>\n", None)
+    plan.budget_close_tokens = close_tokens
+    return plan
+
+
+def test_a_budget_the_reply_can_pass_must_leave_room_for_the_close_and_one_token():
+    plan = budget_plan(10)
+    for max_tokens in (5, 10, 14, 100):  # within the budget (never closed), or room enough
+        plan.check_budget_room(max_tokens)
+    for max_tokens in (11, 13):
+        error = refusal(lambda: plan.check_budget_room(max_tokens))
+        assert (error.param, error.code, error.status) == ("thinking_budget", BUDGET_ROOM_INSUFFICIENT, 400)
+        assert "14" in error.message
+    anthropic = budget_plan(1024, param="thinking.budget_tokens")
+    assert refusal(lambda: anthropic.check_budget_room(1025)).param == "thinking.budget_tokens"
+    server_default = budget_plan(None, default=10)
+    error = refusal(lambda: server_default.check_budget_room(12))
+    assert error.param == "max_tokens" and "server's thinking budget" in error.message
+
+
+# ---- item 11: timings and tied log probabilities -------------------------------------------------
+
+
+def test_timings_carry_milliseconds_per_token_over_the_tokens_after_the_first():
+    result = RunResult(1, list(range(10)), received=100.0)
+    timings = RequestTimings(arrival=100.0, scheduled=100.0, first_token=100.5, finished=101.5)
+    result.add(0, GenerationOutput("r", [], [1, 2, 3, 4, 5], "x", [1, 2, 3, 4, 5], "x", None, None,
+                                   FinishReason.STOP, 2, timings))
+    body = result.timings()
+    assert body["prompt_n"] == 8 and body["prompt_per_token_ms"] == pytest.approx(500.0 / 8)
+    assert body["predicted_per_token_ms"] == pytest.approx(1000.0 / 4)  # 4 intervals after the first token
+    empty = RunResult(1, [1], received=100.0)
+    empty.add(0, GenerationOutput("r", [], [], "", [], "", None, None, FinishReason.LENGTH, 1,
+                                  RequestTimings(arrival=100.0, scheduled=100.0)))
+    assert empty.timings()["prompt_per_token_ms"] == 0.0 and empty.timings()["predicted_per_token_ms"] == 0.0
+
+
+def test_a_tie_for_the_top_lists_the_token_greedy_decoding_chose_first():
+    vocab = 40
+    logits = torch.full((2, vocab), -5.0)
+    logits[0, [7, 19, 31]] = 2.0  # a three-way tie: argmax takes 7
+    logits[1, [3, 30]] = 1.0
+    logits[1, 12] = 4.0
+    sampler = Sampler(vocab, torch.device("cpu"))
+    params = SamplingParams(temperature=0.0, logprobs=3)
+    out = sampler(logits, [SamplingRow(params, [], 1, frozenset()) for _ in range(2)])
+    assert out.token_ids == [7, 12]
+    assert [t for t, _ in out.logprobs[0].top] == [7, 19, 31]
+    assert [t for t, _ in out.logprobs[1].top] == [12, 3, 30]
+    narrow = sampler(logits[:1], [SamplingRow(SamplingParams(temperature=0.0, logprobs=1), [], 1, frozenset())])
+    assert narrow.logprobs[0].top[0][0] == 7
+
+
+# ---- item 12: /generate's meta_info and chat's metadata -------------------------------------------
+
+
+def test_generate_meta_info_carries_sglangs_fields():
+    job = parse_generate({"text": "a"}, MODEL)
+    result = RunResult(1, [1, 2], received=100.0)
+    renderer = GenerateRenderer(job, result, ResponseMeta("id1", 100, "served", "fp", str))
+    output = GenerationOutput("r", [], [5, 6], "xy", [5, 6], "xy", None, None, FinishReason.LENGTH, 0,
+                              RequestTimings(arrival=100.0, scheduled=100.1, first_token=100.2, finished=100.3),
+                              num_preemptions=2, dp_rank=1)
+    info = renderer.meta_info(result.add(0, output))
+    assert info["weight_version"] == "default"
+    assert info["weight_versions"] == [{"version": "default", "start": 0, "end": 2}]
+    assert info["num_retractions"] == 2 and info["dp_rank"] == 1 and info["reasoning_tokens"] == 0
+    assert info["request_received_ts"] <= info["api_server_dispatch_finish_ts"] <= info["response_sent_to_client_ts"]
+    alone = RunResult(1, [1, 2], received=100.0)
+    lone = renderer.meta_info(alone.add(0, GenerationOutput("r", [], [5], "x", [5], "x", None, None, None, 0,
+                                                            RequestTimings(arrival=100.0))))
+    assert lone["dp_rank"] is None and lone["num_retractions"] == 0
+
+
+def test_a_whole_chat_reply_carries_metadata_with_the_weights_version():
+    job = parse_chat({"messages": HI}, MODEL)
+    result = RunResult(1, [1, 2], received=100.0)
+    result.add(0, GenerationOutput("r", [], [5, 6, 7], "abc", [5, 6, 7], "abc", None, None, FinishReason.STOP, 0,
+                                   RequestTimings(arrival=100.0)))
+    body = CHAT.renderer(job, result, ResponseMeta("id1", 100, "served", "fp", str)).response()
+    assert body["metadata"] == {"weight_version": "default",
+                                "weight_versions": [{"version": "default", "start": 0, "end": 3}]}
