@@ -28,6 +28,7 @@ from ember.server.chat_defaults import chat_features
 from ember.server.config import ServerConfig
 from ember.server.keys import KeyRing
 from ember.server.media_input import read_prompt_images
+from ember.server.model_card import component_set_sha
 from ember.server.sampling_defaults import sampling_defaults
 
 logger = logging.getLogger("ember.server")
@@ -147,6 +148,7 @@ class ServerState:
         self.loaded: LoadedModel | None = None
         self.model: ModelInfo | None = None
         self.fingerprint = ""
+        self.component_set_sha = ""  # server.model_card.component_set_sha, once loaded
         self.started = int(time.time())
         self.admission = Admission(config.max_running, config.max_pending, config.pending_timeout,
                                    config.max_pending_per_tenant)
@@ -200,6 +202,7 @@ class ServerState:
             image_marker=loaded.vision.marker if loaded.vision is not None else None)
         digest = hashlib.sha256(f"{ember.__version__}|{loaded.name}|{loaded.dtype}|{loaded.max_model_len}".encode())
         self.fingerprint = f"fp_{digest.hexdigest()[:10]}"
+        self.component_set_sha = component_set_sha(loaded, self.config)
         loaded.engine.start()
         self.status = "ok"
         for hook in self.ready_hooks:

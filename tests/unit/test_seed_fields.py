@@ -4,10 +4,13 @@ meta_info. Pure logic and the real sampler on synthetic logits (no model)."""
 
 from __future__ import annotations
 
+import socket
+
 import pytest
 import torch
 
 from ember.engine.sampler import Sampler, SamplingRow
+from ember.engine.weight_footprint import routed_experts, weight_footprint
 from ember.errors import InvalidRequest
 from ember.parsers.events import ThinkMarkers
 from ember.parsers.hermes import HERMES
@@ -20,9 +23,11 @@ from ember.protocols.openai_completions import parse_completion
 from ember.protocols.openai_responses import parse_responses
 from ember.protocols.reasoning_seal import ReasoningSeal
 from ember.protocols.unknown_fields import watch_fields
+from ember.server.cli import TCP_USER_TIMEOUT_MS, _bind
 from ember.server.response_store import ResponseStore
 from ember.server.responses_routes import make_context
 from ember.types import FinishReason, GenerationOutput, RequestTimings, SamplingParams
+from tests.models.model_builders import build_pair
 
 MODEL = ModelInfo(name="served", max_model_len=512, vocab_size=1000, chat=ChatFeatures(ThinkMarkers(), HERMES))
 HI = [{"role": "user", "content": "Hi"}]
@@ -183,3 +188,35 @@ def test_a_whole_chat_reply_carries_metadata_with_the_weights_version():
     body = CHAT.renderer(job, result, ResponseMeta("id1", 100, "served", "fp", str)).response()
     assert body["metadata"] == {"weight_version": "default",
                                 "weight_versions": [{"version": "default", "start": 0, "end": 3}]}
+
+
+# ---- item 10: the listening socket -----------------------------------------------------------------
+
+
+@pytest.mark.skipif(not hasattr(socket, "TCP_USER_TIMEOUT"), reason="TCP_USER_TIMEOUT is Linux's")
+def test_accepted_connections_carry_keepalive_and_a_15_s_user_timeout():
+    listener = _bind("127.0.0.1", 0)
+    listener.listen(1)
+    client = socket.create_connection(listener.getsockname())
+    accepted, _ = listener.accept()
+    try:
+        assert accepted.getsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT) == TCP_USER_TIMEOUT_MS == 15_000
+        assert accepted.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 1
+    finally:
+        for sock in (accepted, client, listener):
+            sock.close()
+
+
+# ---- item 10: the weights' footprint and a mixture-of-experts model's routing ----------------------
+
+
+@pytest.mark.parametrize("case", ["llama_tied_bias", "qwen3_moe_top2"])
+def test_the_weight_footprint_counts_what_the_checkpoint_holds_once(case):
+    hf_model, model, config = build_pair(case)
+    footprint = weight_footprint(model)
+    num_weights = sum(p.numel() for p in hf_model.parameters())  # a tied table and head count once
+    assert footprint.num_weights == num_weights
+    assert footprint.num_bytes == 4 * num_weights  # float32, nothing packed yet
+    assert footprint.formats["dense"] > 0
+    experts = routed_experts(config)
+    assert experts == ({"num_experts": 8, "experts_per_token": 2} if "moe" in case else None)
