@@ -18,6 +18,7 @@ from ember.context_window import ContextWindow, fit_output
 from ember.engine import invariance
 from ember.engine.cache_tiers import namespace
 from ember.engine.host_memory import release_freed_heap
+from ember.engine.weight_footprint import routed_experts, weight_footprint
 from ember.engine.images import ImageEncoder, check_spans, images_attend_both_ways
 from ember.engine.loading import load_model
 from ember.engine.messages import MediaSpan
@@ -68,6 +69,8 @@ class EngineCore:
         self.max_step_overrun = model.image_seq_len - 1 if bidirectional else 0
         self.kv_capacity_tokens, self.kv_cache_bytes = parts.kv_capacity_tokens, parts.kv_cache_bytes
         self.uses_cpu_kernels = parts.uses_cpu_kernels
+        self.weights = weight_footprint(model)  # for EngineInfo: /health and the model card
+        self.routed_experts = routed_experts(model_config)
         self._scheduled_at: dict[str, float] = {}
         self._progress_ids: set[str] = set()  # requests that asked for prefill progress outputs
         self.counters = EngineCounters()

@@ -168,12 +168,10 @@ def encode(message: msgspec.Struct) -> bytes:
 
 
 def engine_info(core) -> EngineInfo:
-    """The EngineInfo of a built EngineCore (in the worker, which has torch)."""
-    from ember.engine.weight_footprint import routed_experts, weight_footprint
-
+    """The EngineInfo of a built EngineCore."""
     kv = core.kv_manager
     host_tier = core.tiers.host if core.tiers is not None else None
-    weights = weight_footprint(core.runner.model)
+    weights = core.weights
     return EngineInfo(
         max_model_len=core.max_model_len, vocab_size=core.model_config.vocab_size,
         kv_capacity_tokens=core.kv_capacity_tokens, dtype=str(core.dtype).replace("torch.", ""),
@@ -183,4 +181,4 @@ def engine_info(core) -> EngineInfo:
         batch_invariance=core.invariance.as_dict(), tensor_parallel_size=core.config.tensor_parallel_size,
         cache_ram_bytes=host_tier.capacity_bytes if host_tier is not None else 0,
         weight_bytes=weights.num_bytes, num_weights=weights.num_weights, weight_formats=weights.formats,
-        routed_experts=routed_experts(core.model_config))
+        routed_experts=core.routed_experts)
