@@ -135,6 +135,7 @@ class GenerationRequest:
     # several prompts run together, one choice each (n is 1; prompt and params are the first's)
     batch: list[PromptRun] | None = None
     dialect_options: Any = None  # what only the dialect's own renderer reads
+    session: str | None = None  # the client's session key (prompt_cache_key), as sent
 
     def prompt_runs(self) -> list[PromptRun]:
         return self.batch if self.batch is not None else [PromptRun(self.prompt, self.params, self.prompt_param)]

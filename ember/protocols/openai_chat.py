@@ -64,7 +64,7 @@ def parse_chat(body: Any, model: ModelInfo) -> GenerationRequest:
     return GenerationRequest(prompt, params, n=n, stream=stream, include_usage=include_usage,
                              return_token_ids=return_token_ids, return_progress=return_progress,
                              timings_per_token=timings_per_token, prompt_param="messages", chat=options,
-                             grammar=grammar)
+                             grammar=grammar, session=cache_options.key)
 
 
 def read_messages(f: Fields, cache_options: OpenAICacheOptions, model: ModelInfo) -> list[dict[str, Any]]:

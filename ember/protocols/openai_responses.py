@@ -105,7 +105,7 @@ def parse_responses(body: Any, model: ModelInfo, context: ResponsesContext) -> R
     f.object("client_metadata")
     spec = ResponseSpec(input_items, history, store, include_encrypted, tools.refs, echo)
     return ResponsesRequest(prompt, params, stream=stream, prompt_param="input", chat=options, grammar=grammar,
-                            return_token_ids=return_token_ids, spec=spec)
+                            return_token_ids=return_token_ids, spec=spec, session=cache_options.key)
 
 
 def refuse_unsupported(f: Fields) -> None:

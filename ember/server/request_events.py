@@ -62,6 +62,7 @@ def start_event(record: RequestRecord) -> dict[str, Any]:
         "request_id": record.request_id,
         "protocol": record.route,
         "tenant": record.tenant,
+        "session": record.session,
         "prompt_tokens": record.prompt_tokens,
         "admission_wait_seconds": _span(record.received, record.admitted),
         "sampling": sampling_summary(params),
@@ -85,6 +86,7 @@ def telemetry(record: RequestRecord) -> dict[str, Any]:
         "request_id": record.request_id,
         "protocol": record.route,
         "tenant": record.tenant,
+        "session": record.session,
         "status": record.status,
         "received_unix": record.received,
         "prompt_tokens": record.prompt_tokens,
@@ -163,6 +165,8 @@ def log_line(record: RequestRecord) -> str:
                      f"ttft={ttft} tok/s={timings['predicted_per_second']:.1f} finish={reasons}")
         if len(result.choices) > 1:
             parts.append(f"n={len(result.choices)}")
+    if record.session is not None:
+        parts.append(f"session={record.session}")
     if record.client_gone:
         parts.append("client_gone")
     if record.error_code:

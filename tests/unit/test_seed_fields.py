@@ -9,6 +9,10 @@ import socket
 import pytest
 import torch
 
+from ember.config import EngineConfig
+from ember.engine.client import EngineClient
+from ember.engine.messages import EngineInfo, WorkerSettings
+from ember.engine.router import EngineRouter, choose_worker, prompt_block_hashes
 from ember.engine.sampler import Sampler, SamplingRow
 from ember.engine.weight_footprint import routed_experts, weight_footprint
 from ember.errors import InvalidRequest
@@ -220,3 +224,34 @@ def test_the_weight_footprint_counts_what_the_checkpoint_holds_once(case):
     assert footprint.formats["dense"] > 0
     experts = routed_experts(config)
     assert experts == ({"num_experts": 8, "experts_per_token": 2} if "moe" in case else None)
+
+
+# ---- item 9: a session stays on one data-parallel worker ----------------------------------------
+
+
+def test_the_session_s_worker_wins_a_tie_but_not_a_longer_cached_prefix():
+    assert choose_worker([0, 0], [0, 0], [5, -1], [True, True]) == 1  # the one chosen longest ago
+    assert choose_worker([0, 0], [0, 0], [5, -1], [True, True], preferred=0) == 0
+    assert choose_worker([0, 3], [0, 0], [5, -1], [True, True], preferred=0) == 1  # the prefix is cached there
+    assert choose_worker([0, 0], [5, 0], [5, -1], [True, True], preferred=0) == 1  # too far over the other
+
+
+def test_the_router_remembers_each_session_s_worker():
+    settings = WorkerSettings("m", None, None, None, None, EngineConfig(device="cpu"))
+    clients = [EngineClient(settings, None) for _ in range(2)]
+    info = EngineInfo(max_model_len=64, vocab_size=100, kv_capacity_tokens=64, dtype="float32", device="cpu",
+                      max_num_batched_tokens=64, attention_cost_tokens=None, kv_cache_blocks=16, block_size=4,
+                      kv_cache_bytes=0, eos_token_ids=[], batch_invariance={}, tensor_parallel_size=1,
+                      cache_ram_bytes=0)
+    for client in clients:
+        client.status, client.info = "ok", info
+    router = EngineRouter(clients)
+    prompt = list(range(20))
+    router.last_chosen = [-1, 7]
+    assert router.route(prompt, None, session="alice")[0] == 0
+    router.last_chosen = [9, 7]  # worker 0 was chosen since: without the session, worker 1 would be
+    assert router.route(prompt, None)[0] == 1
+    assert router.route(prompt + [1], None, session="alice")[0] == 0
+    clients[1].cached_blocks.update(prompt_block_hashes(prompt, 4, None))  # the prefix lives on worker 1
+    assert router.route(prompt, None, session="alice") == (1, 16)
+    assert router.sessions["alice"] == 1
