@@ -232,6 +232,7 @@ class EngineCore:
                 num_accepted_tokens=num_accepted,
                 cached_tokens_by_tier=request.cached_tokens_by_tier or None,
                 num_preemptions=request.num_preemptions,
+                num_budget_closes=getattr(request.constraint, "num_budget_closes", 0) if finished else 0,
             ))
             if finished:
                 self._forget(request.request_id)

@@ -82,6 +82,7 @@ class RequestTracker:
             speculation=self.speculation,
             cached_tokens_by_tier=step.cached_tokens_by_tier,
             num_preemptions=step.num_preemptions,
+            num_budget_closes=step.num_budget_closes,
         )
 
     def _through_stop(self, new_ids: list[int]) -> tuple[list[int], str, str | None]:

@@ -96,13 +96,15 @@ def _parse(body: Any, model: ModelInfo, *, counting: bool) -> MessagesRequest:
         raise InvalidRequest(f"{grammar.param} cannot be combined with a prefill (a final assistant turn of text): "
                              "the format holds the whole answer", param=grammar.param)
     template_kwargs: dict[str, Any] = {}
+    requested_effort = effort
     _, effort = settle_thinking(thinking and not prefill, effort, "output_config.effort", model.chat, template_kwargs)
     preserve_thinking = read_preserve_thinking(f, template_kwargs, model.chat.preserve_thinking)
     if prefill:
         template_kwargs["continue_final_message"] = True
     options = ChatOptions(tools=tuple(chosen if chosen is not None else tools), tool_choice=choice,
                           parallel_tool_calls=parallel, thinking=thinking and not prefill, thinking_budget=budget,
-                          reasoning_effort=effort, thinking_budget_param="thinking.budget_tokens")
+                          reasoning_effort=effort, thinking_budget_param="thinking.budget_tokens",
+                          requested_effort=requested_effort)
     breakpoints = collect_breakpoints(messages)
     if tools_ttl is not None:  # the tools end where the template's system part does
         breakpoints.insert(0, Breakpoint(1 if messages and messages[0]["role"] == "system" else 0, None, tools_ttl))

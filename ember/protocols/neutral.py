@@ -291,6 +291,7 @@ class ChoiceResult:
     error: str | None = None
     speculation: SpeculationCounts | None = None  # its drafted rounds, when it had any
     num_preemptions: int = 0  # times the engine preempted it (its KV freed, recomputed later)
+    num_budget_closes: int = 0  # times its thinking budget closed the think block
     dp_rank: int | None = None  # the data-parallel worker that ran it; None: one engine
     parser: ReplyParser | None = None  # chat replies with reasoning or tools
     events: list[ReplyEvent] = field(default_factory=list)  # what the latest output added
@@ -361,6 +362,7 @@ class RunResult:
         choice.speculation = output.speculation
         choice.num_preemptions = max(choice.num_preemptions, output.num_preemptions)  # progress outputs carry 0
         choice.dp_rank = output.dp_rank
+        choice.num_budget_closes = max(choice.num_budget_closes, output.num_budget_closes)
         if output.logprobs is not None:
             choice.logprobs = output.logprobs
         if choice.parser is not None:

@@ -73,12 +73,13 @@ def parse_responses(body: Any, model: ModelInfo, context: ResponsesContext) -> R
     check_grammar_with_tools(grammar, choice, "tool_choice")
     parallel = f.boolean("parallel_tool_calls", True)
     template_kwargs = read_template_kwargs(f, reserved=("add_generation_prompt", "continue_final_message"))
-    reasoning_echo, thinking, effort = read_reasoning(f, template_kwargs, model.chat)
+    reasoning_echo, thinking, effort, requested_effort = read_reasoning(f, template_kwargs, model.chat)
     parent_preserves = context.preserve_thinking_of(previous) if previous is not None else None
     preserve = read_preserve_thinking(f, template_kwargs, model.chat.preserve_thinking if parent_preserves is None
                                       else parent_preserves)
     options = ChatOptions(tools=tuple(callable_tools), tool_choice=choice, parallel_tool_calls=parallel,
-                          thinking=thinking, thinking_budget=read_thinking_budget(f), reasoning_effort=effort)
+                          thinking=thinking, thinking_budget=read_thinking_budget(f), reasoning_effort=effort,
+                          requested_effort=requested_effort)
 
     paths = [None] * len(history) + ["input" if isinstance(f.raw("input"), str) else f"input[{i}]"
                                      for i in range(len(input_items))]
@@ -137,8 +138,9 @@ def read_include(f: Fields) -> bool:
 
 
 def read_reasoning(f: Fields, template_kwargs: dict[str, Any],
-                   features: ChatFeatures) -> tuple[dict[str, Any], bool | None, str | None]:
-    """(the reasoning object the response repeats, thinking on/off or None, the effort). The
+                   features: ChatFeatures) -> tuple[dict[str, Any], bool | None, str | None, str | None]:
+    """(the reasoning object the response repeats, thinking on/off or None, the effort, the effort
+    the request named). The
     template's switch may also come from chat_template_kwargs.enable_thinking; a contradiction
     with reasoning.effort is refused, and so is an effort the template does not offer. The
     server's defaults apply to what the request leaves open."""
@@ -162,7 +164,7 @@ def read_reasoning(f: Fields, template_kwargs: dict[str, Any],
                                  f"{str(thinking).lower()}", param=effort_param, code="conflicting_template_option")
         thinking = wants_thinking
     thinking, settled = settle_thinking(thinking, effort, effort_param, features, template_kwargs)
-    return {"effort": settled, "summary": summary}, thinking, settled
+    return {"effort": settled, "summary": summary}, thinking, settled, effort
 
 
 def read_text(f: Fields) -> tuple[dict[str, Any], GrammarSpec | None]:

@@ -121,6 +121,7 @@ async def serve_generation(request: Request, dialect: Dialect) -> Response:
     await state.require_engine()
     body = await request.body()
     job = dialect.parse(dialect.read_body(body) if dialect.read_body else parse_body(body), state.model)
+    record.job, record.phase = job, "prepare"
     if job.session:  # the body's prompt_cache_key names the session more precisely than a header
         record.session = session_tag(job.session)
     runs = job.prompt_runs()
@@ -135,8 +136,10 @@ async def serve_generation(request: Request, dialect: Dialect) -> Response:
     if plan is not None:
         plan.check_budget_room(params.max_tokens)
     num_sequences = len(runs) * job.n
+    record.phase = "admission"
     ticket = await state.admission.acquire(num_sequences, record.tenant or DEFAULT_TENANT, params.priority > 0)
     try:
+        record.phase = "run"
         request.app.state.observability.request_started(record, job, params)
         batch_prompt_ids = prompts if job.batch is not None else None
         result = RunResult(num_sequences, prompt_token_ids, record.received, plan, fit, batch_prompt_ids)

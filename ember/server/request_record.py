@@ -40,6 +40,8 @@ class RequestRecord:
     error_type: str | None = None
     error_code: str | None = None
     error_param: str | None = None
+    error_message: str | None = None  # a refusal's own words (the request log's request_rejected)
+    phase: str = "parse"  # how far it got: parse, prepare (template, fit, constraint), admission, run
     prompt_tokens: int | None = None
     job: GenerationRequest | None = None  # the validated request, of whichever dialect
     params: SamplingParams | None = None  # its resolved sampling (max_tokens fitted to the window)
@@ -67,6 +69,7 @@ class RequestRecord:
         self.error_type = getattr(error, "type", None)
         self.error_code = getattr(error, "code", None) or getattr(error, "type", None)
         self.error_param = getattr(error, "param", None)
+        self.error_message = getattr(error, "message", None)
 
     def elapsed(self) -> float:
         return time.perf_counter() - self.started
