@@ -114,7 +114,7 @@ def _parse(body: Any, model: ModelInfo, *, counting: bool) -> MessagesRequest:
     if counting:
         params = build_sampling_params({"max_tokens": None})
     else:
-        params = read_sampling(f, model, max_tokens, max_tokens_param)
+        params = read_sampling(f, model, max_tokens, max_tokens_param, options.thinking)
         read_single_choice(f, "a message")
     stream = False if counting else f.boolean("stream", False)
     return_token_ids = False if counting else f.boolean("return_token_ids", False)
@@ -509,10 +509,11 @@ def _read_format(f: Fields, config: Fields | None) -> GrammarSpec | None:
     return read_flat_format(fmt, allow_text=False, allow_json_object=False) if fmt is not None else None
 
 
-def read_sampling(f: Fields, model: ModelInfo, max_tokens: int | None, max_tokens_param: str):
+def read_sampling(f: Fields, model: ModelInfo, max_tokens: int | None, max_tokens_param: str,
+                  thinking: bool | None):
     """Anthropic's sampling fields plus the ones other servers take on this route (min_p, the
-    penalties, seed, stop)."""
-    values: dict[str, Any] = dict(model.sampling_defaults)
+    penalties, seed, stop), over the defaults of the turn's thinking mode."""
+    values: dict[str, Any] = dict(model.sampling_defaults_for(thinking))
     values["max_tokens"] = max_tokens
     f.integer("top_k", low=0)  # 0 is off; Anthropic has no -1
     names = read_sampling_fields(f, values, stop_names=("stop_sequences", "stop"), stop_limit=MAX_STOP_SEQUENCES)

@@ -86,6 +86,8 @@ class ModelInfo:
     default_max_tokens: int | None = None  # None: up to the end of the context window
     kv_capacity_tokens: int | None = None  # the most tokens one request can hold in the KV cache
     sampling_defaults: dict[str, Any] = field(default_factory=dict)  # from the model's generation config
+    # thinking on / off -> that mode's defaults (server.sampling_defaults); empty: as sampling_defaults
+    mode_sampling_defaults: dict[bool, dict[str, Any]] = field(default_factory=dict)
     chat: ChatFeatures = field(default_factory=ChatFeatures)  # reasoning markers and tool-call format
     default_seed: int | None = None  # the seed of sampled requests that bring none (--seed); None: a fresh one each
     # text -> the id of the one token it encodes to, None when it takes more or fewer tokens
@@ -98,6 +100,13 @@ class ModelInfo:
         if self.max_messages is not None and count > self.max_messages:
             raise InvalidRequest(f"{param} holds {count} entries; this server takes at most {self.max_messages} "
                                  "(--max-messages)", param=param, code="too_many_messages")
+
+    def sampling_defaults_for(self, thinking: bool | None) -> dict[str, Any]:
+        """The defaults of a turn whose thinking is settled on or off; None (not settled: the
+        template's own default decides, or no chat at all) takes the top-level ones."""
+        if thinking is None:
+            return self.sampling_defaults
+        return self.mode_sampling_defaults.get(thinking, self.sampling_defaults)
 
     def accepts(self, model: str) -> bool:
         return model == self.name or model in self.aliases

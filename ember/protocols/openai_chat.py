@@ -52,7 +52,7 @@ def parse_chat(body: Any, model: ModelInfo) -> GenerationRequest:
     preserve_thinking = read_preserve_thinking(f, template_kwargs, model.chat.preserve_thinking)
     check_grammar_with_tools(grammar, options.tool_choice)
     logprobs = read_logprobs(f)
-    params = read_sampling(f, model, logprobs=logprobs, rename={"logprobs": "top_logprobs"})
+    params = read_sampling(f, model, logprobs=logprobs, rename={"logprobs": "top_logprobs"}, thinking=options.thinking)
     n = read_choices(f)
     stream, include_usage = read_stream(f)
     return_token_ids = f.boolean("return_token_ids", False)

@@ -88,7 +88,7 @@ def parse_responses(body: Any, model: ModelInfo, context: ResponsesContext) -> R
     breakpoints = openai_writes(collect_breakpoints(messages), cache_options)
     prompt = ChatPrompt(messages, template_kwargs, template_tools(options.tools) if options.calls_tools else None,
                         cache_breakpoints=breakpoints, preserve_thinking=preserve)
-    params = read_sampling(f, model)
+    params = read_sampling(f, model, options.thinking)
     read_single_choice(f, "a response")
     stream = f.boolean("stream", False)
     return_token_ids = f.boolean("return_token_ids", False)
@@ -209,8 +209,8 @@ def read_service_tier(f: Fields) -> str:
     return "default"
 
 
-def read_sampling(f: Fields, model: ModelInfo):
-    values: dict[str, Any] = dict(model.sampling_defaults)
+def read_sampling(f: Fields, model: ModelInfo, thinking: bool | None):
+    values: dict[str, Any] = dict(model.sampling_defaults_for(thinking))
     values["max_tokens"], max_tokens_param = read_max_tokens(
         f, ("max_output_tokens", "max_tokens", "max_completion_tokens"))
     names = read_shared_sampling(f, values)

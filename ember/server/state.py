@@ -29,7 +29,7 @@ from ember.server.config import ServerConfig
 from ember.server.keys import KeyRing
 from ember.server.media_input import read_prompt_images
 from ember.server.model_card import component_set_sha
-from ember.server.sampling_defaults import sampling_defaults
+from ember.server.sampling_defaults import mode_sampling_defaults, sampling_defaults
 
 logger = logging.getLogger("ember.server")
 
@@ -49,6 +49,7 @@ class LoadedModel:
     path: str = ""  # what was loaded: a folder or a GGUF file (a named model's, once resolved)
     kv_capacity_tokens: int | None = None
     sampling_defaults: dict[str, Any] = field(default_factory=dict)
+    mode_sampling_defaults: dict[bool, dict[str, Any]] = field(default_factory=dict)  # thinking on / off -> defaults
     dtype: str = ""
     chat: ChatFeatures = field(default_factory=ChatFeatures)
     batch_invariance: dict[str, Any] = field(default_factory=dict)  # the engine's InvarianceReport.as_dict()
@@ -69,12 +70,13 @@ def load_model(config: ServerConfig) -> LoadedModel:
     vision = source_image_processing(source, config.engine.vision)
     engine = _start_engine(config, source)
     info = engine.info
-    defaults = sampling_defaults(getattr(source, "generation_config", None) or {}, config.override_generation_config,
-                                 config.sampling_flags)
+    generation_config = getattr(source, "generation_config", None) or {}
+    layers = (generation_config, config.override_generation_config, config.sampling_flags)
+    defaults, mode_defaults = sampling_defaults(*layers), mode_sampling_defaults(*layers)
     return LoadedModel(
         engine=engine, tokenizer=tokenizer, name=source.name, path=source.path,
         max_model_len=info.max_model_len, vocab_size=info.vocab_size, kv_capacity_tokens=info.kv_capacity_tokens,
-        sampling_defaults=defaults, dtype=info.dtype, chat=chat,
+        sampling_defaults=defaults, mode_sampling_defaults=mode_defaults, dtype=info.dtype, chat=chat,
         batch_invariance=info.batch_invariance, vision=vision)
 
 
@@ -197,6 +199,7 @@ class ServerState:
             max_messages=self.config.max_messages,
             default_seed=self.config.engine.seed,
             kv_capacity_tokens=loaded.kv_capacity_tokens, sampling_defaults=loaded.sampling_defaults,
+            mode_sampling_defaults=loaded.mode_sampling_defaults,
             chat=loaded.chat, has_chat_template=loaded.tokenizer.chat_template is not None,
             single_token_id=functools.partial(_single_token_id, loaded.tokenizer, loaded.vocab_size),
             image_marker=loaded.vision.marker if loaded.vision is not None else None)

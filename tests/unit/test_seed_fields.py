@@ -17,7 +17,9 @@ from ember.engine.sampler import Sampler, SamplingRow
 from ember.engine.weight_footprint import routed_experts, weight_footprint
 from ember.errors import InvalidRequest
 from ember.parsers.events import ThinkMarkers
+from ember.parsers.events import ToolSpec
 from ember.parsers.hermes import HERMES
+from ember.parsers.reply import ReplyFormat, ReplyParser
 from ember.protocols.anthropic_messages import parse_messages
 from ember.protocols.chat_reply import BUDGET_ROOM_INSUFFICIENT, ChatFeatures, ChatOptions, plan_reply
 from ember.protocols.native_generate import GenerateRenderer, parse_generate
@@ -28,8 +30,11 @@ from ember.protocols.openai_responses import parse_responses
 from ember.protocols.reasoning_seal import ReasoningSeal
 from ember.protocols.unknown_fields import watch_fields
 from ember.server.cli import TCP_USER_TIMEOUT_MS, _bind
+from ember.server.request_events import engine_timing, telemetry, thinking_budget, tool_call_parse
+from ember.server.request_record import RequestRecord
 from ember.server.response_store import ResponseStore
 from ember.server.responses_routes import make_context
+from ember.server.sampling_defaults import check_override, mode_sampling_defaults, sampling_defaults
 from ember.types import FinishReason, GenerationOutput, RequestTimings, SamplingParams
 from tests.models.model_builders import build_pair
 
@@ -255,3 +260,101 @@ def test_the_router_remembers_each_session_s_worker():
     clients[1].cached_blocks.update(prompt_block_hashes(prompt, 4, None))  # the prefix lives on worker 1
     assert router.route(prompt, None, session="alice") == (1, 16)
     assert router.sessions["alice"] == 1
+
+
+# ---- item 7: sampling defaults by thinking mode --------------------------------------------------
+
+
+def test_each_thinking_mode_has_its_own_defaults_layered_like_the_top_level():
+    generation_config = {"temperature": 0.6, "top_p": 0.95, "top_k": 20, "eos_token_id": 2,
+                         "non_thinking": {"temperature": 0.7, "top_p": 0.8}}
+    override = {"thinking": {"presence_penalty": 1.5}, "non_thinking": {"top_p": 0.85}}
+    flags = {"top_k": 30}
+    assert sampling_defaults(generation_config, override, flags) == {"temperature": 0.6, "top_p": 0.95, "top_k": 30}
+    modes = mode_sampling_defaults(generation_config, override, flags)
+    assert modes[True] == {"temperature": 0.6, "top_p": 0.95, "top_k": 30, "presence_penalty": 1.5}
+    assert modes[False] == {"temperature": 0.7, "top_p": 0.85, "top_k": 30}
+    greedy = mode_sampling_defaults(generation_config, {}, {"temperature": 0.0})
+    assert greedy[True]["temperature"] == greedy[False]["temperature"] == 0.0  # --greedy wins in every mode
+
+
+def test_the_override_s_mode_objects_are_checked_at_the_start():
+    check_override({"top_p": 0.9, "thinking": {"temperature": 1.0}, "non_thinking": {"top_k": 20}})
+    for override, named in [({"thinking": 0.5}, "'thinking' must be an object"),
+                            ({"non_thinking": {"max_tokens": 3}}, "'non_thinking.max_tokens'"),
+                            ({"thinking": {"top_p": 0}}, "thinking.top_p"),
+                            ({"thinking": {"thinking": {}}}, "'thinking.thinking'")]:
+        with pytest.raises(ValueError, match=named):
+            check_override(override)
+
+
+def test_a_turn_starts_from_the_defaults_of_its_settled_thinking_mode():
+    model = ModelInfo(name="served", max_model_len=512, vocab_size=1000, chat=ChatFeatures(ThinkMarkers(), HERMES),
+                      sampling_defaults={"temperature": 0.6}, mode_sampling_defaults={
+                          True: {"temperature": 1.0, "top_p": 0.95}, False: {"temperature": 0.7, "top_p": 0.8}})
+    chat = lambda **fields: parse_chat({"messages": HI, **fields}, model).params
+    assert (chat().temperature, chat().top_p) == (0.6, 1.0)  # not settled: the template decides
+    assert (chat(enable_thinking=True).temperature, chat(enable_thinking=True).top_p) == (1.0, 0.95)
+    assert chat(reasoning_effort="none").temperature == 0.7
+    assert chat(enable_thinking=False, temperature=0.2).temperature == 0.2  # the request's own value wins
+    assert responses(model, reasoning={"effort": "low"}).params.temperature == 1.0
+    messages = lambda **fields: parse_messages({"model": "m", "max_tokens": 2048, "messages": HI, **fields}, model)
+    assert messages().params.temperature == 0.7  # Messages without thinking: thinking off
+    assert messages(thinking={"type": "enabled", "budget_tokens": 1024}).params.top_p == 0.95
+    assert parse_completion({"prompt": "Hi"}, model).params.temperature == 0.6
+
+
+# ---- item 13: the request log's new fields ----------------------------------------------------------
+
+
+def test_the_tool_call_parse_records_calls_recoveries_and_text_fallbacks():
+    tools = {"get_weather": ToolSpec("get_weather", {"type": "object"})}
+    parser = ReplyParser(ReplyFormat(tool_format=HERMES, tools=tools))
+    text = ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+            '<tool_call>\n{"name": "send_mail", "arguments": {}}\n</tool_call>'
+            '<tool_call>\n{"name": "get_weather", "argu')
+    parser.feed(text)
+    parser.finish()
+    reply = parser.reply
+    assert reply.num_call_blocks == 3 and len(reply.tool_calls) == 2
+    assert reply.text_fallbacks == ["not_a_declared_call"]
+    assert not reply.tool_calls[1].complete  # cut short as the reply ended
+
+
+def _finished_chat(text: str, budget: int | None, closes: int) -> RunResult:
+    features = ChatFeatures(ThinkMarkers(), HERMES)
+    options = ChatOptions(tools=(ToolSpec("get_weather", {"type": "object"}),), thinking_budget=budget)
+    plan = plan_reply(options, features, "<think>\n", None)
+    result = RunResult(1, [1, 2], received=100.0, plan=plan)
+    timings = RequestTimings(arrival=100.5, scheduled=101.0, first_token=101.5, finished=103.0)
+    result.add(0, GenerationOutput("r", [], [5, 6], text, [5, 6], text, None, None, FinishReason.STOP, 0, timings,
+                                   num_budget_closes=closes))
+    return result
+
+
+def test_request_done_says_how_calls_parsed_what_the_budget_did_and_where_engine_time_went():
+    result = _finished_chat('thought</think><tool_call>\n{"name": "nope", "arguments": {}}\n</tool_call>', 8, 1)
+    parse = tool_call_parse(result)
+    assert parse["outcome"] == "text_fallback" and parse["fallback_reasons"] == ["not_a_declared_call"]
+    assert (parse["call_blocks"], parse["calls"]) == (1, 0)
+    assert thinking_budget(result) == {"budget": 8, "source": "thinking_budget", "forced_closes": 1}
+    timing = engine_timing(result)
+    assert timing == {"queue_wait_seconds": 0.5, "prefill_seconds": 0.5, "decode_seconds": 1.5,
+                      "total_seconds": 2.5}
+    plain = _finished_chat("thought</think>Hello", None, 0)
+    assert tool_call_parse(plain)["outcome"] == "none" and thinking_budget(plain) is None
+
+
+def test_a_rejected_request_s_entry_has_its_message_phase_and_shape():
+    record = RequestRecord("POST", "/v1/chat/completions", "id")
+    record.route, record.status = "chat", 400
+    record.job, record.phase = parse_chat({"messages": HI, "reasoning_effort": "low"}, MODEL), "prepare"
+    record.note_error(InvalidRequest("max_tokens is too large", param="max_tokens"))
+    entry = telemetry(record)
+    assert entry["outcome"] == "rejected" and entry["phase"] == "prepare"
+    assert entry["message"] == "max_tokens is too large" and entry["param"] == "max_tokens"
+    assert entry["shape"]["num_messages"] == 1
+    assert (entry["shape"]["requested_reasoning_effort"], entry["shape"]["reasoning_effort"]) == ("low", "low")
+    early = RequestRecord("POST", "/v1/chat/completions", "id2")
+    early.route, early.status = "chat", 400
+    assert telemetry(early)["phase"] == "parse" and telemetry(early)["shape"] is None
