@@ -3,7 +3,7 @@ request log's events, the /debug/requests entry and the finish label of metrics.
 
 Only ids, counts, settings and times: never prompt or output text, stop strings, tool names or keys,
 except that a refused request's entry repeats the refusal's message (which names the field and
-may quote the value at fault), as the client saw it.
+may quote the value at fault), cut at MAX_LOGGED_MESSAGE characters.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ logger = logging.getLogger("ember.request")
 
 _QUIET_PATHS = ("/health", "/v1/health", "/healthz", "/metrics")  # logged at debug level: probes would drown the rest
 
+MAX_LOGGED_MESSAGE = 300
 _SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty",
                     "frequency_penalty", "seed", "max_tokens", "min_tokens", "ignore_eos", "logprobs",
                     "skip_special_tokens", "include_stop_str_in_output")
@@ -96,7 +97,7 @@ def telemetry(record: RequestRecord) -> dict[str, Any]:
     }
     if record.admitted is None:  # refused before it ran
         shape = request_shape(record.job) if record.job is not None else None
-        return {**entry, "outcome": "rejected", **_error_fields(record), "message": record.error_message,
+        return {**entry, "outcome": "rejected", **_error_fields(record), "message": _cut(record.error_message),
                 "phase": record.phase, "shape": shape}
     entry["outcome"] = "done" if terminal_kind(record) == "request_done" else "error"
     entry["sampling"] = sampling_summary(record.params)  # the seed it ran with included: a reply can be redone
@@ -235,6 +236,14 @@ def log_request(record: RequestRecord) -> None:
 
 def _error_fields(record: RequestRecord) -> dict[str, Any]:
     return {"type": record.error_type, "code": record.error_code, "param": record.error_param}
+
+
+def _cut(message: str | None) -> str | None:
+    """A refusal's message as logged: its first MAX_LOGGED_MESSAGE characters (a message may quote
+    a long value, such as an image's data URL)."""
+    if message is None or len(message) <= MAX_LOGGED_MESSAGE:
+        return message
+    return message[:MAX_LOGGED_MESSAGE] + "..."
 
 
 def _span(start: float | None, end: float | None) -> float | None:
