@@ -107,7 +107,7 @@ class ChatOptions:
     thinking_budget: int | None = None  # None: the server's default
     reasoning_effort: str | None = None
     thinking_budget_param: str = "thinking_budget"  # the dialect's name of the budget's field
-    requested_effort: str | None = None  # the effort the request named (reasoning_effort: after the server's default)
+    requested_effort: str | None = None  # as the request named it (reasoning_effort: as settled, defaults included)
 
     @property
     def calls_tools(self) -> bool:
