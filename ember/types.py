@@ -129,6 +129,9 @@ class TokenConstraint(Protocol):
         """The ids the next token may take, or None for no restriction. One id forces that token."""
         ...
 
+    # A constraint that steers reasoning also counts `num_budget_closes`: the times a thinking
+    # budget closed the think block (the engine reports it on the request's final output).
+
 
 class MaskingConstraint(TokenConstraint, Protocol):
     """A constraint that allows most of the vocabulary at a step (a grammar) speaks in a packed
@@ -177,6 +180,8 @@ class StepOutput:
     num_accepted_tokens: int = 0
     # num_cached_tokens by where they were found: "device" (the KV pool), "host", "disk"
     cached_tokens_by_tier: dict[str, int] | None = None
+    num_preemptions: int = 0  # times the request was preempted (its KV freed) so far
+    num_budget_closes: int = 0  # times a thinking budget closed the think block (final outputs)
 
 
 @dataclass(slots=True)
@@ -248,6 +253,9 @@ class GenerationOutput:
     num_pinned_tokens: int = 0  # see StepOutput
     speculation: SpeculationCounts | None = None  # set once a round of drafted tokens was verified
     cached_tokens_by_tier: dict[str, int] | None = None  # see StepOutput
+    num_preemptions: int = 0  # see StepOutput
+    num_budget_closes: int = 0  # see StepOutput
+    dp_rank: int | None = None  # the data-parallel worker that ran it; None: one engine
 
     @property
     def finished(self) -> bool:

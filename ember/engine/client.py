@@ -183,8 +183,8 @@ class EngineClient:
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams, *,
                        request_id: str | None = None, cache_salt: str | None = None,
                        constraint: ConstraintSpec | None = None, report_progress: bool = False,
-                       may_retry: Callable[[], bool] | None = None,
-                       media: Sequence[MediaSpan] = ()) -> AsyncIterator[GenerationOutput]:
+                       may_retry: Callable[[], bool] | None = None, media: Sequence[MediaSpan] = (),
+                       session: str | None = None) -> AsyncIterator[GenerationOutput]:
         """engine.contract.Engine.generate."""
         if not await self.wait_ready(None):
             raise EngineUnavailable(f"the engine is not running: {self.failed}")

@@ -39,12 +39,13 @@ class Engine(Protocol):
     def generate(self, prompt_token_ids: list[int], params: SamplingParams, *, request_id: str | None = None,
                  cache_salt: str | None = None, constraint: ConstraintSpec | None = None,
                  report_progress: bool = False, may_retry: Callable[[], bool] | None = None,
-                 media: Sequence[MediaSpan] = ()) -> AsyncIterator[GenerationOutput]:
+                 media: Sequence[MediaSpan] = (), session: str | None = None) -> AsyncIterator[GenerationOutput]:
         """Run one request and yield its outputs until it finishes (engine.streams.RequestStreams.follow).
         Refusals (context length, cache size) raise before the first output. With `report_progress`,
         prefill chunks that produce no token yield an output too, with `num_computed_prompt_tokens`.
         `may_retry()` says, should the engine's worker die, whether the request may run again from
-        the start (None: always, once). `media`: the prompt's images (messages.MediaSpan)."""
+        the start (None: always, once). `media`: the prompt's images (messages.MediaSpan). `session`:
+        the client's session key; several workers keep a session's requests on one (engine.router)."""
 
     def abort(self, request_id: str) -> None:
         """End a live request (its final output says `abort`); an unknown id is ignored."""

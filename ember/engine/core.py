@@ -18,6 +18,7 @@ from ember.context_window import ContextWindow, fit_output
 from ember.engine import invariance
 from ember.engine.cache_tiers import namespace
 from ember.engine.host_memory import release_freed_heap
+from ember.engine.weight_footprint import routed_experts, weight_footprint
 from ember.engine.images import ImageEncoder, check_spans, images_attend_both_ways
 from ember.engine.loading import load_model
 from ember.engine.messages import MediaSpan
@@ -68,6 +69,8 @@ class EngineCore:
         self.max_step_overrun = model.image_seq_len - 1 if bidirectional else 0
         self.kv_capacity_tokens, self.kv_cache_bytes = parts.kv_capacity_tokens, parts.kv_cache_bytes
         self.uses_cpu_kernels = parts.uses_cpu_kernels
+        self.weights = weight_footprint(model)  # for EngineInfo: /health and the model card
+        self.routed_experts = routed_experts(model_config)
         self._scheduled_at: dict[str, float] = {}
         self._progress_ids: set[str] = set()  # requests that asked for prefill progress outputs
         self.counters = EngineCounters()
@@ -228,6 +231,8 @@ class EngineCore:
                 num_drafted_tokens=num_drafted,
                 num_accepted_tokens=num_accepted,
                 cached_tokens_by_tier=request.cached_tokens_by_tier or None,
+                num_preemptions=request.num_preemptions,
+                num_budget_closes=getattr(request.constraint, "num_budget_closes", 0) if finished else 0,
             ))
             if finished:
                 self._forget(request.request_id)
@@ -270,7 +275,8 @@ class EngineCore:
         finished = self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
         outputs = [StepOutput(r.request_id, [], None, reason, r.num_prompt_tokens, r.num_cached_tokens,
                               scheduled_time=self._scheduled_at.get(r.request_id), error=error,
-                              cached_tokens_by_tier=r.cached_tokens_by_tier or None)
+                              cached_tokens_by_tier=r.cached_tokens_by_tier or None,
+                              num_preemptions=r.num_preemptions)
                    for r in finished]
         for request in finished:
             self._forget(request.request_id)

@@ -99,8 +99,8 @@ class AsyncEngine:
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams, *,
                        request_id: str | None = None, cache_salt: str | None = None,
                        constraint: ConstraintSpec | None = None, report_progress: bool = False,
-                       may_retry: Callable[[], bool] | None = None,
-                       media: Sequence[MediaSpan] = ()) -> AsyncIterator[GenerationOutput]:
+                       may_retry: Callable[[], bool] | None = None, media: Sequence[MediaSpan] = (),
+                       session: str | None = None) -> AsyncIterator[GenerationOutput]:
         """engine.contract.Engine.generate (a thread never restarts: `may_retry` has nothing to decide)."""
         if self.failed:
             raise EngineUnavailable(f"the engine stopped after a fault: {self.failed}")

@@ -96,6 +96,10 @@ class EngineInfo(msgspec.Struct):
     batch_invariance: dict[str, Any]
     tensor_parallel_size: int  # the ranks the model is split over (1: one process)
     cache_ram_bytes: int  # the most the host tier behind the pool holds (0: off)
+    weight_bytes: int = 0  # the loaded weights in memory (engine.weight_footprint; this rank's share)
+    num_weights: int = 0  # the weights as the checkpoint counts them (this rank's share)
+    weight_formats: dict[str, int] = msgspec.field(default_factory=dict)  # linear layers per format
+    routed_experts: dict[str, int] | None = None  # a mixture-of-experts model's routing; None: dense
 
 
 class Ready(msgspec.Struct, tag=True):
@@ -167,6 +171,7 @@ def engine_info(core) -> EngineInfo:
     """The EngineInfo of a built EngineCore."""
     kv = core.kv_manager
     host_tier = core.tiers.host if core.tiers is not None else None
+    weights = core.weights
     return EngineInfo(
         max_model_len=core.max_model_len, vocab_size=core.model_config.vocab_size,
         kv_capacity_tokens=core.kv_capacity_tokens, dtype=str(core.dtype).replace("torch.", ""),
@@ -174,4 +179,6 @@ def engine_info(core) -> EngineInfo:
         attention_cost_tokens=core.scheduler.config.attention_cost_tokens, kv_cache_blocks=kv.num_blocks - 1,
         block_size=kv.block_size, kv_cache_bytes=core.kv_cache_bytes, eos_token_ids=sorted(core.eos_token_ids),
         batch_invariance=core.invariance.as_dict(), tensor_parallel_size=core.config.tensor_parallel_size,
-        cache_ram_bytes=host_tier.capacity_bytes if host_tier is not None else 0)
+        cache_ram_bytes=host_tier.capacity_bytes if host_tier is not None else 0,
+        weight_bytes=weights.num_bytes, num_weights=weights.num_weights, weight_formats=weights.formats,
+        routed_experts=core.routed_experts)

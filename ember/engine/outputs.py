@@ -81,6 +81,8 @@ class RequestTracker:
             num_pinned_tokens=step.num_pinned_tokens,
             speculation=self.speculation,
             cached_tokens_by_tier=step.cached_tokens_by_tier,
+            num_preemptions=step.num_preemptions,
+            num_budget_closes=step.num_budget_closes,
         )
 
     def _through_stop(self, new_ids: list[int]) -> tuple[list[int], str, str | None]:

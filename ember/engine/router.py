@@ -26,6 +26,7 @@ import dataclasses
 import itertools
 import logging
 import os
+from collections import OrderedDict
 from typing import AsyncIterator, Callable, Sequence
 
 import msgspec
@@ -40,6 +41,7 @@ from ember.types import GenerationOutput, SamplingParams
 
 logger = logging.getLogger("ember.engine")
 
+MAX_SESSIONS = 4096  # sessions whose worker the router remembers (the least recent go first)
 DEFAULT_MAX_IMBALANCE = 4  # requests a worker may run over the least loaded one and still be chosen
 # A match counts only when it covers more than this share of the prompt's blocks: below it (a
 # system prompt every request shares, say) the prompt is new anywhere, and load decides.
@@ -71,12 +73,13 @@ def replica_launches(settings: WorkerSettings, count: int,
 
 def choose_worker(matched: Sequence[int], running: Sequence[int], last_chosen: Sequence[int],
                   serving: Sequence[bool], max_imbalance: int = DEFAULT_MAX_IMBALANCE,
-                  seats: int | None = None) -> int:
+                  seats: int | None = None, preferred: int | None = None) -> int:
     """The worker for a request: among those serving, with a free seat when any has one (`seats`
     each; None: no limit), and within `max_imbalance` running requests of the least loaded, the
-    one whose cache holds the most leading blocks of the prompt (`matched`), then the one running
-    fewest, then the one chosen longest ago (`last_chosen`: the number of the last request each
-    was sent, -1 for none), then the first."""
+    one whose cache holds the most leading blocks of the prompt (`matched`), then the `preferred`
+    one (the worker of the request's session: its earlier turns, whose prefix may not be cached
+    yet, ran there), then the one running fewest, then the one chosen longest ago (`last_chosen`:
+    the number of the last request each was sent, -1 for none), then the first."""
     candidates = [i for i, up in enumerate(serving) if up]
     if not candidates:
         raise EngineUnavailable("no engine worker is serving")
@@ -84,7 +87,7 @@ def choose_worker(matched: Sequence[int], running: Sequence[int], last_chosen: S
         candidates = [i for i in candidates if running[i] < seats] or candidates
     least = min(running[i] for i in candidates)
     fair = [i for i in candidates if running[i] - least <= max_imbalance]
-    return max(fair, key=lambda i: (matched[i], -running[i], -last_chosen[i], -i))
+    return max(fair, key=lambda i: (matched[i], i == preferred, -running[i], -last_chosen[i], -i))
 
 
 def prompt_block_hashes(token_ids: Sequence[int], block_size: int, cache_salt: str | None,
@@ -125,6 +128,7 @@ class EngineRouter:
         self.last_chosen = [-1] * len(clients)  # the number of the last request sent to each
         self.cached_tokens_routed = [0] * len(clients)  # prompt tokens each was chosen for holding
         self._owners: dict[str, int] = {}  # request id -> its worker
+        self.sessions: OrderedDict[str, int] = OrderedDict()  # session key -> its worker, least recent first
         self._ids = itertools.count()
         self._numbers = itertools.count()  # requests routed, numbered in order
 
@@ -208,26 +212,33 @@ class EngineRouter:
     # ---- requests -----------------------------------------------------------------------------
 
     def route(self, prompt_token_ids: Sequence[int], cache_salt: str | None,
-              media: Sequence[MediaSpan] = ()) -> tuple[int, int]:
-        """(the worker for this prompt, how many of its tokens that worker's cache holds)."""
+              media: Sequence[MediaSpan] = (), session: str | None = None) -> tuple[int, int]:
+        """(the worker for this prompt, how many of its tokens that worker's cache holds); a
+        session's worker is remembered for its next request."""
         block_size = self.info.block_size
         hashes = prompt_block_hashes(prompt_token_ids, block_size, cache_salt, media)
         matched = [leading_matches(hashes, client.cached_blocks) for client in self.clients]
         counted = [count if count > MIN_MATCH_SHARE * len(hashes) else 0 for count in matched]
         serving = [client.status == "ok" for client in self.clients]
-        index = choose_worker(counted, self.running, self.last_chosen, serving, self.max_imbalance, self.seats)
+        index = choose_worker(counted, self.running, self.last_chosen, serving, self.max_imbalance, self.seats,
+                              preferred=self.sessions.get(session) if session is not None else None)
+        if session is not None:
+            self.sessions[session] = index
+            self.sessions.move_to_end(session)
+            if len(self.sessions) > MAX_SESSIONS:
+                self.sessions.popitem(last=False)
         return index, matched[index] * block_size
 
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams, *,
                        request_id: str | None = None, cache_salt: str | None = None,
                        constraint: ConstraintSpec | None = None, report_progress: bool = False,
-                       may_retry: Callable[[], bool] | None = None,
-                       media: Sequence[MediaSpan] = ()) -> AsyncIterator[GenerationOutput]:
+                       may_retry: Callable[[], bool] | None = None, media: Sequence[MediaSpan] = (),
+                       session: str | None = None) -> AsyncIterator[GenerationOutput]:
         """EngineClient.generate on the worker `route` picks."""
         if not await self.wait_ready(None):
             raise EngineUnavailable(f"the engine is not running: {self.failed}")
         request_id = request_id or f"req-{next(self._ids)}"
-        index, cached_tokens = self.route(prompt_token_ids, cache_salt, media)
+        index, cached_tokens = self.route(prompt_token_ids, cache_salt, media, session)
         self.running[index] += 1
         self.last_chosen[index] = next(self._numbers)
         self.routed[index] += 1
@@ -237,6 +248,7 @@ class EngineRouter:
             async for output in self.clients[index].generate(
                     prompt_token_ids, params, request_id=request_id, cache_salt=cache_salt, constraint=constraint,
                     report_progress=report_progress, may_retry=may_retry, media=media):
+                output.dp_rank = index
                 yield output
         finally:
             self.running[index] -= 1

@@ -268,9 +268,22 @@ def _gather_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor, counts: li
         if k is None:
             result.append(None)
             continue
-        top = list(zip(top_ids[i, :k].tolist(), top_values[i, :k].tolist())) if k else []
+        top = _top_entries(top_ids[i].tolist(), top_values[i].tolist(), chosen_ids[i], chosen[i], k) if k else []
         result.append(TokenLogprob(chosen_ids[i], chosen[i], top, _requested(logprobs[i], requested[i])))
     return result
+
+
+def _top_entries(ids: list[int], values: list[float], chosen_id: int, chosen_logprob: float,
+                 k: int) -> list[tuple[int, float]]:
+    """The k most likely (id, logprob), best first. torch.topk orders ties as it likes; here equal
+    log probabilities list the chosen token first, then the lower id (the one argmax takes), so a
+    tie for the top lists the token greedy decoding chose first, in every batch and on every device.
+    The chosen token joins a tie at the cut even where topk left it out."""
+    entries = list(zip(ids, values))
+    if chosen_id not in ids and chosen_logprob in values:
+        entries.append((chosen_id, chosen_logprob))
+    entries.sort(key=lambda entry: (-entry[1], entry[0] != chosen_id, entry[0]))
+    return entries[:k]
 
 
 def _requested(row_logprobs: torch.Tensor, token_ids: list[int] | None) -> list[tuple[int, float]]:

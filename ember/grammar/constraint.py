@@ -49,6 +49,10 @@ class GrammarConstraint:
         self.matcher.fill_next_token_bitmask(bitmask, row)
         return True
 
+    @property
+    def num_budget_closes(self) -> int:
+        return self.reply.num_budget_closes if self.reply is not None else 0
+
     def allowed_token_ids(self, output_token_ids: Sequence[int]) -> list[int] | None:
         self._catch_up(output_token_ids)
         if self.answer_start is None:

@@ -36,6 +36,11 @@ class _Literal:
         self.written = written
 
 
+def budget_close_text(think: ThinkMarkers) -> str:
+    """What a thinking budget's close writes into the reply (counted in its tokens)."""
+    return f"\n{think.end}\n\n"
+
+
 class ReplyConstraint:
     def __init__(self, token_bytes: TokenBytes, *, think: ThinkMarkers | None = None, in_block: bool = False,
                  may_open: bool = False, budget: int | None = None, forced_call: ForcedCall | None = None) -> None:
@@ -101,7 +106,7 @@ class ReplyConstraint:
         if tracker is not None and tracker.in_block:
             if self.budget is not None and tracker.num_tokens >= self.budget:
                 self.num_budget_closes += 1
-                close = f"\n{self.think.end}\n\n".encode()
+                close = budget_close_text(self.think).encode()
                 self._literal = _Literal([close], lambda _: None)
             return
         if self._call_state != "waiting":

@@ -77,6 +77,11 @@ class ThinkMarkers:
     end: str = "</think>"
 
 
+# Why a call block went out as text: it is no call to a declared tool (malformed, or another
+# name), or the reply ended inside it before it could be read as one.
+TEXT_FALLBACK_REASONS = ("not_a_declared_call", "unclosed_block")
+
+
 @dataclass(slots=True)
 class ParsedReply:
     """A whole reply split into its parts (the sum of every event)."""
@@ -86,6 +91,12 @@ class ParsedReply:
     tool_calls: list[ToolCall] = field(default_factory=list)
     num_reasoning_tokens: int = 0
     num_dropped_calls: int = 0  # complete calls left out because parallel_tool_calls is false
+    # how the call markup was read: blocks opened, calls read whole only once their block closed
+    # (the streaming reader could not follow them) or found in a think block the reply never
+    # closed, and blocks given back as text, each with its reason (TEXT_FALLBACK_REASONS)
+    num_call_blocks: int = 0
+    num_recovered_calls: int = 0
+    text_fallbacks: list[str] = field(default_factory=list)
     parts: list[ReplyEvent] = field(default_factory=list)  # every event in order, adjacent texts of a kind joined
 
     @property

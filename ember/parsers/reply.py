@@ -169,6 +169,7 @@ class ReplyParser:
         return False
 
     def _open_block(self) -> None:
+        self.reply.num_call_blocks += 1
         self._block = self.fmt.tool_format.scanner()
         self._reader = self.fmt.tool_format.reader(self.fmt.tools)
         self._block_text = ""
@@ -231,8 +232,10 @@ class ReplyParser:
             return
         parsed = self.fmt.tool_format.parse(body, self.fmt.tools)
         if parsed is None:
+            self.reply.text_fallbacks.append("unclosed_block" if lenient else "not_a_declared_call")
             self._content(OPENER + body + ("" if lenient else CLOSER), events)
             return
+        self.reply.num_recovered_calls += 1
         self._held_space = ""
         self._wrote_since_call = False
         index = self._num_calls(events)
@@ -251,7 +254,9 @@ class ReplyParser:
             inner = ReplyParser(ReplyFormat(tool_format=self.fmt.tool_format, tools=self.fmt.tools,
                                             parallel_tool_calls=self.fmt.parallel_tool_calls))
             inner_events = inner.feed(pending[opener:]) + inner.finish()
+            self.reply.num_call_blocks += inner.reply.num_call_blocks
             if inner.reply.tool_calls:
+                self.reply.num_recovered_calls += len(inner.reply.tool_calls) + inner.reply.num_dropped_calls
                 self._emit(ReasoningText(pending[:opener]), events)
                 offset = len(self.reply.tool_calls)
                 for event in inner_events:

@@ -81,7 +81,7 @@ def _parse(body: Any, model: ModelInfo, *, counting: bool) -> MessagesRequest:
     max_tokens, max_tokens_param = (None, "max_tokens") if counting else read_max_tokens(f, MAX_TOKENS_NAMES)
     marks = AnthropicBreakpoints()
     tools, tools_ttl = read_tools(f, marks)
-    conversation, last_turn = read_messages(f, marks)
+    conversation, last_turn = read_messages(f, marks, model)
     messages = join_leading_system(read_system(f, marks), conversation)
     read_request_cache_control(f, marks, messages)
     if tools and model.chat.tool_format is None:
@@ -96,13 +96,15 @@ def _parse(body: Any, model: ModelInfo, *, counting: bool) -> MessagesRequest:
         raise InvalidRequest(f"{grammar.param} cannot be combined with a prefill (a final assistant turn of text): "
                              "the format holds the whole answer", param=grammar.param)
     template_kwargs: dict[str, Any] = {}
+    requested_effort = effort
     _, effort = settle_thinking(thinking and not prefill, effort, "output_config.effort", model.chat, template_kwargs)
     preserve_thinking = read_preserve_thinking(f, template_kwargs, model.chat.preserve_thinking)
     if prefill:
         template_kwargs["continue_final_message"] = True
     options = ChatOptions(tools=tuple(chosen if chosen is not None else tools), tool_choice=choice,
                           parallel_tool_calls=parallel, thinking=thinking and not prefill, thinking_budget=budget,
-                          reasoning_effort=effort)
+                          reasoning_effort=effort, thinking_budget_param="thinking.budget_tokens",
+                          requested_effort=requested_effort)
     breakpoints = collect_breakpoints(messages)
     if tools_ttl is not None:  # the tools end where the template's system part does
         breakpoints.insert(0, Breakpoint(1 if messages and messages[0]["role"] == "system" else 0, None, tools_ttl))
@@ -112,7 +114,7 @@ def _parse(body: Any, model: ModelInfo, *, counting: bool) -> MessagesRequest:
     if counting:
         params = build_sampling_params({"max_tokens": None})
     else:
-        params = read_sampling(f, model, max_tokens, max_tokens_param)
+        params = read_sampling(f, model, max_tokens, max_tokens_param, options.thinking)
         read_single_choice(f, "a message")
     stream = False if counting else f.boolean("stream", False)
     return_token_ids = False if counting else f.boolean("return_token_ids", False)
@@ -179,11 +181,12 @@ class _Turn:
     path: str  # of the first message of the turn
 
 
-def read_messages(f: Fields, marks: AnthropicBreakpoints) -> tuple[list[dict[str, Any]], _Turn]:
+def read_messages(f: Fields, marks: AnthropicBreakpoints, model: ModelInfo) -> tuple[list[dict[str, Any]], _Turn]:
     """(the neutral messages, the last turn they were made from)."""
     items = f.array("messages", non_empty=True)
     if items is None:
         raise InvalidRequest("messages is required: a non-empty array of messages", param="messages")
+    model.check_message_count(len(items), "messages")
     turns: list[_Turn] = []
     for i, raw in enumerate(items):
         m = Fields(raw, f"messages[{i}]")
@@ -506,10 +509,11 @@ def _read_format(f: Fields, config: Fields | None) -> GrammarSpec | None:
     return read_flat_format(fmt, allow_text=False, allow_json_object=False) if fmt is not None else None
 
 
-def read_sampling(f: Fields, model: ModelInfo, max_tokens: int | None, max_tokens_param: str):
+def read_sampling(f: Fields, model: ModelInfo, max_tokens: int | None, max_tokens_param: str,
+                  thinking: bool | None):
     """Anthropic's sampling fields plus the ones other servers take on this route (min_p, the
-    penalties, seed, stop)."""
-    values: dict[str, Any] = dict(model.sampling_defaults)
+    penalties, seed, stop), over the defaults of the turn's thinking mode."""
+    values: dict[str, Any] = dict(model.sampling_defaults_for(thinking))
     values["max_tokens"] = max_tokens
     f.integer("top_k", low=0)  # 0 is off; Anthropic has no -1
     names = read_sampling_fields(f, values, stop_names=("stop_sequences", "stop"), stop_limit=MAX_STOP_SEQUENCES)

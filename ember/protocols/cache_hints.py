@@ -117,19 +117,21 @@ class AnthropicBreakpoints:
 class OpenAICacheOptions:
     explicit: bool  # mode "explicit": no implicit breakpoint takes a write slot
     ttl_s: float
+    key: str | None = None  # prompt_cache_key: the session the request belongs to
 
 
 def read_openai_cache_options(f: Fields) -> OpenAICacheOptions:
-    """`prompt_cache_options` ({mode, ttl}); `prompt_cache_retention` and `prompt_cache_key` are
-    checked and otherwise unused (ember's cache lives in memory, and matches by content)."""
-    f.string("prompt_cache_key")
+    """`prompt_cache_options` ({mode, ttl}) and `prompt_cache_key` (the session: it tags the request
+    in the log and keeps a session on one data-parallel worker); `prompt_cache_retention` is checked
+    and otherwise unused (ember's cache lives in memory, and matches by content)."""
+    key = f.string("prompt_cache_key") or None
     f.string("prompt_cache_retention", choices=("in_memory", "24h"))
     options = f.object("prompt_cache_options")
     if options is None:
-        return OpenAICacheOptions(False, duration_seconds(OPENAI_DEFAULT_TTL, "prompt_cache_options.ttl"))
+        return OpenAICacheOptions(False, duration_seconds(OPENAI_DEFAULT_TTL, "prompt_cache_options.ttl"), key)
     mode = options.string("mode", "implicit", choices=("implicit", "explicit"))
     ttl = options.string("ttl", OPENAI_DEFAULT_TTL)
-    return OpenAICacheOptions(mode == "explicit", duration_seconds(ttl, options.path_of("ttl")))
+    return OpenAICacheOptions(mode == "explicit", duration_seconds(ttl, options.path_of("ttl")), key)
 
 
 def duration_seconds(text: str, path: str) -> float:

@@ -20,6 +20,7 @@ from ember.parsers.tool_format import ToolFormat
 AUTO, NONE, REQUIRED, FUNCTION = "auto", "none", "required", "function"
 REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
 MAX_TOOLS = 128
+BUDGET_ROOM_INSUFFICIENT = "thinking_budget_capacity_insufficient"
 TOOL_NAME = re.compile(r"[A-Za-z0-9_.:\-]{1,128}")  # what every dialect accepts as a tool's name
 # Template arguments a request may not override: they belong to the server.
 RESERVED_TEMPLATE_KWARGS = ("messages", "conversation", "tools", "documents", "tokenize", "chat_template",
@@ -105,6 +106,8 @@ class ChatOptions:
     thinking: bool | None = None  # None: the template's own default
     thinking_budget: int | None = None  # None: the server's default
     reasoning_effort: str | None = None
+    thinking_budget_param: str = "thinking_budget"  # the dialect's name of the budget's field
+    requested_effort: str | None = None  # as the request named it (reasoning_effort: as settled, defaults included)
 
     @property
     def calls_tools(self) -> bool:
@@ -132,6 +135,22 @@ class ReplyPlan:
     budget: int | None = None
     forced_call: ForcedCall | None = None
     counts_reasoning: bool = field(default=False)
+    budget_param: str | None = None  # the request's field that set the budget; None: the server's default
+    budget_close_tokens: int = 0  # the tokens the budget's close takes (the server's tokenizer counts them)
+
+    def check_budget_room(self, max_tokens: int) -> None:
+        """A reply that can run past its thinking budget must have room for the close and one token
+        after it; between the two, the close would be cut short, so the request is refused."""
+        budget = self.budget
+        if budget is None or not budget < max_tokens <= budget + self.budget_close_tokens:
+            return
+        need = budget + self.budget_close_tokens + 1
+        source = f"{self.budget_param} ({budget})" if self.budget_param else f"the server's thinking budget ({budget})"
+        raise InvalidRequest(f"{source} leaves no room to close the thinking and answer: the reply may take "
+                             f"{max_tokens} tokens, and closing after {budget} needs {need} (the close takes "
+                             f"{self.budget_close_tokens}, then one answer token); raise max_tokens to {need} or "
+                             f"more, or lower the budget below {max_tokens - self.budget_close_tokens}",
+                             param=self.budget_param or "max_tokens", code=BUDGET_ROOM_INSUFFICIENT)
 
     def parser(self) -> ReplyParser:
         return ReplyParser(self.fmt, self.token_bytes)
@@ -163,13 +182,14 @@ def plan_reply(options: ChatOptions, features: ChatFeatures, prompt_tail: str, t
                       tool_format=features.tool_format if calls else None,
                       tools={t.name: t for t in options.tools} if calls else {},
                       parallel_tool_calls=options.parallel_tool_calls)
-    budget = None
+    budget = budget_param = None
     if think is not None and options.thinking is not False and (starts_in or may_open):
         budget = options.thinking_budget or features.default_thinking_budget
+        budget_param = options.thinking_budget_param if options.thinking_budget else None
     forced = None
     if calls and options.tool_choice in (REQUIRED, FUNCTION):
         forced = ForcedCall(features.tool_format, tuple(t.name for t in options.tools))
-    return ReplyPlan(fmt, token_bytes, budget, forced, counts_reasoning=think is not None)
+    return ReplyPlan(fmt, token_bytes, budget, forced, counts_reasoning=think is not None, budget_param=budget_param)
 
 
 def _think_state(think: ThinkMarkers, prompt_tail: str) -> tuple[bool, bool]:

@@ -103,7 +103,7 @@ class QueueTimeout(EmberError):
 
     def __init__(self, waited: float, retry_after: int) -> None:
         super().__init__(f"The request waited {waited:.1f} s for a free slot without getting one "
-                         f"(--pending-timeout). Retry later.", code="queue_timeout")
+                         f"(--pending-timeout). Retry later.", code="request_queue_timeout")
         self.retry_after = retry_after
 
 
@@ -156,7 +156,8 @@ OPENAI_ERRORS = ErrorShape(body=openai_error_body, status=lambda error: error.st
 
 def error_headers(error: EmberError) -> dict[str, str]:
     retry_after = getattr(error, "retry_after", None)
-    headers = {"Retry-After": str(retry_after)} if retry_after is not None else {}
+    # x-should-retry: the OpenAI and Anthropic SDKs retry on it whatever the status says
+    headers = {"Retry-After": str(retry_after), "x-should-retry": "true"} if retry_after is not None else {}
     if error.status == 401:
         headers["WWW-Authenticate"] = "Bearer"
     return headers

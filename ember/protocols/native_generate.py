@@ -19,7 +19,7 @@ from ember.protocols.errors import OPENAI_ERRORS, openai_error_body, unsupported
 from ember.protocols.fields import Fields, as_integer, as_string, json_type
 from ember.protocols.neutral import (
     ChoiceResult, Dialect, GenerationRequest, ModelInfo, PromptRun, ResponseMeta, RunResult, TextPrompt, TokenPrompt,
-    build_sampling_params,
+    build_sampling_params, weight_versions,
 )
 from ember.protocols.openai_common import MAX_TOP_LOGPROBS, read_logit_bias, read_shared_sampling, read_token_ids
 from ember.protocols.sse import DONE, ServerEvent
@@ -310,11 +310,16 @@ class GenerateRenderer:
             "completion_tokens": completion,
             "cached_tokens": choice.num_cached_tokens,
             "cached_tokens_details": choice.cached_tokens_details,
+            "reasoning_tokens": choice.reply.num_reasoning_tokens,
+            "num_retractions": choice.num_preemptions,
+            "dp_rank": choice.dp_rank,
+            **weight_versions(completion),
             "e2e_latency": (finished or now) - received,
             "queue_time": max(scheduled - received, 0.0) if scheduled else None,
             "first_token_latency": first - received if first else None,
             "decode_throughput": (completion - 1) / decode_span if completion > 1 and decode_span > 0 else 0.0,
             "request_received_ts": received,
+            "api_server_dispatch_finish_ts": self.result.dispatched,
             "forward_entry_time": scheduled,
             "prefill_finished_time": first,
             "request_finished_ts": finished,

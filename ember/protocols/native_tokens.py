@@ -40,7 +40,8 @@ def parse_tokenize(body: Any, model: ModelInfo) -> TokenizeJob:
                                                 "add_special_tokens must be false")
     if f.has("tools"):
         raise unsupported("tools", "/tokenize counts messages only; tools are not rendered here")
-    messages = read_messages(f, read_openai_cache_options(f))  # breakpoints mean nothing here; their fields are read
+    # breakpoints mean nothing here; their fields are read all the same
+    messages = read_messages(f, read_openai_cache_options(f), model)
     template_kwargs, add_generation_prompt = read_template_options(f)
     preserve_thinking = read_preserve_thinking(f, template_kwargs, model.chat.preserve_thinking)
     prompt = ChatPrompt(messages, template_kwargs, add_generation_prompt=add_generation_prompt,

@@ -67,6 +67,12 @@ class TokenPrompt:
 
 Prompt = Union[ChatPrompt, TextPrompt, TokenPrompt]
 
+# The version of the served weights, as SGLang names it: a running ember server never swaps its
+# weights, so every token of every reply comes from this one.
+WEIGHT_VERSION = "default"
+
+DEFAULT_MAX_MESSAGES = 256  # messages one request may carry unless --max-messages says otherwise
+
 
 @dataclass(slots=True)
 class ModelInfo:
@@ -80,11 +86,27 @@ class ModelInfo:
     default_max_tokens: int | None = None  # None: up to the end of the context window
     kv_capacity_tokens: int | None = None  # the most tokens one request can hold in the KV cache
     sampling_defaults: dict[str, Any] = field(default_factory=dict)  # from the model's generation config
+    # thinking on / off -> that mode's defaults (server.sampling_defaults); empty: as sampling_defaults
+    mode_sampling_defaults: dict[bool, dict[str, Any]] = field(default_factory=dict)
     chat: ChatFeatures = field(default_factory=ChatFeatures)  # reasoning markers and tool-call format
     default_seed: int | None = None  # the seed of sampled requests that bring none (--seed); None: a fresh one each
     # text -> the id of the one token it encodes to, None when it takes more or fewer tokens
     single_token_id: Callable[[str], int | None] = lambda text: None
     image_marker: str | None = None  # what stands for an image in a text prompt; None: the model reads no images
+    max_messages: int | None = DEFAULT_MAX_MESSAGES  # messages (Responses: input items) a request may carry
+
+    def check_message_count(self, count: int, param: str) -> None:
+        """A conversation longer than --max-messages is a 400 naming its field."""
+        if self.max_messages is not None and count > self.max_messages:
+            raise InvalidRequest(f"{param} holds {count} entries; this server takes at most {self.max_messages} "
+                                 "(--max-messages)", param=param, code="too_many_messages")
+
+    def sampling_defaults_for(self, thinking: bool | None) -> dict[str, Any]:
+        """The defaults of a turn whose thinking is settled on or off; None (not settled: the
+        template's own default decides, or no chat at all) takes the top-level ones."""
+        if thinking is None:
+            return self.sampling_defaults
+        return self.mode_sampling_defaults.get(thinking, self.sampling_defaults)
 
     def accepts(self, model: str) -> bool:
         return model == self.name or model in self.aliases
@@ -122,6 +144,7 @@ class GenerationRequest:
     # several prompts run together, one choice each (n is 1; prompt and params are the first's)
     batch: list[PromptRun] | None = None
     dialect_options: Any = None  # what only the dialect's own renderer reads
+    session: str | None = None  # the client's session key (prompt_cache_key), as sent
 
     def prompt_runs(self) -> list[PromptRun]:
         return self.batch if self.batch is not None else [PromptRun(self.prompt, self.params, self.prompt_param)]
@@ -276,6 +299,9 @@ class ChoiceResult:
     timings: RequestTimings | None = None
     error: str | None = None
     speculation: SpeculationCounts | None = None  # its drafted rounds, when it had any
+    num_preemptions: int = 0  # times the engine preempted it (its KV freed, recomputed later)
+    num_budget_closes: int = 0  # times its thinking budget closed the think block
+    dp_rank: int | None = None  # the data-parallel worker that ran it; None: one engine
     parser: ReplyParser | None = None  # chat replies with reasoning or tools
     events: list[ReplyEvent] = field(default_factory=list)  # what the latest output added
 
@@ -304,6 +330,12 @@ class ChoiceResult:
         return self.parser.reply if self.parser is not None else ParsedReply(content=self.text)
 
 
+def weight_versions(num_tokens: int) -> dict[str, Any]:
+    """SGLang's weight_version fields for a reply of `num_tokens` tokens."""
+    return {"weight_version": WEIGHT_VERSION,
+            "weight_versions": [{"version": WEIGHT_VERSION, "start": 0, "end": num_tokens}]}
+
+
 def reply_token_fields(request: GenerationRequest, result: "RunResult") -> dict[str, Any]:
     """What a one-choice reply (Responses, Messages) says of its tokens once it is done: `token_sha`,
     and with return_token_ids the prompt's ids and the reply's."""
@@ -324,6 +356,7 @@ class RunResult:
         self.batch_prompt_ids = batch_prompt_ids  # a batch: choice i runs prompt i
         self.fit = fit  # how max_tokens was fitted to the context window
         self.received = received if received is not None else time.time()
+        self.dispatched = time.time()  # made once the request is admitted, as it goes to the engine
         self.plan = plan
         self.choices = [ChoiceResult(i, parser=plan.parser() if plan else None) for i in range(num_choices)]
         self.num_finished = 0
@@ -336,6 +369,9 @@ class RunResult:
         choice.num_pinned_tokens = max(choice.num_pinned_tokens, output.num_pinned_tokens)
         choice.timings = output.timings
         choice.speculation = output.speculation
+        choice.num_preemptions = max(choice.num_preemptions, output.num_preemptions)  # progress outputs carry 0
+        choice.dp_rank = output.dp_rank
+        choice.num_budget_closes = max(choice.num_budget_closes, output.num_budget_closes)
         if output.logprobs is not None:
             choice.logprobs = output.logprobs
         if choice.parser is not None:
@@ -444,13 +480,20 @@ class RunResult:
             "cache_n": cache_n,
             "prompt_n": prompt_n,
             "prompt_ms": prompt_s * 1000.0,
+            "prompt_per_token_ms": per_token_ms(prompt_s, prompt_n),
             "prompt_per_second": prompt_n / prompt_s if prompt_s > 0 else 0.0,
             "predicted_n": predicted_n,
             "predicted_ms": predicted_s * 1000.0,
+            "predicted_per_token_ms": per_token_ms(predicted_s, decoded),
             "predicted_per_second": decoded / predicted_s if predicted_s > 0 else 0.0,
             "queue_ms": _span(self.received, scheduled) * 1000.0,
             **drafts,
         }
+
+
+def per_token_ms(seconds: float, num_tokens: int) -> float:
+    """llama.cpp's milliseconds per token; 0 where no token or no time was spent (never NaN)."""
+    return seconds * 1000.0 / num_tokens if num_tokens > 0 and seconds > 0 else 0.0
 
 
 def _earliest(values) -> float | None:

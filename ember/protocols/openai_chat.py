@@ -13,8 +13,9 @@ from ember.protocols.cache_hints import (
 from ember.protocols.fields import Fields, as_string, json_type
 from ember.protocols.image_parts import misplaced_image, read_chat_image
 from ember.protocols.chat_reply import read_template_kwargs, template_tools
-from ember.protocols.neutral import ChatPrompt, ChoiceResult, Dialect, GenerationRequest, ModelInfo
+from ember.protocols.neutral import ChatPrompt, ChoiceResult, Dialect, GenerationRequest, ModelInfo, weight_versions
 from ember.protocols.openai_chat_options import read_chat_options
+from ember.protocols.output_hints import read_chat_verbosity, refuse_chat_store, refuse_other_prompt_field
 from ember.protocols.openai_common import (
     MAX_TOP_LOGPROBS, OpenAIRenderer, chat_logprobs, check_model, finish_reason, read_accepted, read_choices,
     read_sampling, read_stream,
@@ -40,8 +41,9 @@ MEDIA_PARTS = ("input_image", "input_audio", "audio_url", "video_url", "file", "
 def parse_chat(body: Any, model: ModelInfo) -> GenerationRequest:
     f = Fields(body)
     check_model(f, model)
+    refuse_other_prompt_field(f, "prompt", "/v1/completions", "messages")
     cache_options = read_openai_cache_options(f)
-    messages = read_messages(f, cache_options)
+    messages = read_messages(f, cache_options, model)
     breakpoints = openai_writes(collect_breakpoints(messages), cache_options)
     grammar = read_openai_structured(f)
     refuse_unsupported_outputs(f)
@@ -50,7 +52,7 @@ def parse_chat(body: Any, model: ModelInfo) -> GenerationRequest:
     preserve_thinking = read_preserve_thinking(f, template_kwargs, model.chat.preserve_thinking)
     check_grammar_with_tools(grammar, options.tool_choice)
     logprobs = read_logprobs(f)
-    params = read_sampling(f, model, logprobs=logprobs, rename={"logprobs": "top_logprobs"})
+    params = read_sampling(f, model, logprobs=logprobs, rename={"logprobs": "top_logprobs"}, thinking=options.thinking)
     n = read_choices(f)
     stream, include_usage = read_stream(f)
     return_token_ids = f.boolean("return_token_ids", False)
@@ -62,13 +64,14 @@ def parse_chat(body: Any, model: ModelInfo) -> GenerationRequest:
     return GenerationRequest(prompt, params, n=n, stream=stream, include_usage=include_usage,
                              return_token_ids=return_token_ids, return_progress=return_progress,
                              timings_per_token=timings_per_token, prompt_param="messages", chat=options,
-                             grammar=grammar)
+                             grammar=grammar, session=cache_options.key)
 
 
-def read_messages(f: Fields, cache_options: OpenAICacheOptions) -> list[dict[str, Any]]:
+def read_messages(f: Fields, cache_options: OpenAICacheOptions, model: ModelInfo) -> list[dict[str, Any]]:
     items = f.array("messages", non_empty=True)
     if items is None:
         raise InvalidRequest("messages is required: a non-empty array of messages", param="messages")
+    model.check_message_count(len(items), "messages")
     return [read_message(Fields(item, f"messages[{i}]"), cache_options) for i, item in enumerate(items)]
 
 
@@ -189,6 +192,8 @@ def refuse_unsupported_outputs(f: Fields) -> None:
         raise unsupported("modalities", "this model produces text only; modalities must be ['text']")
     if f.has("web_search_options"):
         raise unsupported("web_search_options", "web search is not available on this server")
+    read_chat_verbosity(f)
+    refuse_chat_store(f)
 
 
 def read_template_options(f: Fields) -> tuple[dict[str, Any], bool]:
@@ -274,7 +279,10 @@ class ChatRenderer(OpenAIRenderer):
                 "logprobs": {"content": chat_logprobs(choice.logprobs, self.meta.token_text)} if logprobs else None}
 
     def response(self) -> dict[str, Any]:
-        return self.whole_response("chat.completion")
+        """The whole reply, with SGLang's `metadata` (the weights' version) beside usage."""
+        body = self.whole_response("chat.completion")
+        body["metadata"] = weight_versions(self.result.num_completion_tokens)
+        return body
 
 
 CHAT = Dialect(name="chat", id_prefix="chatcmpl-", parse=parse_chat, renderer=ChatRenderer,

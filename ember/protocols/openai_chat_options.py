@@ -34,10 +34,10 @@ def read_chat_options(f: Fields, template_kwargs: dict[str, Any], model: ModelIn
     choice, chosen = read_tool_choice(f, tools)
     if chosen is not None:
         tools = chosen
-    thinking, effort = read_thinking(f, template_kwargs, model.chat)
+    thinking, effort, requested = read_thinking(f, template_kwargs, model.chat)
     budget = read_thinking_budget(f)
     return ChatOptions(tools=tuple(tools), tool_choice=choice, parallel_tool_calls=f.boolean("parallel_tool_calls", True),
-                       thinking=thinking, thinking_budget=budget, reasoning_effort=effort)
+                       thinking=thinking, thinking_budget=budget, reasoning_effort=effort, requested_effort=requested)
 
 
 def read_tools(f: Fields) -> list[ToolSpec]:
@@ -105,10 +105,10 @@ def _declared(tools: list[ToolSpec], name: str | None, param: str) -> ToolSpec:
 
 
 def read_thinking(f: Fields, template_kwargs: dict[str, Any],
-                  features: ChatFeatures) -> tuple[bool | None, str | None]:
-    """(thinking on/off or None for the template's default, the reasoning effort) from the top-level
-    fields and their chat_template_kwargs spellings, then the server's defaults; contradictions are
-    refused, and so is an effort the template does not offer."""
+                  features: ChatFeatures) -> tuple[bool | None, str | None, str | None]:
+    """(thinking on/off or None for the template's default, the reasoning effort, the effort the
+    request itself named) from the top-level fields and their chat_template_kwargs spellings, then
+    the server's defaults; contradictions are refused, and so is an effort the template does not offer."""
     enable = f.boolean("enable_thinking")
     in_kwargs = template_kwargs.get("enable_thinking")
     if in_kwargs is not None:
@@ -130,4 +130,4 @@ def read_thinking(f: Fields, template_kwargs: dict[str, Any],
             raise InvalidRequest(f"reasoning_effort '{effort}' contradicts enable_thinking {str(enable).lower()}",
                                  param="reasoning_effort", code="conflicting_template_option")
         enable = wants_thinking
-    return settle_thinking(enable, effort, effort_param, features, template_kwargs)
+    return (*settle_thinking(enable, effort, effort_param, features, template_kwargs), effort)

@@ -29,9 +29,10 @@ def check_model(f: Fields, model: ModelInfo) -> None:
 
 
 def read_sampling(f: Fields, model: ModelInfo, *, logprobs: int | None,
-                  rename: dict[str, str] | None = None) -> SamplingParams:
-    """The sampling fields both endpoints honour, validated into SamplingParams."""
-    values: dict[str, Any] = dict(model.sampling_defaults)
+                  rename: dict[str, str] | None = None, thinking: bool | None = None) -> SamplingParams:
+    """The sampling fields both endpoints honour, validated into SamplingParams, over the defaults
+    of the turn's thinking mode (None: not settled, or not a chat)."""
+    values: dict[str, Any] = dict(model.sampling_defaults_for(thinking))
     values["max_tokens"], max_tokens_param = read_max_tokens(f, ("max_completion_tokens", "max_tokens"))
     names = read_shared_sampling(f, values)
     values["stop_token_ids"] = read_token_ids(f, "stop_token_ids", model.vocab_size)

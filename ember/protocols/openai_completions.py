@@ -12,6 +12,7 @@ from ember.protocols.openai_common import (
     MAX_TOP_LOGPROBS, OpenAIRenderer, check_model, completion_logprobs, read_accepted,
     read_choices, read_sampling, read_stream,
 )
+from ember.protocols.output_hints import refuse_other_prompt_field
 from ember.protocols.structured import read_openai_structured
 from ember.protocols.progress import read_stream_extras
 from ember.protocols.sse import ServerEvent
@@ -23,6 +24,7 @@ from ember.protocols.unknown_fields import reads_fields
 def parse_completion(body: Any, model: ModelInfo) -> GenerationRequest:
     f = Fields(body)
     check_model(f, model)
+    refuse_other_prompt_field(f, "messages", "/v1/chat/completions", "prompt")
     prompt = read_prompt(f, model.vocab_size)
     grammar = read_openai_structured(f)
     n = read_choices(f)

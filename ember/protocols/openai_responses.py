@@ -19,6 +19,7 @@ from ember.protocols.errors import OPENAI_ERRORS, unsupported
 from ember.protocols.fields import Fields, as_string
 from ember.protocols.neutral import ChatPrompt, Dialect, ModelInfo, build_sampling_params
 from ember.protocols.openai_common import check_model, read_shared_sampling
+from ember.protocols.output_hints import read_reasoning_summary, read_text_verbosity
 from ember.protocols.responses_items import read_input, to_messages
 from ember.protocols.responses_render import ResponsesRenderer
 from ember.protocols.responses_request import ResponsesContext, ResponseSpec, ResponsesRequest
@@ -54,7 +55,10 @@ def parse_responses(body: Any, model: ModelInfo, context: ResponsesContext) -> R
                                  "(store: false), was deleted, was evicted, or the server restarted",
                                  param="previous_response_id", code="previous_response_not_found")
         history = stored
-    input_items = read_input(f.raw("input"), context.seal)
+    raw_input = f.raw("input")
+    if isinstance(raw_input, list):
+        model.check_message_count(len(raw_input), "input")
+    input_items = read_input(raw_input, context.seal)
     if not input_items and not history:
         raise InvalidRequest("input is required: a string or an array of items", param="input")
     store = f.boolean("store", True)
@@ -69,12 +73,13 @@ def parse_responses(body: Any, model: ModelInfo, context: ResponsesContext) -> R
     check_grammar_with_tools(grammar, choice, "tool_choice")
     parallel = f.boolean("parallel_tool_calls", True)
     template_kwargs = read_template_kwargs(f, reserved=("add_generation_prompt", "continue_final_message"))
-    reasoning_echo, thinking, effort = read_reasoning(f, template_kwargs, model.chat)
+    reasoning_echo, thinking, effort, requested_effort = read_reasoning(f, template_kwargs, model.chat)
     parent_preserves = context.preserve_thinking_of(previous) if previous is not None else None
     preserve = read_preserve_thinking(f, template_kwargs, model.chat.preserve_thinking if parent_preserves is None
                                       else parent_preserves)
     options = ChatOptions(tools=tuple(callable_tools), tool_choice=choice, parallel_tool_calls=parallel,
-                          thinking=thinking, thinking_budget=read_thinking_budget(f), reasoning_effort=effort)
+                          thinking=thinking, thinking_budget=read_thinking_budget(f), reasoning_effort=effort,
+                          requested_effort=requested_effort)
 
     paths = [None] * len(history) + ["input" if isinstance(f.raw("input"), str) else f"input[{i}]"
                                      for i in range(len(input_items))]
@@ -83,7 +88,7 @@ def parse_responses(body: Any, model: ModelInfo, context: ResponsesContext) -> R
     breakpoints = openai_writes(collect_breakpoints(messages), cache_options)
     prompt = ChatPrompt(messages, template_kwargs, template_tools(options.tools) if options.calls_tools else None,
                         cache_breakpoints=breakpoints, preserve_thinking=preserve)
-    params = read_sampling(f, model)
+    params = read_sampling(f, model, options.thinking)
     read_single_choice(f, "a response")
     stream = f.boolean("stream", False)
     return_token_ids = f.boolean("return_token_ids", False)
@@ -101,7 +106,7 @@ def parse_responses(body: Any, model: ModelInfo, context: ResponsesContext) -> R
     f.object("client_metadata")
     spec = ResponseSpec(input_items, history, store, include_encrypted, tools.refs, echo)
     return ResponsesRequest(prompt, params, stream=stream, prompt_param="input", chat=options, grammar=grammar,
-                            return_token_ids=return_token_ids, spec=spec)
+                            return_token_ids=return_token_ids, spec=spec, session=cache_options.key)
 
 
 def refuse_unsupported(f: Fields) -> None:
@@ -133,8 +138,9 @@ def read_include(f: Fields) -> bool:
 
 
 def read_reasoning(f: Fields, template_kwargs: dict[str, Any],
-                   features: ChatFeatures) -> tuple[dict[str, Any], bool | None, str | None]:
-    """(the reasoning object the response repeats, thinking on/off or None, the effort). The
+                   features: ChatFeatures) -> tuple[dict[str, Any], bool | None, str | None, str | None]:
+    """(the reasoning object the response repeats, thinking on/off or None, the effort, the effort
+    the request named). The
     template's switch may also come from chat_template_kwargs.enable_thinking; a contradiction
     with reasoning.effort is refused, and so is an effort the template does not offer. The
     server's defaults apply to what the request leaves open."""
@@ -146,8 +152,7 @@ def read_reasoning(f: Fields, template_kwargs: dict[str, Any],
     effort = summary = None
     if reasoning is not None:
         effort = reasoning.string("effort", choices=REASONING_EFFORTS)
-        summary = reasoning.string("summary", choices=("auto", "concise", "detailed"))
-        reasoning.string("generate_summary", choices=("auto", "concise", "detailed"))
+        summary = read_reasoning_summary(reasoning)
     effort_param = "reasoning.effort"
     if effort is None and template_kwargs.get("reasoning_effort") is not None:
         effort_param = "chat_template_kwargs.reasoning_effort"
@@ -159,7 +164,7 @@ def read_reasoning(f: Fields, template_kwargs: dict[str, Any],
                                  f"{str(thinking).lower()}", param=effort_param, code="conflicting_template_option")
         thinking = wants_thinking
     thinking, settled = settle_thinking(thinking, effort, effort_param, features, template_kwargs)
-    return {"effort": settled, "summary": summary}, thinking, settled
+    return {"effort": settled, "summary": summary}, thinking, settled, effort
 
 
 def read_text(f: Fields) -> tuple[dict[str, Any], GrammarSpec | None]:
@@ -173,7 +178,7 @@ def read_text(f: Fields) -> tuple[dict[str, Any], GrammarSpec | None]:
     if fmt is not None:
         grammar = read_flat_format(fmt)
         echo["format"] = dict(fmt.obj)
-    verbosity = text.string("verbosity", choices=("low", "medium", "high"))
+    verbosity = read_text_verbosity(text)
     if verbosity is not None:
         echo["verbosity"] = verbosity
     return echo, grammar
@@ -204,8 +209,8 @@ def read_service_tier(f: Fields) -> str:
     return "default"
 
 
-def read_sampling(f: Fields, model: ModelInfo):
-    values: dict[str, Any] = dict(model.sampling_defaults)
+def read_sampling(f: Fields, model: ModelInfo, thinking: bool | None):
+    values: dict[str, Any] = dict(model.sampling_defaults_for(thinking))
     values["max_tokens"], max_tokens_param = read_max_tokens(
         f, ("max_output_tokens", "max_tokens", "max_completion_tokens"))
     names = read_shared_sampling(f, values)

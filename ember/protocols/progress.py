@@ -7,7 +7,7 @@ import time
 from typing import Any
 
 from ember.protocols.fields import Fields
-from ember.protocols.neutral import RunResult
+from ember.protocols.neutral import RunResult, per_token_ms
 from ember.types import FinishReason, GenerationOutput
 
 
@@ -67,5 +67,6 @@ def running_timings(result: RunResult) -> dict[str, float | int]:
     seconds = max(time.time() - first, 0.0)
     decoded = max(timings["predicted_n"] - sum(1 for c in result.choices if c.token_ids), 0)
     timings["predicted_ms"] = seconds * 1000.0
+    timings["predicted_per_token_ms"] = per_token_ms(seconds, decoded)
     timings["predicted_per_second"] = decoded / seconds if seconds > 0 else 0.0
     return timings

@@ -127,6 +127,14 @@ def settle(unknown: list[str]) -> None:
         report.ignored.extend(unknown)
 
 
+def note_ignored(name: str) -> None:
+    """A field ember reads and does not act on, accepted because agent clients send it by habit:
+    listed in the header beside the unknown ones (never refused, being known). `name` is its path."""
+    report = _report.get()
+    if report is not None:
+        report.ignored.append(name)
+
+
 def _shown(name: str) -> str:
     """A client's field name as a message or log line shows it: quoted, cut, control characters escaped."""
     if _PLAIN_NAME.fullmatch(name):

@@ -18,6 +18,7 @@ from ember.protocols.openai_chat import CHAT
 from ember.protocols.openai_completions import COMPLETIONS
 from ember.server.config import ServerConfig
 from ember.server.metrics import Metrics
+from ember.server.model_card import model_card, weight_fields
 from ember.server.middleware import GuardMiddleware, RequestContextMiddleware, error_response
 from ember.server.observability import Observability
 from ember.server.origin_guard import OriginGuardMiddleware
@@ -102,22 +103,10 @@ def _add_routes(app: FastAPI, state: ServerState, observability: Observability) 
                       include_in_schema=False)
     add_ui_routes(app, state.config.ui, health)
 
-    def model_card() -> dict:
-        chat = state.model.chat
-        card = {"id": state.model.name, "object": "model", "created": state.started, "owned_by": "ember",
-                "max_model_len": state.model.max_model_len, "kv_cache_tokens": state.model.kv_capacity_tokens,
-                "cache_ram_mib": state.loaded.engine.info.cache_ram_bytes // 2**20,
-                "capabilities": {"reasoning": chat.think is not None, "tool_calls": chat.tool_format is not None}}
-        if state.loaded.vision is not None:  # the limits a client (the chat page) can check before sending
-            limits = state.config.media_limits
-            card["capabilities"]["vision"] = True
-            card["max_images"], card["max_image_bytes"] = limits.max_images, limits.max_image_bytes
-        return card
-
     @app.get("/v1/models", summary="The served model")
     async def list_models() -> dict:
         state.require_ready()
-        return {"object": "list", "data": [model_card()]}
+        return {"object": "list", "data": [model_card(state, name) for name in (state.model.name, *state.model.aliases)]}
 
     @app.get("/v1/models/{model_id:path}", summary="One model, by id",
              responses={404: {"description": "Another id (model_not_found)."}})
@@ -125,7 +114,7 @@ def _add_routes(app: FastAPI, state: ServerState, observability: Observability) 
         state.require_ready()
         if not state.model.accepts(model_id):
             raise ModelNotFound(model_id, state.model.name)
-        return model_card()
+        return model_card(state, model_id)
 
     @app.post("/v1/chat/completions", summary="Chat completion", **generation_route_docs("ChatCompletionRequest"))
     async def chat_completions(request: Request) -> Response:
@@ -164,6 +153,10 @@ def health_counters(state: ServerState, observability: Observability, stats: dic
         "requests_running": state.admission.num_running,
         "requests_waiting": state.admission.num_waiting,
         "requests_finished": observability.requests_finished,
+        # what is loaded: the id replies carry (system_fingerprint) and the digest of every component
+        "deployment_id": state.fingerprint, "component_set_sha": state.component_set_sha,
+        **weight_fields(state.loaded), "prefix_cache": state.config.engine.enable_prefix_caching,
+        "slots": state.config.engine.max_num_seqs, "routed_experts": info.routed_experts if info is not None else None,
     }
     # The same numbers under the names other servers' pollers read.
     running, waiting = body["requests_running"], body["requests_waiting"]
@@ -183,6 +176,8 @@ def health_counters(state: ServerState, observability: Observability, stats: dic
                     rounds_total=stats.get("num_steps"),
                     draft_tokens_total=stats.get("spec_proposed_tokens"),
                     draft_tokens_accepted_total=stats.get("spec_accepted_tokens"),
+                    drafted_total=stats.get("spec_proposed_tokens"),  # document 001's names of the two
+                    accepted_total=stats.get("spec_accepted_tokens"),
                     streams={"decoding": stats.get("num_running", 0) - prefilling, "prefilling": prefilling,
                              "max": state.config.max_running},
                     engine=stats, **cache_tier_fields(stats["cache_tiers"]))

@@ -99,6 +99,7 @@ def _open_request_log(path: str | None):
 
 
 _SEND_BUFFER_BYTES = 256 << 10  # Linux doubles it for its own bookkeeping
+TCP_USER_TIMEOUT_MS = 15_000
 
 
 def _bind(host: str, port: int) -> socket.socket:
@@ -108,7 +109,10 @@ def _bind(host: str, port: int) -> socket.socket:
     # TCP keepalive, inherited by accepted connections: a peer that vanished without a word (a
     # laptop closed, a network gone) is noticed in about two minutes and its requests end.
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-    for option, value in (("TCP_KEEPIDLE", 60), ("TCP_KEEPINTVL", 10), ("TCP_KEEPCNT", 6)):
+    # TCP_USER_TIMEOUT: data the peer leaves unacknowledged for 15 s ends the connection, so a peer
+    # gone mid-stream is noticed in seconds, not after the kernel's retransmissions (minutes).
+    for option, value in (("TCP_KEEPIDLE", 60), ("TCP_KEEPINTVL", 10), ("TCP_KEEPCNT", 6),
+                          ("TCP_USER_TIMEOUT", TCP_USER_TIMEOUT_MS)):
         if hasattr(socket, option):
             sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, option), value)
     # A bounded send buffer (the kernel would grow it to 4 MiB): a client that stops reading then

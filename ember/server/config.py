@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from ember.config import EngineConfig
 from ember.media.limits import MediaLimits
 from ember.media.sources import ImageFetching
+from ember.protocols.neutral import DEFAULT_MAX_MESSAGES
 
 
 @dataclass(slots=True)
@@ -28,6 +29,7 @@ class ServerConfig:
     cors_origins: list[str] = field(default_factory=list)
     allowed_hosts: list[str] = field(default_factory=list)  # host names requests may use besides the address
     default_max_tokens: int | None = None
+    max_messages: int | None = DEFAULT_MAX_MESSAGES  # messages per request; None: no cap
     chat_template: str | None = None  # template text replacing the model's own
     reasoning_parser: str = "auto"  # auto | none | think
     tool_call_parser: str = "auto"  # auto | none | hermes | qwen3_xml
@@ -68,6 +70,8 @@ class ServerConfig:
             raise ValueError(f"pending_timeout must be 0 or more seconds, got {self.pending_timeout}")
         if self.max_request_bytes < 1:
             raise ValueError("the request size limit must be positive")
+        if self.max_messages is not None and self.max_messages < 1:
+            raise ValueError(f"--max-messages must be at least 1 (0: no cap), got {self.max_messages}")
         if self.default_max_tokens is not None and self.default_max_tokens < 1:
             raise ValueError(f"default_max_tokens must be positive, got {self.default_max_tokens}")
         if self.default_thinking_budget is not None and self.default_thinking_budget < 1:

@@ -9,6 +9,7 @@ from the key file, so a bounded set).
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from typing import Any, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, Info, generate_latest
@@ -17,6 +18,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from ember.server.request_record import RequestRecord
 from ember.server.request_events import finish_label
 
+_REMEMBERED_SESSIONS = 4096  # sessions kept to tell a new one from a returning one
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 _TOKEN_TIME_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 1, 2.5, 5)
 # The route label of the other routes: a fixed set, since a path may be anything a client sends.
@@ -182,6 +184,12 @@ class Metrics:
                                      registry=r)
         self.tenant_requests = Counter("ember:tenant_requests", "HTTP requests answered, by the tenant of their key",
                                        ["tenant", "route", "status"], registry=r)
+        # Sessions are unbounded in number, so they are counted, never a label (the request log names each)
+        self.session_requests = Counter("ember:session_requests", "Generation requests that named a session "
+                                        "(prompt_cache_key or X-Session-Id)", ["route"], registry=r)
+        self.sessions_seen = Counter("ember:sessions", "Sessions seen for the first time (of the last "
+                                     f"{_REMEMBERED_SESSIONS} remembered)", registry=r)
+        self._recent_sessions: OrderedDict[str, None] = OrderedDict()
         self.finished = Counter("ember:requests_finished", "Generation requests that ran and ended",
                                 ["route", "finished_reason"], registry=r)
         self.ttft = Histogram("ember:time_to_first_token_seconds", "From arrival to the first generated token",
@@ -205,6 +213,8 @@ class Metrics:
             self.tenant_requests.labels(record.tenant, route, str(record.status or 0)).inc()
         if record.admitted is None:  # not a generation request, or refused before it ran
             return
+        if record.session is not None:
+            self._count_session(record.session, route)
         self.finished.labels(route, finish_label(record)).inc()
         self.e2e.labels(route).observe(record.elapsed())
         result = record.result
@@ -221,6 +231,16 @@ class Metrics:
                 continue
             self.tpot.labels(route).observe(max(stamps.finished - stamps.first_token, 0.0)
                                             / (len(choice.token_ids) - 1))
+
+    def _count_session(self, session: str, route: str) -> None:
+        self.session_requests.labels(route).inc()
+        if session in self._recent_sessions:
+            self._recent_sessions.move_to_end(session)
+            return
+        self.sessions_seen.inc()
+        self._recent_sessions[session] = None
+        if len(self._recent_sessions) > _REMEMBERED_SESSIONS:
+            self._recent_sessions.popitem(last=False)
 
     def render(self, admission, engine_stats: dict[str, Any] | None, worker: dict[str, Any] | None = None) -> bytes:
         """The text exposition, with the gauges and engine counters as of now."""

@@ -50,7 +50,9 @@ class Observability:
             config = self.state.config
             self.request_log.write(
                 "server_start", ember_version=ember.__version__, model=identity, engine=engine,
-                memory=memory_budget(loaded), batch_invariance=loaded.batch_invariance, server={
+                memory=memory_budget(loaded), batch_invariance=loaded.batch_invariance,
+                sampling_defaults=sampling_settings(config, loaded), thinking_defaults=thinking_settings(loaded),
+                server={
                     "host": config.host, "port": config.port, "api_key_required": self.state.keys.required,
                     "max_pending": config.max_pending, "pending_timeout_seconds": config.pending_timeout,
                     "max_request_bytes": config.max_request_bytes, "default_max_tokens": config.default_max_tokens,
@@ -99,6 +101,23 @@ def engine_settings(config, loaded) -> dict[str, Any]:
                     max_num_batched_tokens=info.max_num_batched_tokens,
                     attention_cost_tokens=info.attention_cost_tokens)
     return settings
+
+
+def sampling_settings(config, loaded) -> dict[str, Any]:
+    """The sampling defaults requests start from: the top level (no settled thinking, or no chat)
+    and each thinking mode's, as resolved, and the process's own layers over the model's."""
+    modes = loaded.mode_sampling_defaults
+    return {"default": loaded.sampling_defaults, "thinking": modes.get(True), "non_thinking": modes.get(False),
+            "override_generation_config": config.override_generation_config, "flags": config.sampling_flags}
+
+
+def thinking_settings(loaded) -> dict[str, Any]:
+    """The thinking defaults of requests that leave them open (protocols.chat_reply.ChatFeatures)."""
+    chat = loaded.chat
+    return {"reasoning": chat.think is not None, "default_thinking": chat.default_thinking,
+            "default_reasoning_effort": chat.default_reasoning_effort, "efforts": chat.efforts,
+            "default_thinking_budget": chat.default_thinking_budget, "preserve_thinking": chat.preserve_thinking,
+            "tool_calls": chat.tool_format is not None}
 
 
 def memory_budget(loaded) -> dict[str, Any]:

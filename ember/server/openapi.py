@@ -69,7 +69,8 @@ CACHE_FIELDS = {
                              "pinned, explicit: the latest 4) and ttl (30m by default, 1m to 24h).",
                              "properties": {"mode": {"enum": ["implicit", "explicit"]}, "ttl": {"type": "string"}}},
     "prompt_cache_retention": {"enum": ["in_memory", "24h"], "description": "Checked; not used."},
-    "prompt_cache_key": {"type": "string", "description": "Accepted; not used."},
+    "prompt_cache_key": {"type": "string", "description": "The request's session: tags it in the request log "
+                         "and metrics (as X-Session-Id does) and keeps a session on one data-parallel worker."},
 }
 _BREAKPOINT = {"type": "object", "properties": {"mode": {"const": "explicit"}},
                "description": "Pin the prompt up to the end of this part in the prefix cache."}

@@ -26,7 +26,7 @@ from ember.protocols.sse import ServerEvent, encode
 from ember.server.event_stream import EventStreamResponse, wait_for_disconnect
 from ember.server.keys import DEFAULT_TENANT
 from ember.server.middleware import ClientGone
-from ember.server.request_record import RequestRecord
+from ember.server.request_record import RequestRecord, session_tag
 from ember.server.state import ServerState
 from ember.types import FinishReason, GenerationOutput, SamplingParams
 
@@ -42,7 +42,7 @@ class ChoiceRun:
 
     def __init__(self, engine, prompts: list[list[int]], params: list[SamplingParams], request_id: str,
                  report_progress: bool = False, constraint: ConstraintSpec | None = None,
-                 media: list[list[MediaSpan]] | None = None) -> None:
+                 media: list[list[MediaSpan]] | None = None, session: str | None = None) -> None:
         self.engine = engine
         self.prompts = prompts  # one per choice: a request's n choices share one list, a batch's differ
         self.params = params
@@ -51,6 +51,7 @@ class ChoiceRun:
         self.request_id = request_id
         self.report_progress = report_progress
         self.constraint = constraint  # the engine builds each choice a live constraint of its own from it
+        self.session = session  # the client's session: a router keeps it on one worker
         self.shared_prompt = all(p is prompts[0] for p in prompts)
         self.delivered = False  # some of the reply reached the client: it can no longer run again
         self._queue: asyncio.Queue = asyncio.Queue()
@@ -63,6 +64,8 @@ class ChoiceRun:
             extra["constraint"] = self.constraint
         if self.media is not None and self.media[index]:
             extra["media"] = self.media[index]
+        if self.session is not None:
+            extra["session"] = self.session
         try:
             async for output in self.engine.generate(self.prompts[index], self.params[index], request_id=request_id,
                                                      may_retry=self.may_retry, **extra):
@@ -118,6 +121,9 @@ async def serve_generation(request: Request, dialect: Dialect) -> Response:
     await state.require_engine()
     body = await request.body()
     job = dialect.parse(dialect.read_body(body) if dialect.read_body else parse_body(body), state.model)
+    record.job, record.phase = job, "prepare"
+    if job.session:  # the body's prompt_cache_key names the session more precisely than a header
+        record.session = session_tag(job.session)
     runs = job.prompt_runs()
     prompts = [await state.encode(run.prompt) for run in runs]
     prompt_token_ids = prompts[0]
@@ -127,9 +133,13 @@ async def serve_generation(request: Request, dialect: Dialect) -> Response:
     fitted = [resolve_sampling(job, len(ids), state.model, run.params, run.prompt_param)
               for run, ids in zip(runs, prompts)]
     params, fit = fitted[0]
+    if plan is not None:
+        plan.check_budget_room(params.max_tokens)
     num_sequences = len(runs) * job.n
+    record.phase = "admission"
     ticket = await state.admission.acquire(num_sequences, record.tenant or DEFAULT_TENANT, params.priority > 0)
     try:
+        record.phase = "run"
         request.app.state.observability.request_started(record, job, params)
         batch_prompt_ids = prompts if job.batch is not None else None
         result = RunResult(num_sequences, prompt_token_ids, record.received, plan, fit, batch_prompt_ids)
@@ -145,7 +155,7 @@ async def serve_generation(request: Request, dialect: Dialect) -> Response:
             media *= job.n
         run = ChoiceRun(state.engine, choice_prompts, choice_params, record.internal_id,
                         report_progress=job.stream and job.return_progress, constraint=constraint,
-                        media=media if any(media) else None)
+                        media=media if any(media) else None, session=record.session)
         if run.media is not None:  # its images count as being encoded until its first output
             run.on_first_output = state.images_encoding.take(sum(map(len, media[:len(runs)])))
         if job.stream:

@@ -1,7 +1,9 @@
 """What is said about one request, built from its RequestRecord: the server log's line, the
 request log's events, the /debug/requests entry and the finish label of metrics.
 
-Only ids, counts, settings and times: never prompt or output text, stop strings, tool names or keys.
+Only ids, counts, settings and times: never prompt or output text, stop strings, tool names or keys,
+except that a refused request's entry repeats the refusal's message (which names the field and
+may quote the value at fault), cut at MAX_LOGGED_MESSAGE characters.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ logger = logging.getLogger("ember.request")
 
 _QUIET_PATHS = ("/health", "/v1/health", "/healthz", "/metrics")  # logged at debug level: probes would drown the rest
 
+MAX_LOGGED_MESSAGE = 300
 _SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty",
                     "frequency_penalty", "seed", "max_tokens", "min_tokens", "ignore_eos", "logprobs",
                     "skip_special_tokens", "include_stop_str_in_output")
@@ -38,9 +41,10 @@ def request_shape(job: GenerationRequest) -> dict[str, Any]:
     messages = getattr(job.prompt, "messages", None)  # chat prompts only
     chat = job.chat  # chat dialects only
     chat_fields = {"tool_choice": None, "parallel_tool_calls": None, "thinking": None, "thinking_budget": None,
-                   "reasoning_effort": None}
+                   "reasoning_effort": None, "requested_reasoning_effort": None}
     if chat is not None:
-        chat_fields = {name: getattr(chat, name) for name in chat_fields}
+        chat_fields = {name: getattr(chat, name) for name in chat_fields if name != "requested_reasoning_effort"}
+        chat_fields["requested_reasoning_effort"] = chat.requested_effort
     return {
         "n": job.n,
         "stream": job.stream,
@@ -62,6 +66,7 @@ def start_event(record: RequestRecord) -> dict[str, Any]:
         "request_id": record.request_id,
         "protocol": record.route,
         "tenant": record.tenant,
+        "session": record.session,
         "prompt_tokens": record.prompt_tokens,
         "admission_wait_seconds": _span(record.received, record.admitted),
         "sampling": sampling_summary(params),
@@ -85,12 +90,15 @@ def telemetry(record: RequestRecord) -> dict[str, Any]:
         "request_id": record.request_id,
         "protocol": record.route,
         "tenant": record.tenant,
+        "session": record.session,
         "status": record.status,
         "received_unix": record.received,
         "prompt_tokens": record.prompt_tokens,
     }
     if record.admitted is None:  # refused before it ran
-        return {**entry, "outcome": "rejected", **_error_fields(record)}
+        shape = request_shape(record.job) if record.job is not None else None
+        return {**entry, "outcome": "rejected", **_error_fields(record), "message": _cut(record.error_message),
+                "phase": record.phase, "shape": shape}
     entry["outcome"] = "done" if terminal_kind(record) == "request_done" else "error"
     entry["sampling"] = sampling_summary(record.params)  # the seed it ran with included: a reply can be redone
     result = record.result
@@ -116,6 +124,9 @@ def telemetry(record: RequestRecord) -> dict[str, Any]:
             "ttft": _span(record.received, first) if first is not None else None,
             "total": _span(record.received, time.time()),
         },
+        "engine_timing": engine_timing(result),
+        "tool_call_parse": tool_call_parse(result),
+        "thinking_budget": thinking_budget(result),
         "client_gone": record.client_gone,
     })
     if entry["outcome"] == "error":
@@ -123,6 +134,50 @@ def telemetry(record: RequestRecord) -> dict[str, Any]:
         if record.client_gone and not record.error_code:
             entry["code"] = "client_gone"
     return entry
+
+
+def engine_timing(result) -> dict[str, float] | None:
+    """The first choice's time inside the engine, split: waiting for its first step (queue_wait),
+    its prompt (prefill: to the first token), its reply (decode: first token to last); total is
+    their sum. Times before the engine (admission, the template) are not in it."""
+    stamps = result.choices[0].timings if result is not None and result.choices else None
+    if stamps is None:
+        return None
+    end = stamps.finished if stamps.finished is not None else time.time()
+    split = {"queue_wait_seconds": _span(stamps.arrival, stamps.scheduled) or 0.0,
+             "prefill_seconds": _span(stamps.scheduled, stamps.first_token) or 0.0,
+             "decode_seconds": _span(stamps.first_token, end) or 0.0}
+    return {**split, "total_seconds": sum(split.values())}
+
+
+def tool_call_parse(result) -> dict[str, Any] | None:
+    """How the replies' tool-call markup was read (every choice together): `outcome` none (no call
+    markup), parsed, recovered (some call read whole only once its block closed, or from an
+    unclosed think block) or text_fallback (some block went out as text; `fallback_reasons` say
+    why, in order: parsers.events.TEXT_FALLBACK_REASONS). Counts only: no names, no arguments."""
+    if result is None or result.plan is None:
+        return None
+    replies = [choice.reply for choice in result.choices]
+    fallbacks = [reason for reply in replies for reason in reply.text_fallbacks]
+    counts = {"call_blocks": sum(r.num_call_blocks for r in replies),
+              "calls": sum(len(r.tool_calls) for r in replies),
+              "incomplete_calls": sum(not call.complete for r in replies for call in r.tool_calls),
+              "recovered_calls": sum(r.num_recovered_calls for r in replies),
+              "dropped_calls": sum(r.num_dropped_calls for r in replies)}
+    outcome = ("text_fallback" if fallbacks else "recovered" if counts["recovered_calls"]
+               else "parsed" if counts["call_blocks"] else "none")
+    return {"outcome": outcome, **counts, "fallback_reasons": fallbacks}
+
+
+def thinking_budget(result) -> dict[str, Any] | None:
+    """The reasoning cap a chat reply ran under: its size, whose it was (the request's field or the
+    server's --default-thinking-budget), and the closes it forced (every choice together); None
+    without a budget."""
+    plan = result.plan if result is not None else None
+    if plan is None or plan.budget is None:
+        return None
+    return {"budget": plan.budget, "source": plan.budget_param or "server_default",
+            "forced_closes": sum(choice.num_budget_closes for choice in result.choices)}
 
 
 def prefix_reuse_path(details: dict[str, int]) -> str:
@@ -163,6 +218,8 @@ def log_line(record: RequestRecord) -> str:
                      f"ttft={ttft} tok/s={timings['predicted_per_second']:.1f} finish={reasons}")
         if len(result.choices) > 1:
             parts.append(f"n={len(result.choices)}")
+    if record.session is not None:
+        parts.append(f"session={record.session}")
     if record.client_gone:
         parts.append("client_gone")
     if record.error_code:
@@ -179,6 +236,14 @@ def log_request(record: RequestRecord) -> None:
 
 def _error_fields(record: RequestRecord) -> dict[str, Any]:
     return {"type": record.error_type, "code": record.error_code, "param": record.error_param}
+
+
+def _cut(message: str | None) -> str | None:
+    """A refusal's message as logged: its first MAX_LOGGED_MESSAGE characters (a message may quote
+    a long value, such as an image's data URL)."""
+    if message is None or len(message) <= MAX_LOGGED_MESSAGE:
+        return message
+    return message[:MAX_LOGGED_MESSAGE] + "..."
 
 
 def _span(start: float | None, end: float | None) -> float | None:

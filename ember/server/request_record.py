@@ -4,6 +4,7 @@ log's events, /debug/requests, metrics) is built from it elsewhere (server.reque
 
 from __future__ import annotations
 
+import hashlib
 import re
 import time
 import uuid
@@ -14,6 +15,15 @@ from ember.protocols.neutral import GenerationRequest, RunResult
 from ember.types import SamplingParams
 
 _CLIENT_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
+SESSION_HEADER = b"x-session-id"
+
+
+def session_tag(key: str) -> str:
+    """A client's session key as the log and the router keep it: as sent when it is a plain id of
+    up to 128 characters, else a digest of it (no client text of any length or alphabet in the log)."""
+    if _CLIENT_ID.fullmatch(key):
+        return key
+    return "sha256:" + hashlib.sha256(key.encode("utf-8", "replace")).hexdigest()[:32]
 
 
 @dataclass(slots=True)
@@ -30,6 +40,8 @@ class RequestRecord:
     error_type: str | None = None
     error_code: str | None = None
     error_param: str | None = None
+    error_message: str | None = None  # a refusal's own words (the request log's request_rejected)
+    phase: str = "parse"  # how far it got: parse, prepare (template, fit, constraint), admission, run
     prompt_tokens: int | None = None
     job: GenerationRequest | None = None  # the validated request, of whichever dialect
     params: SamplingParams | None = None  # its resolved sampling (max_tokens fitted to the window)
@@ -37,22 +49,27 @@ class RequestRecord:
     result: RunResult | None = None
     client_gone: bool = False
     tenant: str | None = None  # the owner of its API key, when the server takes keys
+    session: str | None = None  # the client's session (prompt_cache_key, else X-Session-Id), by session_tag
 
     @classmethod
     def from_scope(cls, scope) -> "RequestRecord":
-        client_id = None
+        client_id = session = None
         for name, value in scope.get("headers", ()):
             if name == b"x-request-id":
                 text = value.decode("latin-1")
                 client_id = text if _CLIENT_ID.fullmatch(text) else None
+            elif name == SESSION_HEADER and value:
+                session = session_tag(value.decode("latin-1"))
         record = cls(scope.get("method", ""), scope.get("path", ""), "")
         record.request_id = client_id or record.internal_id
+        record.session = session
         return record
 
     def note_error(self, error) -> None:
         self.error_type = getattr(error, "type", None)
         self.error_code = getattr(error, "code", None) or getattr(error, "type", None)
         self.error_param = getattr(error, "param", None)
+        self.error_message = getattr(error, "message", None)
 
     def elapsed(self) -> float:
         return time.perf_counter() - self.started

@@ -18,6 +18,7 @@ from ember.engine.contract import Engine
 from ember.errors import EmberError
 from ember.media.processing import ImageProcessing, source_image_processing
 from ember.protocols.errors import ImagesBusy, ModelLoading, ServerUnavailable
+from ember.parsers.constraint import budget_close_text
 from ember.protocols.chat_reply import ChatFeatures, ReplyPlan, plan_reply
 from ember.protocols.neutral import GenerationRequest, ModelInfo, Prompt, encode_prompt
 from ember.grammar.compiler import xgrammar_installed
@@ -27,7 +28,8 @@ from ember.server.chat_defaults import chat_features
 from ember.server.config import ServerConfig
 from ember.server.keys import KeyRing
 from ember.server.media_input import read_prompt_images
-from ember.server.sampling_defaults import sampling_defaults
+from ember.server.model_card import component_set_sha
+from ember.server.sampling_defaults import mode_sampling_defaults, sampling_defaults
 
 logger = logging.getLogger("ember.server")
 
@@ -47,6 +49,7 @@ class LoadedModel:
     path: str = ""  # what was loaded: a folder or a GGUF file (a named model's, once resolved)
     kv_capacity_tokens: int | None = None
     sampling_defaults: dict[str, Any] = field(default_factory=dict)
+    mode_sampling_defaults: dict[bool, dict[str, Any]] = field(default_factory=dict)  # thinking on / off -> defaults
     dtype: str = ""
     chat: ChatFeatures = field(default_factory=ChatFeatures)
     batch_invariance: dict[str, Any] = field(default_factory=dict)  # the engine's InvarianceReport.as_dict()
@@ -67,12 +70,13 @@ def load_model(config: ServerConfig) -> LoadedModel:
     vision = source_image_processing(source, config.engine.vision)
     engine = _start_engine(config, source)
     info = engine.info
-    defaults = sampling_defaults(getattr(source, "generation_config", None) or {}, config.override_generation_config,
-                                 config.sampling_flags)
+    generation_config = getattr(source, "generation_config", None) or {}
+    layers = (generation_config, config.override_generation_config, config.sampling_flags)
+    defaults, mode_defaults = sampling_defaults(*layers), mode_sampling_defaults(*layers)
     return LoadedModel(
         engine=engine, tokenizer=tokenizer, name=source.name, path=source.path,
         max_model_len=info.max_model_len, vocab_size=info.vocab_size, kv_capacity_tokens=info.kv_capacity_tokens,
-        sampling_defaults=defaults, dtype=info.dtype, chat=chat,
+        sampling_defaults=defaults, mode_sampling_defaults=mode_defaults, dtype=info.dtype, chat=chat,
         batch_invariance=info.batch_invariance, vision=vision)
 
 
@@ -146,6 +150,7 @@ class ServerState:
         self.loaded: LoadedModel | None = None
         self.model: ModelInfo | None = None
         self.fingerprint = ""
+        self.component_set_sha = ""  # server.model_card.component_set_sha, once loaded
         self.started = int(time.time())
         self.admission = Admission(config.max_running, config.max_pending, config.pending_timeout,
                                    config.max_pending_per_tenant)
@@ -191,13 +196,16 @@ class ServerState:
         self.model = ModelInfo(
             name=names[0], aliases=tuple(names[1:]), max_model_len=loaded.max_model_len,
             vocab_size=loaded.vocab_size, default_max_tokens=self.config.default_max_tokens,
+            max_messages=self.config.max_messages,
             default_seed=self.config.engine.seed,
             kv_capacity_tokens=loaded.kv_capacity_tokens, sampling_defaults=loaded.sampling_defaults,
+            mode_sampling_defaults=loaded.mode_sampling_defaults,
             chat=loaded.chat, has_chat_template=loaded.tokenizer.chat_template is not None,
             single_token_id=functools.partial(_single_token_id, loaded.tokenizer, loaded.vocab_size),
             image_marker=loaded.vision.marker if loaded.vision is not None else None)
         digest = hashlib.sha256(f"{ember.__version__}|{loaded.name}|{loaded.dtype}|{loaded.max_model_len}".encode())
         self.fingerprint = f"fp_{digest.hexdigest()[:10]}"
+        self.component_set_sha = component_set_sha(loaded, self.config)
         loaded.engine.start()
         self.status = "ok"
         for hook in self.ready_hooks:
@@ -277,7 +285,10 @@ class ServerState:
             return None
         tokenizer = self.loaded.tokenizer
         tail = tokenizer.decode(prompt_token_ids[-_PROMPT_TAIL_TOKENS:], skip_special_tokens=False)
-        return plan_reply(job.chat, self.model.chat, tail, tokenizer.token_bytes)
+        plan = plan_reply(job.chat, self.model.chat, tail, tokenizer.token_bytes)
+        if plan is not None and plan.budget is not None:
+            plan.budget_close_tokens = len(tokenizer.encode(budget_close_text(plan.fmt.think)))
+        return plan
 
     async def constraint(self, job: GenerationRequest, plan: ReplyPlan | None) -> ConstraintSpec | None:
         """How every choice's tokens are held: a grammar (compiled by the engine, which checks it

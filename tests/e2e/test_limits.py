@@ -58,7 +58,7 @@ def test_api_key_is_required_except_for_health(tight):
 
 
 def test_served_model_name_and_alias(session):
-    assert [m["id"] for m in session.get("/v1/models").json()["data"]] == ["tight-model"]
+    assert [m["id"] for m in session.get("/v1/models").json()["data"]] == ["tight-model", "tight-alias"]
     assert session.get("/v1/models/tight-alias").status_code == 200
     reply = session.post("/v1/chat/completions", json={"model": "tight-alias", "messages": HI, "max_tokens": 2})
     assert reply.status_code == 200 and reply.json()["model"] == "tight-model"
@@ -154,10 +154,10 @@ def test_full_queue_is_429_and_a_long_wait_is_503(tight, session):
             full = session.post("/v1/chat/completions", json={"messages": HI, "max_tokens": 2})
             assert full.status_code == 429, full.text
             assert full.json()["error"]["code"] == "server_overloaded"
-            assert int(full.headers["retry-after"]) > 0
+            assert int(full.headers["retry-after"]) > 0 and full.headers["x-should-retry"] == "true"
             thread.join(60)
-    assert waited["status"] == 503 and waited["body"]["error"]["code"] == "queue_timeout"
-    assert int(waited["headers"]["retry-after"]) > 0
+    assert waited["status"] == 503 and waited["body"]["error"]["code"] == "request_queue_timeout"
+    assert int(waited["headers"]["retry-after"]) > 0 and waited["headers"]["x-should-retry"] == "true"
     wait_idle(session)
     assert session.post("/v1/chat/completions", json={"messages": HI, "max_tokens": 2}).status_code == 200
 

@@ -244,3 +244,34 @@ def test_a_request_log_that_cannot_be_opened_stops_the_start(tmp_path):
                           text=True, timeout=120)
     assert done.returncode != 0
     assert "cannot open the request log" in done.stderr and str(missing) in done.stderr
+
+
+def test_the_request_log_records_defaults_sessions_parse_outcomes_and_rejections(observed, http, client):
+    long = [{"role": "user", "content": "ok"}] * 257
+    assert http.post("/v1/chat/completions", json={"messages": long}).status_code == 400
+    assert http.post("/v1/chat/completions", json=chat(LONG_PROMPT * 6)).status_code == 400  # past the window
+    client.chat.completions.create(model="", **chat("Hi", max_tokens=3), prompt_cache_key="conv-9")
+    wait_idle(http)
+
+    def settled():
+        events = log_events(observed)
+        done = [e for e in events if e["event"] == "request_done" and e.get("session") == "conv-9"]
+        return events if done else None
+
+    events = wait_for(settled)
+    assert events, "the session's request has no request_done"
+    server_start = events[0]
+    assert set(server_start["sampling_defaults"]) == {"default", "thinking", "non_thinking",
+                                                      "override_generation_config", "flags"}
+    assert server_start["thinking_defaults"]["default_thinking_budget"] is None
+    start = next(e for e in events if e["event"] == "request_start" and e.get("session") == "conv-9")
+    assert start["shape"]["requested_reasoning_effort"] is None
+    done = next(e for e in events if e["event"] == "request_done" and e.get("session") == "conv-9")
+    assert done["tool_call_parse"] is None and done["thinking_budget"] is None  # no tools, no think block
+    timing = done["engine_timing"]
+    assert timing["total_seconds"] == pytest.approx(timing["queue_wait_seconds"] + timing["prefill_seconds"]
+                                                    + timing["decode_seconds"])
+    rejected = next(e for e in events if e["event"] == "request_rejected" and e.get("code") == "too_many_messages")
+    assert rejected["phase"] == "parse" and "256" in rejected["message"] and rejected["shape"] is None
+    too_long = next(e for e in events if e["event"] == "request_rejected" and e.get("code") == "context_length_exceeded")
+    assert too_long["phase"] == "prepare" and too_long["shape"]["num_messages"] == 1 and too_long["message"]
