@@ -31,6 +31,7 @@ from ember.protocols.neutral import ChatPrompt, Dialect, GenerationRequest, Mode
 from ember.protocols.sampling_fields import read_max_tokens, read_sampling_fields, read_single_choice
 from ember.protocols.structured import check_grammar_with_tools, read_flat_format
 from ember.protocols.thinking import read_preserve_thinking, settle_thinking
+from ember.protocols.tool_history import Answer, Call, in_call_order
 from ember.protocols.unknown_fields import reads_fields
 from ember.tokenization.message_content import build_content, content_length, image_part
 
@@ -198,10 +199,39 @@ def read_messages(f: Fields, marks: AnthropicBreakpoints) -> tuple[list[dict[str
             turns[-1].blocks.extend(blocks)  # consecutive turns of one role are one turn
         else:
             turns.append(_Turn(role, blocks, m.path))
+    order_tool_results(turns)
     messages: list[dict[str, Any]] = []
     for turn in turns:
         messages.extend(turn_messages(turn))
     return messages, turns[-1]
+
+
+def order_tool_results(turns: list[_Turn]) -> None:
+    """Each assistant turn's tool_use blocks are answered by the user turn after it (system turns
+    between are passed over), one tool_result each, put back in call order (tool_history). Results
+    in a conversation's opening user turn answer nothing it holds: a truncated or imported history,
+    kept as it is."""
+    calls: list[Call] | None = None  # the last assistant turn's calls; None before any assistant turn
+    due = ""  # the path of that assistant turn
+    for turn in turns:
+        if turn.role == "system":
+            continue
+        if turn.role == "assistant":
+            if calls:
+                in_call_order(calls, [], complete=True, turn_param=turn.path, result_kind="tool_result")
+            calls = [Call(block.raw("id"), block.path_of("id")) for kind, block, _ in turn.blocks if kind == "tool_use"]
+            due = turn.path
+            continue
+        results = [entry for entry in turn.blocks if entry[0] == "tool_result"]
+        if calls is not None:
+            answers = [Answer(block.raw("tool_use_id"), block.path_of("tool_use_id"), (kind, block, ttl))
+                       for kind, block, ttl in results]
+            results = in_call_order(calls, answers, complete=True, turn_param=turn.path + ".content",
+                                    result_kind="tool_result")
+        turn.blocks = results + [entry for entry in turn.blocks if entry[0] != "tool_result"]
+        calls = []
+    if calls and turns[-1].role == "system":  # (a final assistant turn is a prefill: read_prefill refuses calls)
+        in_call_order(calls, [], complete=True, turn_param=due, result_kind="tool_result")
 
 
 def read_blocks(m: Fields, role: str, marks: AnthropicBreakpoints, *,
