@@ -16,14 +16,11 @@ from typing import Any
 
 from ember.constraint_spec import GrammarSpec
 from ember.errors import InvalidRequest
-from ember.parsers.events import ToolSpec
 from ember.protocols.anthropic_errors import ANTHROPIC_ERRORS
 from ember.protocols.anthropic_render import MessagesRenderer
 from ember.protocols.cache_hints import AnthropicBreakpoints, Breakpoint, collect_breakpoints, mark, shift_marks
-from ember.protocols.chat_reply import (
-    AUTO, FUNCTION, NONE, REQUIRED, ChatFeatures, ChatOptions, declare_tool, template_tools, tool_items, tool_name,
-    tool_schema,
-)
+from ember.protocols.anthropic_tools import read_tool_choice, read_tools
+from ember.protocols.chat_reply import ChatFeatures, ChatOptions, template_tools
 from ember.protocols.errors import unsupported
 from ember.protocols.fields import Fields, as_string, json_type
 from ember.protocols.image_parts import misplaced_image, read_anthropic_image
@@ -432,59 +429,6 @@ def clear_old_thinking(f: Fields, messages: list[dict[str, Any]]) -> None:
         thinking = [m for m in messages if m["role"] == "assistant" and m.get("reasoning_content")]
         for message in thinking[:max(len(thinking) - turns, 0)]:
             del message["reasoning_content"]
-
-
-# ---- tools ------------------------------------------------------------------------------------------
-
-def read_tools(f: Fields, marks: AnthropicBreakpoints) -> tuple[list[ToolSpec], float | None]:
-    """The tools, and the longest TTL a tool's cache_control asks for (None: no tool has one)."""
-    items = tool_items(f)
-    specs: list[ToolSpec] = []
-    ttls: list[float] = []
-    for i, raw in enumerate(items):
-        tool = Fields(raw, f"tools[{i}]")
-        kind = tool.string("type")
-        if kind not in (None, "custom"):
-            raise unsupported(tool.path_of("type"),
-                              f"{tool.path} is a '{kind}' tool, which runs on Anthropic's servers; ember calls client "
-                              "tools only (name, description, input_schema)")
-        name = tool_name(tool)
-        schema = tool_schema(tool, "input_schema", {"type": "object", "properties": {}})
-        tool.boolean("eager_input_streaming")
-        tool.boolean("defer_loading")
-        ttl = marks.read(tool)
-        if ttl is not None:
-            ttls.append(ttl)
-        declare_tool(specs, ToolSpec(name, schema, tool.string("description"), strict=tool.boolean("strict", False)),
-                     tool)
-    return specs, max(ttls, default=None)
-
-
-def read_tool_choice(f: Fields, tools: list[ToolSpec]) -> tuple[str, list[ToolSpec] | None, bool]:
-    """(the choice, the tools it leaves callable when it names one, parallel calls allowed)."""
-    choice = f.object("tool_choice")
-    if choice is None:
-        return (AUTO if tools else NONE), None, True
-    kind = choice.string("type", choices=("auto", "any", "tool", "none"))
-    if kind is None:
-        raise InvalidRequest("tool_choice.type is required: auto, any, tool or none", param="tool_choice.type")
-    parallel = not choice.boolean("disable_parallel_tool_use", False)
-    if kind == "none" or (kind == "auto" and not tools):
-        return NONE, None, parallel
-    if kind == "auto":
-        return AUTO, None, parallel
-    if not tools:
-        raise InvalidRequest(f"tool_choice '{kind}' needs at least one tool in tools", param="tool_choice")
-    if kind == "any":
-        return REQUIRED, None, parallel
-    name = choice.string("name")
-    if name is None:
-        raise InvalidRequest("tool_choice.name is required for type 'tool'", param="tool_choice.name")
-    for tool in tools:
-        if tool.name == name:
-            return FUNCTION, [tool], parallel
-    raise InvalidRequest(f"tool_choice.name names '{name}', which is not among the declared tools",
-                         param="tool_choice.name")
 
 
 # ---- thinking, effort, sampling ---------------------------------------------------------------------

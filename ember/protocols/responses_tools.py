@@ -8,8 +8,9 @@
                 with one string parameter `input` (a grammar format is shown in the description, not
                 enforced), and its calls come back as custom_tool_call items with that input
     hosted      web_search, file_search, computer use, code_interpreter, image_generation, mcp, ...: ember
-                cannot run them, so they are not shown to the model (logged once per request); forcing one
-                through tool_choice is a 400
+                cannot run them, so they are not shown to the model; they stay accepted (Codex declares
+                them), each listed in x-ember-ignored-fields and the request log as `tools[i]`, and logged
+                once per request; forcing one through tool_choice is a 400
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from ember.protocols.chat_reply import AUTO, FUNCTION, NONE, REQUIRED, declare_t
 from ember.protocols.errors import unsupported
 from ember.protocols.fields import Fields
 from ember.protocols.responses_items import visible_name
+from ember.protocols.unknown_fields import note_ignored
 
 logger = logging.getLogger("ember.server")
 
@@ -65,6 +67,7 @@ def read_tools(f: Fields) -> ResponsesTools:
         elif kind in HOSTED_TOOLS:
             result.hosted.append(kind)
             result.echo.append(dict(raw))
+            note_ignored([tool.path])
         elif kind is None:
             raise InvalidRequest(f"{tool.path_of('type')} is required", param=tool.path_of("type"))
         else:
@@ -190,7 +193,9 @@ def read_tool_choice(f: Fields, tools: ResponsesTools) -> tuple[str, list[ToolSp
             item_kind = item.string("type", "function")
             if item_kind in ("function", "custom"):
                 chosen.append(_chosen(item, tools, item_kind))
-            elif item_kind not in HOSTED_TOOLS:
+            elif item_kind in HOSTED_TOOLS:
+                note_ignored([item.path])
+            else:
                 raise InvalidRequest(f"{item.path_of('type')} is '{item_kind}', not a tool type this server knows",
                                      param=item.path_of("type"))
         if not chosen and mode == REQUIRED:

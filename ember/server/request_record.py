@@ -37,6 +37,7 @@ class RequestRecord:
     result: RunResult | None = None
     client_gone: bool = False
     tenant: str | None = None  # the owner of its API key, when the server takes keys
+    ignored_fields: list[str] = field(default_factory=list)  # as the x-ember-ignored-fields header lists them
 
     @classmethod
     def from_scope(cls, scope) -> "RequestRecord":
