@@ -62,7 +62,8 @@ def test_input_examples_reach_the_prompt_with_the_description():
             "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}},
             "input_examples": [{"city": "Paris"}, {"city": "Zürich"}]}
     bare = {"name": "ping", "input_examples": [{}]}
-    described = {t["function"]["name"]: t["function"]["description"] for t in anthropic(tools=[tool, bare]).prompt.tools}
+    tools = anthropic(tools=[tool, bare]).prompt.tools
+    described = {t["function"]["name"]: t["function"]["description"] for t in tools}
     assert described == {"get_weather": 'Weather in a city.\n\nInput examples:\n{"city": "Paris"}\n{"city": "Zürich"}',
                          "ping": "Input examples:\n{}"}
 
