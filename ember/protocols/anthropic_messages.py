@@ -5,12 +5,13 @@ billing-header block dropped) leads, `user` / `assistant` / `system` turns follo
 consecutive turns of one role joined. tool_result blocks become `tool` messages, tool_use blocks
 assistant `tool_calls`, thinking blocks `reasoning_content`; image blocks (in user turns and tool
 results) become image parts of their message's content (tokenization.message_content). A final
-assistant turn of text is a prefill that the reply continues. The rendering lives in
-anthropic_render.py.
+assistant turn of text is a prefill that the reply continues. Claude Code's session-title requests
+run as background work (session_title.py). The rendering lives in anthropic_render.py.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,7 +26,8 @@ from ember.protocols.errors import unsupported
 from ember.protocols.fields import Fields, as_string, json_type
 from ember.protocols.image_parts import misplaced_image, read_anthropic_image
 from ember.protocols.neutral import ChatPrompt, Dialect, GenerationRequest, ModelInfo, build_sampling_params
-from ember.protocols.sampling_fields import read_max_tokens, read_sampling_fields, read_single_choice
+from ember.protocols.sampling_fields import PRIORITIES, read_max_tokens, read_sampling_fields, read_single_choice
+from ember.protocols.session_title import is_session_title_request
 from ember.protocols.structured import check_grammar_with_tools, read_flat_format
 from ember.protocols.thinking import read_preserve_thinking, settle_thinking
 from ember.protocols.tool_history import Answer, Call, in_call_order
@@ -112,6 +114,8 @@ def _parse(body: Any, model: ModelInfo, *, counting: bool) -> MessagesRequest:
     else:
         params = read_sampling(f, model, max_tokens, max_tokens_param)
         read_single_choice(f, "a message")
+        if is_session_title_request(messages):  # nobody waits on it: it yields to the work someone waits on
+            params = dataclasses.replace(params, priority=max(params.priority, PRIORITIES["background"]))
     stream = False if counting else f.boolean("stream", False)
     return_token_ids = False if counting else f.boolean("return_token_ids", False)
     f.object("metadata")
