@@ -59,8 +59,8 @@ class ResponsesTools:
     raw_inputs: bool = False  # the model writes a custom tool's input as raw text, which its grammar can hold
 
 
-def read_tools(f: Fields, tool_format: str | None = None) -> ResponsesTools:
-    """`tool_format`: the name of the format the model writes calls in."""
+def read_tools(f: Fields, tool_format: str | None) -> ResponsesTools:
+    """`tool_format`: the name of the format the model writes calls in (None: tool calls are off)."""
     result = ResponsesTools(raw_inputs=tool_format is not None and holds_raw_input(tool_format))
     for i, raw in enumerate(tool_items(f)):
         tool = Fields(raw, f"tools[{i}]")
