@@ -13,14 +13,16 @@ from dataclasses import dataclass, field
 
 # The kinds of structured output a GrammarSpec holds (the dialects read them in ember.protocols.structured)
 JSON_SCHEMA, JSON_OBJECT, REGEX, CHOICE, GRAMMAR = "json_schema", "json_object", "regex", "choice", "grammar"
-KINDS = (JSON_SCHEMA, JSON_OBJECT, REGEX, CHOICE, GRAMMAR)
+LARK = "lark"  # a Lark grammar (a custom tool's input format, as Codex declares apply_patch)
+KINDS = (JSON_SCHEMA, JSON_OBJECT, REGEX, CHOICE, GRAMMAR, LARK)
 STRUCTURAL_TAG = "structural_tag"  # grammar_kind of an xgrammar structural tag (tool calls), as JSON text
 
 
 @dataclass(frozen=True, slots=True)
 class GrammarSpec:
     """What the reply must match. `text` is the schema as JSON text (json_schema), empty (json_object),
-    the pattern (regex), a JSON array of the strings (choice) or the EBNF grammar (grammar)."""
+    the pattern (regex), a JSON array of the strings (choice), the EBNF grammar (grammar) or the
+    Lark grammar (lark)."""
 
     kind: str
     text: str

@@ -15,7 +15,7 @@ from collections import OrderedDict
 from collections.abc import Iterable
 from typing import Any
 
-from ember.constraint_spec import CHOICE, GRAMMAR, JSON_OBJECT, JSON_SCHEMA, REGEX, STRUCTURAL_TAG, GrammarSpec
+from ember.constraint_spec import CHOICE, GRAMMAR, JSON_OBJECT, JSON_SCHEMA, LARK, REGEX, STRUCTURAL_TAG, GrammarSpec
 from ember.errors import InvalidRequest
 
 logger = logging.getLogger("ember.grammar")
@@ -79,6 +79,8 @@ class Grammars:
             return compiler.compile_grammar(choice_ebnf(json.loads(spec.text)))
         if spec.kind == GRAMMAR:
             return compiler.compile_grammar(spec.text)
+        if spec.kind == LARK:
+            return compiler.compile_lark(spec.text)
         raise ValueError(spec.kind)
 
     def _cached(self, key: tuple[str, str], param: str, build) -> Any:

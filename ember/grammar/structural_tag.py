@@ -2,7 +2,8 @@
 
 Tool calls are written in the served model's format (hermes JSON or Qwen3 XML), each call's
 arguments held to its tool's schema where the call is forced or the tool is `strict` (another
-tool's to a JSON object):
+tool's to a JSON object); a custom tool with a grammar has its raw input held to that grammar
+(Qwen3 XML only, whose parameter values are raw text):
 - forced: one call or more (one without parallel calls) to the offered tools, and nothing else;
 - not forced: free text, but a call the reply opens is held to the offered tools;
 - beside a structured output: the structured output's answer, or calls as when forced.
@@ -16,11 +17,11 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from ember.constraint_spec import (
-    CHOICE, GRAMMAR, JSON_OBJECT, JSON_SCHEMA, REGEX, STRUCTURAL_TAG, ConstraintSpec, GrammarSpec, SteeringSpec,
+    CHOICE, GRAMMAR, JSON_OBJECT, JSON_SCHEMA, LARK, REGEX, STRUCTURAL_TAG, ConstraintSpec, GrammarSpec, SteeringSpec,
 )
 from ember.errors import InvalidRequest
 from ember.grammar.compiler import MAX_JSON_WHITESPACE, structural_tag_text
-from ember.parsers.events import ToolSpec
+from ember.parsers.events import CUSTOM_INPUT, ToolSpec
 from ember.parsers.tool_format import CLOSER, OPENER, ToolFormat
 
 _ANY_OBJECT = {"type": "object"}
@@ -36,8 +37,9 @@ def calls_constraint(steering: SteeringSpec | None, tool_format: ToolFormat, too
         tag, param = {"type": "or", "elements": [calls, _spec_format(answer)]}, answer.param
     else:
         tag, param = _calls_format(tool_format, tools, forced=forced, parallel=parallel), "tools"
+    grammars = [answer, *(tool.input_grammar for tool in tools)]
     return ConstraintSpec(steering, STRUCTURAL_TAG, structural_tag_text(_structural_tag(tag)), param,
-                          checks=[(g.kind, g.text, g.param) for g in (answer,) if g is not None])
+                          checks=[(g.kind, g.text, g.param) for g in grammars if g is not None])
 
 
 def _spec_format(spec: GrammarSpec) -> dict[str, Any]:
@@ -52,6 +54,8 @@ def _spec_format(spec: GrammarSpec) -> dict[str, Any]:
         return {"type": "or", "elements": [{"type": "const_string", "value": c} for c in json.loads(spec.text)]}
     if spec.kind == GRAMMAR:
         return {"type": "grammar", "grammar": spec.text}
+    if spec.kind == LARK:
+        return {"type": "grammar", "grammar": spec.text, "syntax": "lark"}
     raise ValueError(spec.kind)
 
 
@@ -72,6 +76,9 @@ def _calls_format(tool_format: ToolFormat, tools: Sequence[ToolSpec], *, forced:
     begin, end, style = shape
     tags = []
     for tool in tools:
+        if tool.input_grammar is not None:
+            tags.append(_raw_input_tag(tool_format, tool, begin(tool.name), end))
+            continue
         schema = (tool.parameters or _ANY_OBJECT) if forced or tool.strict else _ANY_OBJECT
         tags.append({"type": "tag", "begin": begin(tool.name), "content": _json_format(schema, style), "end": end})
     if forced:
@@ -80,6 +87,24 @@ def _calls_format(tool_format: ToolFormat, tools: Sequence[ToolSpec], *, forced:
     return {"type": "triggered_tags", "triggers": [OPENER], "tags": tags, "at_least_one": False,
             "stop_after_first": not parallel}
 
+
+def holds_raw_input(tool_format_name: str) -> bool:
+    """Whether calls in this format write a parameter's value as raw text, which a grammar can hold."""
+    return tool_format_name in _RAW_VALUES
+
+
+def _raw_input_tag(tool_format: ToolFormat, tool: ToolSpec, begin: str, end: str) -> dict[str, Any]:
+    """A call whose one parameter, CUSTOM_INPUT, is raw text held to the tool's grammar."""
+    value = _RAW_VALUES.get(tool_format.name)
+    if value is None:
+        raise InvalidRequest(f"the input of the custom tool '{tool.name}' cannot be held to its grammar: calls in "
+                             f"the {tool_format.name} format write it as a JSON string", param="tools")
+    return {"type": "tag", "begin": begin + value[0], "content": _spec_format(tool.input_grammar),
+            "end": value[1] + end}
+
+
+# format name -> (the text before a parameter's raw value, the text after it)
+_RAW_VALUES: dict[str, tuple[str, str]] = {"qwen3_xml": (f"<parameter={CUSTOM_INPUT}>\n", "\n</parameter>\n")}
 
 # format name -> (the text before the arguments, given the tool's name; the text after them; how they're written)
 _CALL_SHAPES: dict[str, tuple[Callable[[str], str], str, str]] = {

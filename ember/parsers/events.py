@@ -7,6 +7,10 @@ import secrets
 from dataclasses import dataclass, field
 from typing import Any, Union
 
+from ember.constraint_spec import GrammarSpec
+
+CUSTOM_INPUT = "input"  # the one string parameter a custom (free-form) tool is shown to the model with
+
 
 @dataclass(frozen=True, slots=True)
 class ReasoningText:
@@ -64,6 +68,8 @@ class ToolSpec:
     parameters: dict[str, Any] = field(default_factory=dict)
     description: str | None = None
     strict: bool = False  # calls must match `parameters` (enforced by a grammar)
+    # a custom tool's grammar: the text of its one string parameter CUSTOM_INPUT must match it
+    input_grammar: GrammarSpec | None = None
 
     def parameter_schema(self, name: str) -> dict[str, Any] | None:
         properties = self.parameters.get("properties")

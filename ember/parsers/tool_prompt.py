@@ -2,8 +2,9 @@
 
 Such a template gets the tools described in the system message (with an example call in the
 served model's tool-call format), past calls as text in the assistant turns and tool results as
-user turns; a template that refuses a system message gets that text in the first user turn
-(ember.tokenization.chat_prompt).
+user turns; a template that refuses a system message gets that text in the first user turn, and
+one that takes a system message at the start only gets a later one as a user turn that says what
+it is (ember.tokenization.chat_prompt).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from typing import Any
 
 from ember.parsers.events import ToolSpec
 from ember.parsers.tool_format import ToolFormat
-from ember.tokenization.chat_prompt import TemplateTraits, system_into_first_user
+from ember.tokenization.chat_prompt import TemplateTraits, later_system_as_user, system_into_first_user
 from ember.tokenization.message_content import build_content
 
 
@@ -31,6 +32,8 @@ def prepare_conversation(messages: Sequence[Mapping[str, Any]], tools: Sequence[
         template_tools = None
     if not traits.takes_system:
         prepared = system_into_first_user(prepared)
+    elif traits.later_system_refused:
+        prepared = later_system_as_user(prepared)
     return prepared, template_tools
 
 

@@ -5,32 +5,32 @@ billing-header block dropped) leads, `user` / `assistant` / `system` turns follo
 consecutive turns of one role joined. tool_result blocks become `tool` messages, tool_use blocks
 assistant `tool_calls`, thinking blocks `reasoning_content`; image blocks (in user turns and tool
 results) become image parts of their message's content (tokenization.message_content). A final
-assistant turn of text is a prefill that the reply continues. The rendering lives in
-anthropic_render.py.
+assistant turn of text is a prefill that the reply continues. Claude Code's session-title requests
+run as background work (session_title.py). The rendering lives in anthropic_render.py.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
 from ember.constraint_spec import GrammarSpec
 from ember.errors import InvalidRequest
-from ember.parsers.events import ToolSpec
 from ember.protocols.anthropic_errors import ANTHROPIC_ERRORS
 from ember.protocols.anthropic_render import MessagesRenderer
 from ember.protocols.cache_hints import AnthropicBreakpoints, Breakpoint, collect_breakpoints, mark, shift_marks
-from ember.protocols.chat_reply import (
-    AUTO, FUNCTION, NONE, REQUIRED, ChatFeatures, ChatOptions, declare_tool, template_tools, tool_items, tool_name,
-    tool_schema,
-)
+from ember.protocols.anthropic_tools import read_tool_choice, read_tools
+from ember.protocols.chat_reply import ChatFeatures, ChatOptions, template_tools
 from ember.protocols.errors import unsupported
 from ember.protocols.fields import Fields, as_string, json_type
 from ember.protocols.image_parts import misplaced_image, read_anthropic_image
 from ember.protocols.neutral import ChatPrompt, Dialect, GenerationRequest, ModelInfo, build_sampling_params
-from ember.protocols.sampling_fields import read_max_tokens, read_sampling_fields, read_single_choice
+from ember.protocols.sampling_fields import PRIORITIES, read_max_tokens, read_sampling_fields, read_single_choice
+from ember.protocols.session_title import is_session_title_request
 from ember.protocols.structured import check_grammar_with_tools, read_flat_format
 from ember.protocols.thinking import read_preserve_thinking, settle_thinking
+from ember.protocols.tool_history import Answer, Call, in_call_order
 from ember.protocols.unknown_fields import reads_fields
 from ember.tokenization.message_content import build_content, content_length, image_part
 
@@ -116,6 +116,8 @@ def _parse(body: Any, model: ModelInfo, *, counting: bool) -> MessagesRequest:
     else:
         params = read_sampling(f, model, max_tokens, max_tokens_param, options.thinking)
         read_single_choice(f, "a message")
+        if is_session_title_request(messages):  # nobody waits on it: it yields to the work someone waits on
+            params = dataclasses.replace(params, priority=max(params.priority, PRIORITIES["background"]))
     stream = False if counting else f.boolean("stream", False)
     return_token_ids = False if counting else f.boolean("return_token_ids", False)
     f.object("metadata")
@@ -201,10 +203,39 @@ def read_messages(f: Fields, marks: AnthropicBreakpoints, model: ModelInfo) -> t
             turns[-1].blocks.extend(blocks)  # consecutive turns of one role are one turn
         else:
             turns.append(_Turn(role, blocks, m.path))
+    order_tool_results(turns)
     messages: list[dict[str, Any]] = []
     for turn in turns:
         messages.extend(turn_messages(turn))
     return messages, turns[-1]
+
+
+def order_tool_results(turns: list[_Turn]) -> None:
+    """Each assistant turn's tool_use blocks are answered by the user turn after it (system turns
+    between are passed over), one tool_result each, put back in call order (tool_history). Results
+    in a conversation's opening user turn answer nothing it holds: a truncated or imported history,
+    kept as it is."""
+    calls: list[Call] | None = None  # the last assistant turn's calls; None before any assistant turn
+    due = ""  # the path of that assistant turn
+    for turn in turns:
+        if turn.role == "system":
+            continue
+        if turn.role == "assistant":
+            if calls:
+                in_call_order(calls, [], complete=True, turn_param=turn.path, result_kind="tool_result")
+            calls = [Call(block.raw("id"), block.path_of("id")) for kind, block, _ in turn.blocks if kind == "tool_use"]
+            due = turn.path
+            continue
+        results = [entry for entry in turn.blocks if entry[0] == "tool_result"]
+        if calls is not None:
+            answers = [Answer(block.raw("tool_use_id"), block.path_of("tool_use_id"), (kind, block, ttl))
+                       for kind, block, ttl in results]
+            results = in_call_order(calls, answers, complete=True, turn_param=turn.path + ".content",
+                                    result_kind="tool_result")
+        turn.blocks = results + [entry for entry in turn.blocks if entry[0] != "tool_result"]
+        calls = []
+    if calls and turns[-1].role == "system":  # (a final assistant turn is a prefill: read_prefill refuses calls)
+        in_call_order(calls, [], complete=True, turn_param=due, result_kind="tool_result")
 
 
 def read_blocks(m: Fields, role: str, marks: AnthropicBreakpoints, *,
@@ -405,59 +436,6 @@ def clear_old_thinking(f: Fields, messages: list[dict[str, Any]]) -> None:
         thinking = [m for m in messages if m["role"] == "assistant" and m.get("reasoning_content")]
         for message in thinking[:max(len(thinking) - turns, 0)]:
             del message["reasoning_content"]
-
-
-# ---- tools ------------------------------------------------------------------------------------------
-
-def read_tools(f: Fields, marks: AnthropicBreakpoints) -> tuple[list[ToolSpec], float | None]:
-    """The tools, and the longest TTL a tool's cache_control asks for (None: no tool has one)."""
-    items = tool_items(f)
-    specs: list[ToolSpec] = []
-    ttls: list[float] = []
-    for i, raw in enumerate(items):
-        tool = Fields(raw, f"tools[{i}]")
-        kind = tool.string("type")
-        if kind not in (None, "custom"):
-            raise unsupported(tool.path_of("type"),
-                              f"{tool.path} is a '{kind}' tool, which runs on Anthropic's servers; ember calls client "
-                              "tools only (name, description, input_schema)")
-        name = tool_name(tool)
-        schema = tool_schema(tool, "input_schema", {"type": "object", "properties": {}})
-        tool.boolean("eager_input_streaming")
-        tool.boolean("defer_loading")
-        ttl = marks.read(tool)
-        if ttl is not None:
-            ttls.append(ttl)
-        declare_tool(specs, ToolSpec(name, schema, tool.string("description"), strict=tool.boolean("strict", False)),
-                     tool)
-    return specs, max(ttls, default=None)
-
-
-def read_tool_choice(f: Fields, tools: list[ToolSpec]) -> tuple[str, list[ToolSpec] | None, bool]:
-    """(the choice, the tools it leaves callable when it names one, parallel calls allowed)."""
-    choice = f.object("tool_choice")
-    if choice is None:
-        return (AUTO if tools else NONE), None, True
-    kind = choice.string("type", choices=("auto", "any", "tool", "none"))
-    if kind is None:
-        raise InvalidRequest("tool_choice.type is required: auto, any, tool or none", param="tool_choice.type")
-    parallel = not choice.boolean("disable_parallel_tool_use", False)
-    if kind == "none" or (kind == "auto" and not tools):
-        return NONE, None, parallel
-    if kind == "auto":
-        return AUTO, None, parallel
-    if not tools:
-        raise InvalidRequest(f"tool_choice '{kind}' needs at least one tool in tools", param="tool_choice")
-    if kind == "any":
-        return REQUIRED, None, parallel
-    name = choice.string("name")
-    if name is None:
-        raise InvalidRequest("tool_choice.name is required for type 'tool'", param="tool_choice.name")
-    for tool in tools:
-        if tool.name == name:
-            return FUNCTION, [tool], parallel
-    raise InvalidRequest(f"tool_choice.name names '{name}', which is not among the declared tools",
-                         param="tool_choice.name")
 
 
 # ---- thinking, effort, sampling ---------------------------------------------------------------------

@@ -5,8 +5,9 @@ What the answer must match:
 - a structured-output field alone: that grammar;
 - tool_choice required or a named function: one call or more (one with parallel_tool_calls false)
   to the offered tools, each call's arguments held to that tool's schema, and nothing else;
-- tool_choice auto with a `strict` tool: free text, but a call the reply opens is held to the
-  offered tools, a strict tool's arguments to its schema (another tool's to a JSON object);
+- tool_choice auto with a `strict` tool or a custom tool with a grammar: free text, but a call the
+  reply opens is held to the offered tools, a strict tool's arguments to its schema, a custom
+  tool's input to its grammar (another tool's arguments to a JSON object);
 - a structured-output field beside tools under auto: the grammar's answer, or calls as above.
 The structural tag that holds the calls is written by ember.grammar.structural_tag.
 """
@@ -33,6 +34,9 @@ def build_constraints(job: GenerationRequest, plan: ReplyPlan | None, grammars: 
             raise grammar_unavailable(job.grammar.param)
         if any(t.strict for t in tools):
             raise grammar_unavailable("tools")
+        for tool in tools:
+            if tool.input_grammar is not None:
+                raise grammar_unavailable(tool.input_grammar.param)
         return None  # a forced call without xgrammar: the reply plan forces opener and name, as before
     steering = plan.steering(reasoning_only=True) if plan is not None else None
     if tools is None:
@@ -47,6 +51,6 @@ def _constrained_tools(job: GenerationRequest, plan: ReplyPlan | None) -> tuple[
     if options is None or plan is None or plan.fmt.tool_format is None or not options.calls_tools:
         return None, False
     forced = options.tool_choice in (REQUIRED, FUNCTION)
-    if job.grammar is None and not forced and not any(t.strict for t in options.tools):
+    if job.grammar is None and not forced and not any(t.strict or t.input_grammar for t in options.tools):
         return None, False
     return list(options.tools), forced

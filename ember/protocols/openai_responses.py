@@ -65,7 +65,7 @@ def parse_responses(body: Any, model: ModelInfo, context: ResponsesContext) -> R
     if store:
         context.check_size(history + tuple(input_items))
 
-    tools = read_tools(f)
+    tools = read_tools(f, model.chat.tool_format.name if model.chat.tool_format is not None else None)
     if tools.specs and model.chat.tool_format is None:
         raise unsupported("tools", "tool calling is turned off on this server (--tool-call-parser none)")
     choice, callable_tools, echo_choice = read_tool_choice(f, tools)

@@ -7,7 +7,7 @@ already in it, so a stored chain is rebuilt by reading its items back through th
 Chat messages: system and developer items become system turns; assistant-owned items in a row
 (reasoning, assistant messages, calls) become one assistant turn in the order reasoning -> text ->
 calls, and an item that would go back in that order starts a new assistant turn; results become
-`tool` turns, matched to their calls by `call_id`.
+`tool` turns, matched to their calls by `call_id` and put in call order (tool_history).
 
 Images (input_image parts of user messages and of results) stay in the normalized form as sent, so
 they are listed and stored as JSON; each time a conversation is built, its chat message gets an
@@ -28,6 +28,7 @@ from ember.protocols.cache_hints import mark, read_openai_breakpoint
 from ember.protocols.fields import Fields, as_string, json_type
 from ember.protocols.image_parts import misplaced_image, read_responses_image
 from ember.protocols.reasoning_seal import ReasoningSeal, SealError
+from ember.protocols.tool_history import INVALID_TOOL_HISTORY, Answer, Call, in_call_order
 from ember.tokenization.message_content import build_content, content_length, image_part
 
 ROLES = ("user", "assistant", "system", "developer")
@@ -272,17 +273,26 @@ def call_arguments(item: dict[str, Any]) -> Any:
 def to_messages(items: Sequence[dict[str, Any]], paths: Sequence[str | None], instructions: str | None = None,
                 cache_ttl_s: float = 0.0) -> list[dict[str, Any]]:
     """Chat messages for the template. `paths[i]` names items[i] in the request (None: stored history),
-    for the 400s of unknown or repeated call ids. Parts of this request's items (not the stored
-    history's) that carry a prompt_cache_breakpoint mark their message (cache_hints) with `cache_ttl_s`."""
+    for the 400s of a tool history that does not hold together (tool_history: results answer the
+    calls of the assistant turn before them, all or none of them, and are put in call order). Parts
+    of this request's items (not the stored history's) that carry a prompt_cache_breakpoint mark
+    their message (cache_hints) with `cache_ttl_s`."""
     messages: list[dict[str, Any]] = [{"role": "system", "content": instructions}] if instructions else []
     turn: dict[str, Any] | None = None  # the open assistant turn
     stage = 0  # how far that turn has got: 0 reasoning, 1 text, 2 calls
-    calls: dict[str, str | None] = {}  # call_id -> path of its call
-    answered: dict[str, str | None] = {}
+    seen_calls: set[str] = set()
+    calls: list[Call] = []  # the last assistant turn's calls
+    results: list[Answer] = []  # the results after them so far
+
+    def close_results() -> None:
+        nonlocal calls, results
+        messages.extend(in_call_order(calls, results, complete=False, result_kind="result"))
+        calls, results = [], []
 
     def assistant_turn(at_stage: int) -> dict[str, Any]:
         nonlocal turn, stage
         if turn is None or stage > at_stage:
+            close_results()
             turn = {"role": "assistant", "content": ""}
             messages.append(turn)
         stage = at_stage
@@ -299,35 +309,31 @@ def to_messages(items: Sequence[dict[str, Any]], paths: Sequence[str | None], in
             _mark_parts(current, item, path, content_length(current["content"]), cache_ttl_s)
             current["content"] = build_content([current["content"], parts_content(item["content"], None)])
         elif kind in CALLS:
-            if item["call_id"] in calls:
+            if item["call_id"] in seen_calls:
                 where = _at(path, "call_id") or "the stored conversation"
                 raise InvalidRequest(f"{where}: call_id '{item['call_id']}' is used by an earlier call",
-                                     param=_at(path, "call_id"), code="invalid_tool_history")
-            calls[item["call_id"]] = path
+                                     param=_at(path, "call_id"), code=INVALID_TOOL_HISTORY)
+            seen_calls.add(item["call_id"])
             entry = {"id": item["call_id"], "type": "function",
                      "function": {"name": visible_name(item.get("name", LOCAL_SHELL), item.get("namespace")),
                                   "arguments": call_arguments(item)}}
             assistant_turn(2).setdefault("tool_calls", []).append(entry)
+            calls.append(Call(item["call_id"], _at(path, "call_id")))
         elif kind in RESULTS:
             turn = None
-            call_id = item["call_id"]
-            if call_id not in calls:
-                raise InvalidRequest(f"{_at(path, 'call_id')}: no earlier call has call_id '{call_id}'",
-                                     param=_at(path, "call_id"), code="invalid_tool_history")
-            if call_id in answered:
-                raise InvalidRequest(f"{_at(path, 'call_id')}: the call '{call_id}' already has a result",
-                                     param=_at(path, "call_id"), code="invalid_tool_history")
-            answered[call_id] = path
-            messages.append({"role": "tool", "tool_call_id": call_id,
-                             "content": parts_content(item["output"], _at(path, "output"))})
+            result = {"role": "tool", "tool_call_id": item["call_id"],
+                      "content": parts_content(item["output"], _at(path, "output"))}
             if path is not None and not isinstance(item["output"], str) and any(
                     "prompt_cache_breakpoint" in part for part in item["output"]):
-                mark(messages[-1], None, cache_ttl_s)
+                mark(result, None, cache_ttl_s)
+            results.append(Answer(item["call_id"], _at(path, "call_id"), result))
         else:
             turn = None
+            close_results()
             role = "system" if item["role"] in ("system", "developer") else "user"
             messages.append({"role": role, "content": parts_content(item["content"], _at(path, "content"))})
             _mark_parts(messages[-1], item, path, 0, cache_ttl_s)
+    close_results()
     return messages
 
 

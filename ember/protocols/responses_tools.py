@@ -5,11 +5,15 @@
     namespace   {"type": "namespace", name, description?, tools: [function, ...]}: the model sees each as
                 `NAMESPACE__name`; its calls come back with `namespace` and the function's own name
     custom      {"type": "custom", name, description?, format?}: free-form input; the model sees a function
-                with one string parameter `input` (a grammar format is shown in the description, not
-                enforced), and its calls come back as custom_tool_call items with that input
+                with one string parameter `input`, and its calls come back as custom_tool_call items with
+                that input. A grammar format ({type: grammar, syntax: lark | regex, definition}) is shown
+                in the description and, where the model writes that parameter as raw text (the Qwen3 XML
+                call format), enforced by xgrammar on the input; where it writes JSON (hermes) it cannot
+                be, and the format is listed in x-ember-ignored-fields
     hosted      web_search, file_search, computer use, code_interpreter, image_generation, mcp, ...: ember
-                cannot run them, so they are not shown to the model (logged once per request); forcing one
-                through tool_choice is a 400
+                cannot run them, so they are not shown to the model; they stay accepted (Codex declares
+                them), each listed in x-ember-ignored-fields and the request log as `tools[i]`, and logged
+                once per request; forcing one through tool_choice is a 400
 """
 
 from __future__ import annotations
@@ -19,19 +23,22 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
+from ember.constraint_spec import LARK, REGEX, GrammarSpec
 from ember.errors import InvalidRequest
-from ember.parsers.events import ToolSpec
+from ember.grammar.structural_tag import holds_raw_input
+from ember.parsers.events import CUSTOM_INPUT, ToolSpec
 from ember.protocols.chat_reply import AUTO, FUNCTION, NONE, REQUIRED, declare_tool, tool_items, tool_name, tool_schema
 from ember.protocols.errors import unsupported
 from ember.protocols.fields import Fields
 from ember.protocols.responses_items import visible_name
+from ember.protocols.unknown_fields import note_ignored
 
 logger = logging.getLogger("ember.server")
 
 HOSTED_TOOLS = ("web_search", "web_search_preview", "web_search_preview_2025_03_11", "web_search_2025_08_26",
                 "file_search", "computer", "computer_use", "computer_use_preview", "code_interpreter",
                 "image_generation", "mcp", "local_shell", "shell", "apply_patch", "tool_search")
-_CUSTOM_INPUT = "input"
+GRAMMAR_SYNTAXES = {"lark": LARK, "regex": REGEX}  # a custom tool's grammar syntax -> its GrammarSpec kind
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,10 +56,12 @@ class ResponsesTools:
     refs: dict[str, ToolRef] = field(default_factory=dict)  # the model's name -> the client's tool
     echo: list[dict[str, Any]] = field(default_factory=list)  # tools as the response object repeats them
     hosted: list[str] = field(default_factory=list)  # declared types ember does not offer
+    raw_inputs: bool = False  # the model writes a custom tool's input as raw text, which its grammar can hold
 
 
-def read_tools(f: Fields) -> ResponsesTools:
-    result = ResponsesTools()
+def read_tools(f: Fields, tool_format: str | None) -> ResponsesTools:
+    """`tool_format`: the name of the format the model writes calls in (None: tool calls are off)."""
+    result = ResponsesTools(raw_inputs=tool_format is not None and holds_raw_input(tool_format))
     for i, raw in enumerate(tool_items(f)):
         tool = Fields(raw, f"tools[{i}]")
         kind = tool.string("type")
@@ -65,6 +74,7 @@ def read_tools(f: Fields) -> ResponsesTools:
         elif kind in HOSTED_TOOLS:
             result.hosted.append(kind)
             result.echo.append(dict(raw))
+            note_ignored(tool.path)
         elif kind is None:
             raise InvalidRequest(f"{tool.path_of('type')} is required", param=tool.path_of("type"))
         else:
@@ -109,21 +119,31 @@ def _add_custom(tool: Fields, namespace: str | None, result: ResponsesTools) -> 
     description = tool.string("description")
     fmt = tool.object("format")
     text = description or ""
-    if fmt is not None:
-        kind = fmt.string("type", choices=("text", "grammar"))
-        if kind == "grammar":
-            syntax = fmt.string("syntax", "lark")
-            definition = fmt.string("definition")
-            if definition is None:
-                raise InvalidRequest(f"{fmt.path_of('definition')} is required for a grammar format",
-                                     param=fmt.path_of("definition"))
-            text += f"\n\nThe input must follow this {syntax} grammar:\n{definition}"
-    parameters = {"type": "object", "properties": {_CUSTOM_INPUT: {
-        "type": "string", "description": "The tool's whole input, as free-form text."}}, "required": [_CUSTOM_INPUT]}
-    _register(tool, ToolSpec(visible_name(name, namespace), parameters, text.strip() or None),
+    grammar = None
+    if fmt is not None and fmt.string("type", choices=("text", "grammar")) == "grammar":
+        grammar = _read_grammar(fmt)
+        text += f"\n\nThe input must follow this {fmt.raw('syntax', 'lark')} grammar:\n{grammar.text}"
+        if not result.raw_inputs:
+            note_ignored(fmt.path)  # shown to the model, but not enforced
+            grammar = None
+    parameters = {"type": "object", "properties": {CUSTOM_INPUT: {
+        "type": "string", "description": "The tool's whole input, as free-form text."}}, "required": [CUSTOM_INPUT]}
+    _register(tool, ToolSpec(visible_name(name, namespace), parameters, text.strip() or None, input_grammar=grammar),
               ToolRef("custom", name, namespace), result)
     return {"type": "custom", "name": name, "description": description,
             "format": dict(fmt.obj) if fmt is not None else {"type": "text"}}
+
+
+def _read_grammar(fmt: Fields) -> GrammarSpec:
+    syntax = fmt.string("syntax", "lark")
+    if syntax not in GRAMMAR_SYNTAXES:
+        raise unsupported(fmt.path_of("syntax"), f"{fmt.path_of('syntax')} is '{syntax}'; ember holds a custom tool's "
+                                                 "input to a grammar with xgrammar, which takes lark or regex")
+    definition = fmt.string("definition", non_empty=True)
+    if definition is None:
+        raise InvalidRequest(f"{fmt.path_of('definition')} is required for a grammar format",
+                             param=fmt.path_of("definition"))
+    return GrammarSpec(GRAMMAR_SYNTAXES[syntax], definition, fmt.path_of("definition"))
 
 
 def _add_namespace(tool: Fields, result: ResponsesTools) -> dict[str, Any]:
@@ -153,8 +173,8 @@ def unwrap_call(ref: ToolRef, arguments: str) -> str:
         decoded = json.loads(arguments)
     except ValueError:
         return arguments
-    if isinstance(decoded, dict) and isinstance(decoded.get(_CUSTOM_INPUT), str):
-        return decoded[_CUSTOM_INPUT]
+    if isinstance(decoded, dict) and isinstance(decoded.get(CUSTOM_INPUT), str):
+        return decoded[CUSTOM_INPUT]
     return arguments
 
 
@@ -190,7 +210,9 @@ def read_tool_choice(f: Fields, tools: ResponsesTools) -> tuple[str, list[ToolSp
             item_kind = item.string("type", "function")
             if item_kind in ("function", "custom"):
                 chosen.append(_chosen(item, tools, item_kind))
-            elif item_kind not in HOSTED_TOOLS:
+            elif item_kind in HOSTED_TOOLS:
+                note_ignored(item.path)
+            else:
                 raise InvalidRequest(f"{item.path_of('type')} is '{item_kind}', not a tool type this server knows",
                                      param=item.path_of("type"))
         if not chosen and mode == REQUIRED:

@@ -11,6 +11,10 @@ fields at every level itself, as the document it follows does.)
 `null` means "not given" everywhere, so an unknown field set to null is neither reported nor
 refused.
 
+A few fields ember knows are tolerated without effect for the agents that send them (Responses'
+hosted tool declarations): `note_ignored` lists them in the same report, whatever --strict-fields
+says, since refusing them would turn those agents away.
+
 The server opens a FieldReport for each request (`watch_fields`, in its middleware, with the
 server's setting); the parsers' wrapper (`reads_fields`) fills it in. The report travels in a
 context variable because the parsers see only the body and the model, never the HTTP request.
@@ -55,7 +59,7 @@ class FieldReport:
         MAX_HEADER_NAMES of them. (A value may not end in a space: HTTP servers drop the connection.)"""
         if not self.ignored:
             return None
-        names = [quote(name, safe="_.-:~") or '""' for name in self.ignored[:MAX_HEADER_NAMES]]
+        names = [quote(name, safe="_.-:~[]") or '""' for name in self.ignored[:MAX_HEADER_NAMES]]
         if len(self.ignored) > MAX_HEADER_NAMES:
             names.append(f"...{len(self.ignored) - MAX_HEADER_NAMES} more")
         return ", ".join(names)
@@ -127,12 +131,13 @@ def settle(unknown: list[str]) -> None:
         report.ignored.extend(unknown)
 
 
-def note_ignored(name: str) -> None:
-    """A field ember reads and does not act on, accepted because agent clients send it by habit:
-    listed in the header beside the unknown ones (never refused, being known). `name` is its path."""
+def note_ignored(*names: str) -> None:
+    """Known fields this request sent that ember accepts without acting on them, because agent
+    clients send them by habit (paths such as `tools[2]`): listed in the header beside the unknown
+    ones, never refused."""
     report = _report.get()
     if report is not None:
-        report.ignored.append(name)
+        report.ignored.extend(names)
 
 
 def _shown(name: str) -> str:

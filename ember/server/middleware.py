@@ -79,6 +79,7 @@ class RequestContextMiddleware:
                 MutableHeaders(scope=message).append("x-request-id", record.request_id)
                 if record.errors.id_header:
                     MutableHeaders(scope=message).append(record.errors.id_header, record.request_id)
+                record.ignored_fields = list(fields.ignored)
                 ignored = fields.header_value()
                 if ignored:
                     MutableHeaders(scope=message).append(IGNORED_FIELDS_HEADER, ignored)

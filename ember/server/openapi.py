@@ -151,8 +151,8 @@ RESPONSES_REQUEST = {
             "strict): the answer is held to it.", "properties": {
                 "type": {"enum": ["text", "json_object", "json_schema"]}, "name": {"type": "string"},
                 "schema": {"type": "object"}, "description": {"type": "string"}, "strict": _BOOLEAN}}}},
-        "tools": {**_ITEMS, "description": "function, namespace and custom tools; hosted tools are accepted and "
-                  "not offered to the model."},
+        "tools": {**_ITEMS, "description": "function, namespace and custom tools; hosted tools are accepted, "
+                  "not offered to the model, and listed in x-ember-ignored-fields."},
         "tool_choice": {"oneOf": [{"enum": ["none", "auto", "required"]}, {"type": "object"}]},
         "parallel_tool_calls": _BOOLEAN,
         "include": {"type": "array", "items": {"const": "reasoning.encrypted_content"}},

@@ -94,6 +94,7 @@ def telemetry(record: RequestRecord) -> dict[str, Any]:
         "status": record.status,
         "received_unix": record.received,
         "prompt_tokens": record.prompt_tokens,
+        "ignored_fields": record.ignored_fields,
     }
     if record.admitted is None:  # refused before it ran
         shape = request_shape(record.job) if record.job is not None else None

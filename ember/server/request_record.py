@@ -50,6 +50,7 @@ class RequestRecord:
     client_gone: bool = False
     tenant: str | None = None  # the owner of its API key, when the server takes keys
     session: str | None = None  # the client's session (prompt_cache_key, else X-Session-Id), by session_tag
+    ignored_fields: list[str] = field(default_factory=list)  # as the x-ember-ignored-fields header lists them
 
     @classmethod
     def from_scope(cls, scope) -> "RequestRecord":

@@ -1,7 +1,8 @@
 """Real `ember serve` processes on the default model, and clients for them.
 
-`server` is the main one (default limits, shared by most tests); `thinking_server` (a reasoning
-template) and `one_slot_server` (one seat, no queue) are shared by the modules that need them.
+`server` is the main one (default limits, shared by most tests); `thinking_server` and
+`thinking_xml_server` (reasoning templates with hermes and Qwen3 XML tool calls) and
+`one_slot_server` (one seat, no queue) are shared by the modules that need them.
 Tests that need other limits (auth, CORS, 413/429/503) start their own instance with `ServerProcess`.
 """
 
@@ -114,6 +115,17 @@ def thinking_server():
                             "--default-thinking-budget", str(THINKING_BUDGET), "--response-store-max-records", "3",
                             "--response-store-max-mb", "0.05").start()
     process.template = "think_hermes"
+    yield process
+    process.stop()
+
+
+@pytest.fixture(scope="session")
+def thinking_xml_server():
+    """The main flags behind think_xml.jinja (<think> blocks, Qwen3 XML tool calls: raw parameter values)
+    and a default thinking budget."""
+    process = ServerProcess(*MAIN_FLAGS, "--chat-template", str(TEMPLATES / "think_xml.jinja"),
+                            "--default-thinking-budget", str(THINKING_BUDGET)).start()
+    process.template = "think_xml"
     yield process
     process.stop()
 

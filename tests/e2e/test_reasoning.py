@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.e2e.conftest import MAIN_FLAGS, TEMPLATES, THINKING_BUDGET as DEFAULT_BUDGET, ServerProcess
+from tests.e2e.conftest import THINKING_BUDGET as DEFAULT_BUDGET
 
 QUESTION = [{"role": "user", "content": "Why is the sky blue?"}]
 WEATHER = {"type": "function", "function": {
@@ -15,16 +15,9 @@ WEATHER = {"type": "function", "function": {
 OPENERS = {"think_hermes": '<tool_call>\n{"name": "get_weather"', "think_xml": "<tool_call>\n<function=get_weather>"}
 
 
-@pytest.fixture(scope="module", params=["think_hermes", "think_xml"])
+@pytest.fixture(scope="module", params=["thinking_server", "thinking_xml_server"])
 def reasoning_server(request):
-    if request.param == "think_hermes":  # the shared one
-        yield request.getfixturevalue("thinking_server")
-        return
-    process = ServerProcess(*MAIN_FLAGS, "--chat-template", str(TEMPLATES / f"{request.param}.jinja"),
-                            "--default-thinking-budget", str(DEFAULT_BUDGET)).start()
-    process.template = request.param
-    yield process
-    process.stop()
+    return request.getfixturevalue(request.param)  # the shared ones
 
 
 @pytest.fixture(scope="module")

@@ -160,16 +160,17 @@ def test_a_function_call_round_trip(client, model_id, http):
 
     # Tools are sent again; the first prompt is a cached prefix of the second. (The call itself is
     # re-rendered by ember in the canonical hermes form, which may differ from what the model wrote.)
-    answer = create(client, model_id, previous_response_id=called.id, tools=[WEATHER],
-                    input=[{"type": "function_call_output", "call_id": call.call_id, "output": "Sunny, 24 C"}])
+    # Every call of the turn gets its result (the model may have written more than one).
+    results = [{"type": "function_call_output", "call_id": c.call_id, "output": "Sunny, 24 C"} for c in calls]
+    answer = create(client, model_id, previous_response_id=called.id, tools=[WEATHER], input=results)
     assert answer.output and all(item.type == "message" for item in answer.output) and answer.output_text
     assert answer.usage.input_tokens_details.cached_tokens >= called.usage.input_tokens // BLOCK_SIZE * BLOCK_SIZE
 
     # The same turn without stored state: the call item is sent back with its result.
     stateless = create(client, model_id, tools=[WEATHER], tool_choice="none", store=False, input=[
         {"role": "user", "content": ASK},
-        {"type": "function_call", "call_id": call.call_id, "name": call.name, "arguments": call.arguments},
-        {"type": "function_call_output", "call_id": call.call_id, "output": "Sunny, 24 C"}])
+        *({"type": "function_call", "call_id": c.call_id, "name": c.name, "arguments": c.arguments} for c in calls),
+        *results])
     assert stateless.output_text
 
     final = streamed(http, model_id, input=ASK, tools=[WEATHER], tool_choice="required", max_output_tokens=48)

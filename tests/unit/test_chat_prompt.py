@@ -51,8 +51,9 @@ def test_probes_tell_what_each_template_takes(tokenizer):
         assert probe_template(with_template(tokenizer, original)) == TemplateTraits(False, True)
         assert probe_template(with_template(tokenizer, NO_SYSTEM)) == TemplateTraits(False, False)
         hermes = (TEMPLATES / "think_hermes.jinja").read_text()
-        # it writes whatever effort it is given into the system turn, so it tells every effort apart
-        assert probe_template(with_template(tokenizer, hermes)) == TemplateTraits(True, True, EFFORTS)
+        # it writes whatever effort it is given into the system turn, so it tells every effort apart; it
+        # renders a system message at the start only (a later one would be lost)
+        assert probe_template(with_template(tokenizer, hermes)) == TemplateTraits(True, True, EFFORTS, True)
     finally:
         with_template(tokenizer, original)
 

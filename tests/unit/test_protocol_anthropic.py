@@ -91,7 +91,8 @@ def test_tool_use_and_tool_results_round_trip_their_ids():
                 {"role": "assistant", "content": [
                     {"type": "thinking", "thinking": "Look it up.", "signature": "anything"},
                     {"type": "text", "text": "Checking."},
-                    {"type": "tool_use", "id": "toolu_abc", "name": "get_weather", "input": {"city": "Paris"}}]},
+                    {"type": "tool_use", "id": "toolu_abc", "name": "get_weather", "input": {"city": "Paris"}},
+                    {"type": "tool_use", "id": "toolu_def", "name": "get_weather", "input": {"city": "Atlantis"}}]},
                 {"role": "user", "content": [
                     {"type": "tool_result", "tool_use_id": "toolu_abc", "content": "sunny"},
                     {"type": "tool_result", "tool_use_id": "toolu_def", "is_error": True,
@@ -100,7 +101,9 @@ def test_tool_use_and_tool_results_round_trip_their_ids():
     got = parse(messages=messages, tools=[WEATHER]).prompt.messages
     assert got[1] == {"role": "assistant", "content": "Checking.", "reasoning_content": "Look it up.",
                       "tool_calls": [{"id": "toolu_abc", "type": "function",
-                                      "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]}
+                                      "function": {"name": "get_weather", "arguments": {"city": "Paris"}}},
+                                     {"id": "toolu_def", "type": "function",
+                                      "function": {"name": "get_weather", "arguments": {"city": "Atlantis"}}}]}
     assert got[2] == {"role": "tool", "tool_call_id": "toolu_abc", "content": "sunny"}
     assert got[3]["tool_call_id"] == "toolu_def" and got[3]["content"].startswith("Error: ")
     assert got[4] == {"role": "user", "content": "And tomorrow?"}

@@ -73,8 +73,9 @@ def test_assistant_items_in_a_row_form_one_turn_and_results_follow():
                                 "function": {"name": "get_weather", "arguments": {"city": "Paris"}}},
                                {"id": "call_2", "type": "function",
                                 "function": {"name": "weather__get", "arguments": {}}}]}
-    assert messages[3] == {"role": "tool", "tool_call_id": "call_2", "content": "Rain"}
-    assert messages[4] == {"role": "tool", "tool_call_id": "call_1", "content": "Sun"}
+    # The results come back in call order, whatever order they were sent in.
+    assert messages[3] == {"role": "tool", "tool_call_id": "call_1", "content": "Sun"}
+    assert messages[4] == {"role": "tool", "tool_call_id": "call_2", "content": "Rain"}
     # Reasoning after text cannot join that turn: it starts the next one.
     assert messages[5] == {"role": "assistant", "content": "It is sunny."}
     assert messages[6] == {"role": "assistant", "content": "", "reasoning_content": "Later."}
