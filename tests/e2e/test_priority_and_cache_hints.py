@@ -16,7 +16,8 @@ import pytest
 
 from tests.e2e.conftest import ServerProcess, wait_idle
 
-FLAGS = ["--max-num-seqs", "1", "--max-model-len", "1024", "--log-level", "info"]
+# the pool alone (no host tier): a prefix that other requests push out of it is gone, unless pinned
+FLAGS = ["--max-num-seqs", "1", "--max-model-len", "1024", "--cache-ram", "0", "--log-level", "info"]
 ASK = [{"role": "user", "content": "Write a long story about a lighthouse keeper."}]
 
 
