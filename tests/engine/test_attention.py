@@ -5,6 +5,7 @@ attention, and in exact mode gives a row the same bits however its prompt was ch
 import pytest
 import torch
 
+from kernel_attention_checks import assert_rows_keep_their_bits, run_kernel as _kernel
 from ember.engine.attention import DecodeGroup, KVCache, PagedAttention, long_decode, prefill_seq
 
 BLOCK_SIZE, KV_HEADS, HEADS, HEAD_DIM = 4, 2, 6, 16
@@ -157,14 +158,6 @@ def kernel_case(request):
     return cache, blocks.tolist(), keys, values, q
 
 
-def _kernel(cache, sequences):
-    """sequences: (block ids, first position, q rows) each -> their rows' outputs, in order."""
-    from ember.engine.kernel_attention import kernel_attention
-    rows = [(blocks, start, len(q)) for blocks, start, q in sequences]
-    attn = kernel_attention(cache, rows, torch.zeros(sum(len(q) for _, _, q in sequences), dtype=torch.long))
-    return attn.attend(0, torch.cat([q for _, _, q in sequences]))
-
-
 @pytest.mark.parametrize("kernel_case", [torch.float32, torch.bfloat16], indirect=True)
 def test_the_cache_layout_round_trips(kernel_case):
     cache, blocks, keys, values, _ = kernel_case
@@ -190,23 +183,8 @@ def test_the_attention_kernel_matches_plain_causal_attention(kernel_case):
 
 @pytest.mark.parametrize("kernel_case", [torch.float32, torch.bfloat16], indirect=True)
 def test_a_row_gets_the_same_bits_decoded_chunked_batched_or_moved(kernel_case):
-    cache, blocks, keys, values, q = kernel_case
-    whole = _kernel(cache, [(blocks, 0, q)])
-    for position in (0, 15, 16, 63, 64, 255, 256, 257, 699):  # around blocks, chunks and splits
-        assert torch.equal(_kernel(cache, [(blocks, position, q[position:position + 1])])[0], whole[position])
-    for start in (1, 300, 511):  # a prompt chunk from `start` on, its earlier keys cached
-        assert torch.equal(_kernel(cache, [(blocks, start, q[start:])]), whole[start:])
-    # batched: decodes and chunks of the same sequence side by side in one call
-    together = _kernel(cache, [(blocks, 699, q[699:]), (blocks, 100, q[100:300]), (blocks, 5, q[5:6])])
-    assert torch.equal(together, torch.cat((whole[699:], whole[100:300], whole[5:6])))
-    # the same keys in other blocks give the same bits
-    moved = list(reversed(blocks))
-    slots_of = lambda ids: (torch.tensor(ids)[:, None] * KERNEL_BLOCK + torch.arange(KERNEL_BLOCK)).flatten()
-    k_cache, v_cache = cache.layers[0]
-    k_cache[:, moved] = k_cache[:, blocks].clone()
-    v_cache[:, moved] = v_cache[:, blocks].clone()
-    assert torch.equal(_kernel(cache, [(moved, 650, q[650:])]), whole[650:])
-    assert slots_of(moved).shape[0] >= KERNEL_LENGTH
+    cache, blocks, _, _, q = kernel_case
+    assert_rows_keep_their_bits(cache, blocks, q)
 
 
 # ---- sliding windows: a row sees its last `window` keys, its own included ---------------------

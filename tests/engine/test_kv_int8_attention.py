@@ -6,6 +6,7 @@ counting and carrying the scales with the values."""
 import pytest
 import torch
 
+from kernel_attention_checks import assert_rows_keep_their_bits, run_kernel as _kernel
 from ember.engine.attention import (DecodeGroup, KVCache, PagedAttention, dequantize_rows, long_decode, prefill_seq,
                                     quantize_rows)
 
@@ -70,14 +71,6 @@ def int8_kernel_case(request):
     return cache, blocks, keys, values, q
 
 
-def _kernel(cache, sequences):
-    """sequences: (block ids, first position, q rows) each -> their rows' outputs, in order."""
-    from ember.engine.kernel_attention import kernel_attention
-    rows = [(blocks, start, len(q)) for blocks, start, q in sequences]
-    attn = kernel_attention(cache, rows, torch.zeros(sum(len(q) for _, _, q in sequences), dtype=torch.long))
-    return attn.attend(0, torch.cat([q for _, _, q in sequences]))
-
-
 def test_the_kernel_quantizes_a_row_as_torch_does(int8_kernel_case):
     cache, blocks, keys, values, _ = int8_kernel_case
     slots = _slots(blocks, LENGTH)
@@ -96,18 +89,7 @@ def test_the_int8_kernel_matches_plain_causal_attention_over_the_dequantized_cac
 
 def test_an_int8_kernel_row_gets_the_same_bits_decoded_chunked_batched_or_moved(int8_kernel_case):
     cache, blocks, _, _, q = int8_kernel_case
-    whole = _kernel(cache, [(blocks, 0, q)])
-    for position in (0, 15, 16, 63, 64, 255, 256, 257, 699):  # around blocks, chunks and splits
-        assert torch.equal(_kernel(cache, [(blocks, position, q[position:position + 1])])[0], whole[position])
-    for start in (1, 300, 511):  # a prompt chunk from `start` on, its earlier keys cached
-        assert torch.equal(_kernel(cache, [(blocks, start, q[start:])]), whole[start:])
-    together = _kernel(cache, [(blocks, 699, q[699:]), (blocks, 100, q[100:300]), (blocks, 5, q[5:6])])
-    assert torch.equal(together, torch.cat((whole[699:], whole[100:300], whole[5:6])))
-    moved = list(reversed(blocks))  # the same blocks, scales included, elsewhere in the pool
-    copies = [cache.read_block(block) for block in blocks]
-    for block, copy in zip(moved, copies):
-        cache.write_block(block, copy)
-    assert torch.equal(_kernel(cache, [(moved, 650, q[650:])]), whole[650:])
+    assert_rows_keep_their_bits(cache, blocks, q)
 
 
 @pytest.mark.parametrize("window", [16, 100, 300])
