@@ -255,7 +255,7 @@ class EngineCore:
         decoding = any(r.num_tokens - r.num_computed_tokens == 1 for r in running)
         waiting = [r for r in self.scheduler.requests.values() if r.status is not RequestStatus.RUNNING]
         self.images.advance(running + waiting, IMAGE_WORK_SHARE * self._decode_seconds if decoding else None,
-                            lambda request: self.kv_manager.get_computed_blocks(request)[1])
+                            self.kv_manager.num_cached_tokens)
         failed = [(r.request_id, error) for r in running + waiting if (error := self.images.failed(r))]
         return [output for request_id, error in failed
                 for output in self._finish_all([request_id], FinishReason.ERROR, error)]

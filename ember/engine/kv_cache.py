@@ -23,7 +23,7 @@ import hashlib
 import time
 from array import array
 from collections import Counter, OrderedDict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -55,6 +55,8 @@ class BlockTiers(Protocol):
     keeps_cached: bool  # wants every block as it is cached (a disk tier writes them through)
 
     def fetch(self, block_hash: bytes) -> "FetchedBlock | None": ...
+
+    def holds(self, block_hash: bytes) -> bool: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -174,24 +176,42 @@ class KVCacheManager:
         if not self.enable_prefix_caching:
             return [], 0
         self._expire_pins()
-        size = self.block_size
-        tokens = request.token_ids
         hits: list[int | FetchedBlock] = []
-        parent = None
         in_pool = True
-        for start in range(0, (len(tokens) - 1) // size * size, size):
-            parent = hash_block(parent, tokens[start:start + size], request.cache_salt,
-                                request.media_key(start, start + size))
-            block_id = self.cached_block_ids.get(parent) if in_pool else None
+        for block_hash in self._prefix_hashes(request):
+            block_id = self.cached_block_ids.get(block_hash) if in_pool else None
             if block_id is not None:
                 hits.append(block_id)
                 continue
             in_pool = False  # past the pool's run, blocks come from the tiers or not at all
-            fetched = self.tiers.fetch(parent) if self.tiers is not None else None
+            fetched = self.tiers.fetch(block_hash) if self.tiers is not None else None
             if fetched is None:
                 break
             hits.append(fetched)
-        return hits, len(hits) * size
+        return hits, len(hits) * self.block_size
+
+    def num_cached_tokens(self, request: Request) -> int:
+        """The tokens get_computed_blocks would find now, read from no tier (a look, not a fetch)."""
+        if not self.enable_prefix_caching:
+            return 0
+        count = 0
+        in_pool = True
+        for block_hash in self._prefix_hashes(request):
+            in_pool = in_pool and block_hash in self.cached_block_ids
+            if not in_pool and not (self.tiers is not None and self.tiers.holds(block_hash)):
+                break
+            count += self.block_size
+        return count
+
+    def _prefix_hashes(self, request: Request) -> Iterator[bytes]:
+        """The chained hashes of the request's full blocks short of its last token, in order."""
+        size = self.block_size
+        tokens = request.token_ids
+        parent = None
+        for start in range(0, (len(tokens) - 1) // size * size, size):
+            parent = hash_block(parent, tokens[start:start + size], request.cache_salt,
+                                request.media_key(start, start + size))
+            yield parent
 
     def allocate_slots(self, request: Request, num_new_tokens: int,
                        new_computed_blocks: Sequence[int | FetchedBlock] = (), num_new_computed_tokens: int = 0) -> bool:

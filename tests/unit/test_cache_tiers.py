@@ -214,6 +214,7 @@ def test_evicted_blocks_come_back_from_the_host_tier_with_their_data(kernel_layo
     for block_id, data in zip(again.block_ids[:2], kept):
         assert torch.equal(cache.read_block(block_id), data)
     assert tiers.counters["host"].hits == 2
+    assert kv.num_cached_tokens(make_request("look", range(9))) == 8  # found in the pool now
     kv.free(again)
     kv.check_invariants()
     assert kv.num_used_blocks == 0
@@ -244,3 +245,18 @@ def test_a_block_evicted_before_its_data_is_loaded_is_not_copied_out():
     assert torch.equal(tiers.host.get(hits[0].block_hash), kept)
     kv.free(taker)
     kv.check_invariants()
+
+
+def test_a_look_at_the_cached_prefix_counts_tier_blocks_without_fetching_them():
+    cache = KVCache(1, 6, BLOCK_SIZE, 1, 16, torch.bfloat16, torch.device("cpu"))
+    tiers = CacheTiers(cache, HostStore(1 << 20), None)
+    kv = KVCacheManager(6, BLOCK_SIZE, tiers=tiers)
+    first = make_request("first", range(9))
+    compute(kv, tiers, cache, first, fill=1)
+    kv.free(first)
+    filler = make_request("filler", range(100, 120))
+    compute(kv, tiers, cache, filler, fill=5)  # the whole pool: first's blocks go to host memory
+    kv.free(filler)
+    assert kv.num_cached_tokens(make_request("look", range(9))) == 8
+    assert tiers.counters["host"].hits == 0 and not kv.take_moves()
+    assert kv.num_cached_tokens(make_request("other", range(200, 209))) == 0

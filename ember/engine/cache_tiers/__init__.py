@@ -61,6 +61,10 @@ class CacheTiers:
             self.counters["disk"].misses += 1
         return None
 
+    def holds(self, block_hash: bytes) -> bool:
+        """Whether a tier has the block (its file is checked only when fetched)."""
+        return (self.host is not None and block_hash in self.host) or (self.disk is not None and block_hash in self.disk)
+
     def move(self, moves: BlockMoves) -> None:
         """Copy what `moves` lists: the data of evicted and newly cached blocks out of the pool,
         then the fetched blocks' data into theirs."""
