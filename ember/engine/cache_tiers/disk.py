@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import math
 import os
 import queue
 import struct
@@ -48,6 +49,7 @@ class DiskStore:
         self.version = version
         self.shape = shape
         self.dtype = dtype
+        self._payload_bytes = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
         self.enabled = True
         self.num_bytes = 0
         self.evictions = 0
@@ -133,18 +135,12 @@ class DiskStore:
             return None
         magic, version, length, namespace, stored_hash, checksum = _HEADER.unpack_from(raw)
         payload = memoryview(raw)[_HEADER.size:]
-        expected = self._payload_bytes()
+        expected = self._payload_bytes
         if (magic != _MAGIC or version != self.version or namespace != self.namespace
                 or stored_hash != block_hash or length != expected or len(payload) != expected
                 or _checksum(payload) != checksum):
             return None
         return torch.frombuffer(bytearray(payload), dtype=self.dtype).view(self.shape)
-
-    def _payload_bytes(self) -> int:
-        count = 1
-        for size in self.shape:
-            count *= size
-        return count * torch.tensor([], dtype=self.dtype).element_size()
 
     def _forget(self, block_hash: bytes) -> None:
         with self._lock:
