@@ -2,8 +2,8 @@
 
 Tool calls are written in the served model's format (hermes JSON or Qwen3 XML), each call's
 arguments held to its tool's schema where the call is forced or the tool is `strict` (another
-tool's to a JSON object); a custom tool with a grammar has its raw input held to that grammar
-(Qwen3 XML only, whose parameter values are raw text):
+tool's to a JSON object); a custom tool with a grammar has its input held to that grammar (as raw
+text in Qwen3 XML, as the body of a JSON string in hermes):
 - forced: one call or more (one without parallel calls) to the offered tools, and nothing else;
 - not forced: free text, but a call the reply opens is held to the offered tools;
 - beside a structured output: the structured output's answer, or calls as when forced.
@@ -20,7 +20,8 @@ from ember.constraint_spec import (
     CHOICE, GRAMMAR, JSON_OBJECT, JSON_SCHEMA, LARK, REGEX, STRUCTURAL_TAG, ConstraintSpec, GrammarSpec, SteeringSpec,
 )
 from ember.errors import InvalidRequest
-from ember.grammar.compiler import MAX_JSON_WHITESPACE, structural_tag_text
+from ember.grammar.compiler import MAX_JSON_WHITESPACE, compiler_reason, structural_tag_text
+from ember.grammar.json_string import json_string_ebnf
 from ember.parsers.events import CUSTOM_INPUT, ToolSpec
 from ember.parsers.tool_format import CLOSER, OPENER, ToolFormat
 
@@ -88,23 +89,35 @@ def _calls_format(tool_format: ToolFormat, tools: Sequence[ToolSpec], *, forced:
             "stop_after_first": not parallel}
 
 
-def holds_raw_input(tool_format_name: str) -> bool:
-    """Whether calls in this format write a parameter's value as raw text, which a grammar can hold."""
-    return tool_format_name in _RAW_VALUES
+def holds_input_grammar(tool_format_name: str) -> bool:
+    """Whether a custom tool's input, in calls of this format, can be held to the tool's grammar."""
+    return tool_format_name in _INPUT_WRAPPERS
 
 
 def _raw_input_tag(tool_format: ToolFormat, tool: ToolSpec, begin: str, end: str) -> dict[str, Any]:
-    """A call whose one parameter, CUSTOM_INPUT, is raw text held to the tool's grammar."""
-    value = _RAW_VALUES.get(tool_format.name)
-    if value is None:
-        raise InvalidRequest(f"the input of the custom tool '{tool.name}' cannot be held to its grammar: calls in "
-                             f"the {tool_format.name} format write it as a JSON string", param="tools")
-    return {"type": "tag", "begin": begin + value[0], "content": _spec_format(tool.input_grammar),
-            "end": value[1] + end}
+    """A call whose one parameter, CUSTOM_INPUT, is held to the tool's grammar."""
+    wrapper = _INPUT_WRAPPERS.get(tool_format.name)
+    if wrapper is None:
+        raise InvalidRequest(f"the input of the custom tool '{tool.name}' cannot be held to its grammar in calls "
+                             f"of the {tool_format.name} format", param="tools")
+    before, after, in_json_string = wrapper
+    content = _json_string_content(tool.input_grammar) if in_json_string else _spec_format(tool.input_grammar)
+    return {"type": "tag", "begin": begin + before, "content": content, "end": after + end}
 
 
-# format name -> (the text before a parameter's raw value, the text after it)
-_RAW_VALUES: dict[str, tuple[str, str]] = {"qwen3_xml": (f"<parameter={CUSTOM_INPUT}>\n", "\n</parameter>\n")}
+def _json_string_content(grammar: GrammarSpec) -> dict[str, Any]:
+    try:
+        return {"type": "grammar", "grammar": json_string_ebnf(grammar.kind, grammar.text)}
+    except Exception as exc:  # xgrammar's reason, as for any grammar that does not compile
+        raise InvalidRequest(f"{grammar.param} could not be compiled: {compiler_reason(exc)}",
+                             param=grammar.param, code="invalid_grammar") from None
+
+
+# format name -> (the text before the input, the text after it, whether it is written as a JSON string)
+_INPUT_WRAPPERS: dict[str, tuple[str, str, bool]] = {
+    "qwen3_xml": (f"<parameter={CUSTOM_INPUT}>\n", "\n</parameter>\n", False),
+    "hermes": (f'{{{json.dumps(CUSTOM_INPUT)}: "', '"}', True),
+}
 
 # format name -> (the text before the arguments, given the tool's name; the text after them; how they're written)
 _CALL_SHAPES: dict[str, tuple[Callable[[str], str], str, str]] = {

@@ -25,7 +25,7 @@ from typing import Any
 
 from ember.constraint_spec import LARK, REGEX, GrammarSpec
 from ember.errors import InvalidRequest
-from ember.grammar.structural_tag import holds_raw_input
+from ember.grammar.structural_tag import holds_input_grammar
 from ember.parsers.events import CUSTOM_INPUT, ToolSpec
 from ember.protocols.chat_reply import AUTO, FUNCTION, NONE, REQUIRED, declare_tool, tool_items, tool_name, tool_schema
 from ember.protocols.errors import unsupported
@@ -56,12 +56,12 @@ class ResponsesTools:
     refs: dict[str, ToolRef] = field(default_factory=dict)  # the model's name -> the client's tool
     echo: list[dict[str, Any]] = field(default_factory=list)  # tools as the response object repeats them
     hosted: list[str] = field(default_factory=list)  # declared types ember does not offer
-    raw_inputs: bool = False  # the model writes a custom tool's input as raw text, which its grammar can hold
+    held_inputs: bool = False  # a custom tool's grammar can hold its input in the model's call format
 
 
 def read_tools(f: Fields, tool_format: str | None) -> ResponsesTools:
     """`tool_format`: the name of the format the model writes calls in (None: tool calls are off)."""
-    result = ResponsesTools(raw_inputs=tool_format is not None and holds_raw_input(tool_format))
+    result = ResponsesTools(held_inputs=tool_format is not None and holds_input_grammar(tool_format))
     for i, raw in enumerate(tool_items(f)):
         tool = Fields(raw, f"tools[{i}]")
         kind = tool.string("type")
@@ -123,7 +123,7 @@ def _add_custom(tool: Fields, namespace: str | None, result: ResponsesTools) -> 
     if fmt is not None and fmt.string("type", choices=("text", "grammar")) == "grammar":
         grammar = _read_grammar(fmt)
         text += f"\n\nThe input must follow this {fmt.raw('syntax', 'lark')} grammar:\n{grammar.text}"
-        if not result.raw_inputs:
+        if not result.held_inputs:
             note_ignored(fmt.path)  # shown to the model, but not enforced
             grammar = None
     parameters = {"type": "object", "properties": {CUSTOM_INPUT: {

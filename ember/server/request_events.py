@@ -23,7 +23,7 @@ _QUIET_PATHS = ("/health", "/v1/health", "/healthz", "/metrics")  # logged at de
 MAX_LOGGED_MESSAGE = 300
 _SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty",
                     "frequency_penalty", "seed", "max_tokens", "min_tokens", "ignore_eos", "logprobs",
-                    "skip_special_tokens", "include_stop_str_in_output")
+                    "skip_special_tokens", "include_stop_str_in_output", "priority")
 
 
 def sampling_summary(params: SamplingParams) -> dict[str, Any]:

@@ -12,6 +12,8 @@ import httpx
 import openai
 import pytest
 
+from ember.protocols.sampling_fields import PRIORITIES
+
 WEATHER = {"type": "function", "name": "get_weather", "description": "Get the current weather in a city",
            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
 CLAUDE_WEATHER = {"name": "get_weather", "description": "Get the current weather in a city",
@@ -97,11 +99,14 @@ def test_hosted_tools_are_listed_as_ignored_in_the_header_and_the_request_log(cl
     assert entry["ignored_fields"] == ["tools[0]", "tools[2]"]
 
 
-def test_a_grammar_the_model_cannot_be_held_to_is_listed_as_ignored(client, model_id):
-    # The main server's model writes hermes JSON calls: the grammar is shown, not enforced.
-    raw = client.responses.with_raw_response.create(model=model_id, input="List the files.", max_output_tokens=4,
-                                                    tools=[SHELL])
-    assert raw.headers[IGNORED] == "tools[0].format"
+def test_a_custom_tools_grammar_holds_a_hermes_json_call(client, model_id):
+    # The main server's model writes hermes JSON calls: the grammar holds the input's JSON string.
+    raw = client.responses.with_raw_response.create(model=model_id, input="List the files.", tools=[SHELL],
+                                                    tool_choice={"type": "custom", "name": "shell"},
+                                                    max_output_tokens=48, temperature=0)
+    assert IGNORED not in raw.headers
+    [call] = [item for item in raw.parse().output if item.type == "custom_tool_call"]
+    assert call.name == "shell" and re.fullmatch(r"(ls|pwd|whoami)( -l)?", call.input), call.input
 
 
 def test_anthropic_input_examples_reach_the_prompt_and_defer_loading_is_refused(claude):
@@ -148,3 +153,16 @@ def test_a_later_system_message_the_template_drops_reaches_the_prompt(thinking_s
     with httpx.Client(base_url=thinking_server.url, timeout=120) as http:
         reply = http.post("/v1/messages", json={"model": "m", "max_tokens": 2, "messages": [*history, note, ask]})
     assert reply.status_code == 200
+
+
+def test_claude_code_s_session_title_requests_run_as_background_work(claude, http):
+    title_system = ("Analyze if this message indicates a new conversation topic. If it does, extract a 2-3 word "
+                    "title that captures the new topic.")
+    asked = {}
+    for kind, system in (("title", title_system), ("turn", "You are a helpful assistant.")):
+        raw = claude.messages.with_raw_response.create(model="m", max_tokens=4, system=system,
+                                                       messages=[{"role": "user", "content": "Fix the login bug."}])
+        asked[kind] = raw.headers["x-request-id"]
+    entries = {e["request_id"]: e for e in http.get("/debug/requests").json()["data"]}
+    assert entries[asked["title"]]["sampling"]["priority"] == PRIORITIES["background"]
+    assert entries[asked["turn"]]["sampling"]["priority"] == PRIORITIES["foreground"]

@@ -88,6 +88,21 @@ def test_distinct_prompts_spread_over_both_workers(dp_server):
     assert all(b > a for a, b in zip(before, after)), (before, after)
 
 
+def test_a_session_s_distinct_prompts_stay_on_one_worker(dp_server):
+    """Prompts that share no prefix, which spread over the workers without a session (above), stay
+    on one worker when they name a session: by X-Session-Id, or by the body's prompt_cache_key."""
+    client = openai.OpenAI(base_url=dp_server.url + "/v1", api_key="x", max_retries=0, timeout=300)
+    homes = {"header": [], "body": []}
+    for topic in ["harbours", "violins", "glaciers", "printing presses"]:
+        for how, extra in (("header", {"extra_headers": {"X-Session-Id": f"pin-{os.getpid()}"}}),
+                           ("body", {"extra_body": {"prompt_cache_key": f"key-{os.getpid()}"}})):
+            before = routed(dp_server)
+            client.completions.create(model=MODEL, prompt=f"Some facts about {topic} ({how}):", max_tokens=4,
+                                      temperature=0, **extra)
+            homes[how].append(chosen(before, routed(dp_server)))
+    assert all(len(set(workers_seen)) == 1 for workers_seen in homes.values()), homes
+
+
 def test_every_worker_s_seats_run_at_once(dp_server):
     """Two workers of two seats each: four streams run together, none waits for a seat."""
     client = openai.OpenAI(base_url=dp_server.url + "/v1", api_key="x", max_retries=0, timeout=300)

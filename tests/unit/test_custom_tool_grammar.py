@@ -1,7 +1,7 @@
 """Custom tools with a grammar (as Codex declares apply_patch): the grammar holds the call's input
-through xgrammar where the model writes that input as raw text (the Qwen3 XML format), is listed as
-ignored where it writes JSON (hermes), and a syntax or definition xgrammar cannot take is refused by
-name. Matches run on xgrammar with the default model's tokenizer."""
+through xgrammar, as raw text where the model writes it so (the Qwen3 XML format) and as the body
+of a JSON string where it writes JSON (hermes); a syntax or definition xgrammar cannot take is
+refused by name. Matches run on xgrammar with the default model's tokenizer."""
 
 from __future__ import annotations
 
@@ -68,8 +68,8 @@ def builder():
     return ConstraintBuilder(tokenizer.token_bytes, Grammars(hf, len(hf), [hf.eos_token_id]))
 
 
-def constraint_spec(request):
-    plan = plan_reply(request.chat, XML_MODEL.chat, "", None)
+def constraint_spec(request, model=XML_MODEL):
+    plan = plan_reply(request.chat, model.chat, "", None)
     return build_constraints(request, plan, True)
 
 
@@ -126,13 +126,42 @@ def test_a_grammar_xgrammar_cannot_take_is_refused_by_name(fmt, param):
     assert refusal(HERMES_MODEL, tools=[tool]).param == param  # whatever format the model writes calls in
 
 
-def test_where_the_model_writes_json_the_grammar_is_shown_and_listed_as_ignored():
+def hermes_call(name: str, value: str) -> str:
+    return "<tool_call>\n" + json.dumps({"name": name, "arguments": {"input": value}}, ensure_ascii=False) + \
+        "\n</tool_call>"
+
+
+def test_where_the_model_writes_json_the_grammar_holds_the_string_s_body(builder):
     with watch_fields(False) as report:
         request = parse(HERMES_MODEL, tools=[{"type": "function", "name": "f"}, patch_tool()])
-    assert [tool.input_grammar for tool in request.chat.tools] == [None, None]
-    assert report.ignored == ["tools[1].format"]
-    assert APPLY_PATCH.strip() in request.prompt.tools[1]["function"]["description"]
-    assert constraint_spec(request) is None  # nothing to hold: the reply runs unconstrained
+    assert [tool.input_grammar for tool in request.chat.tools] == [
+        None, GrammarSpec(LARK, APPLY_PATCH, "tools[1].format.definition")]
+    assert report.ignored == []
+    spec = constraint_spec(request, HERMES_MODEL)
+    assert matches(builder, spec, "I will add it.\n" + hermes_call("apply_patch", PATCH))
+    assert not matches(builder, spec, hermes_call("apply_patch", "just write hello.txt"))
+    raw = hermes_call("apply_patch", "").replace('""', '"' + PATCH + '"')  # newlines not escaped: not JSON
+    assert not matches(builder, spec, raw)
+
+
+def test_a_forced_hermes_call_is_held_to_its_regex_and_decodes_to_the_match(builder):
+    tool = patch_tool("regex", r'(ls|echo "a\\b")( -l)?') | {"name": "shell"}
+    request = parse(HERMES_MODEL, tools=[tool], tool_choice={"type": "custom", "name": "shell"})
+    spec = constraint_spec(request, HERMES_MODEL)
+    call = hermes_call("shell", 'echo "a\\b" -l')
+    assert matches(builder, spec, call)
+    assert not matches(builder, spec, hermes_call("shell", "rm -rf /"))
+    tools = {t.name: t for t in request.chat.tools}
+    body = call.removeprefix("<tool_call>").removesuffix("</tool_call>")
+    assert json.loads(HERMES.parse(body, tools)[1]) == {"input": 'echo "a\\b" -l'}
+
+
+def test_a_definition_xgrammar_cannot_read_is_refused_by_name_before_a_hermes_reply_runs():
+    for syntax, definition in (("lark", "start: ???"), ("regex", "a(")):
+        request = parse(HERMES_MODEL, tools=[patch_tool(syntax, definition)])
+        with pytest.raises(InvalidRequest) as caught:
+            constraint_spec(request, HERMES_MODEL)
+        assert (caught.value.param, caught.value.code) == ("tools[0].format.definition", "invalid_grammar")
 
 
 def test_without_xgrammar_a_grammar_tool_is_refused_with_the_install_command():
