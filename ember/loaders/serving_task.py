@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ember.errors import ModelLoadError
+from ember.errors import InvalidRequest, ModelLoadError
 from ember.loaders.pooling_config import PoolingConfig, read_pooling_config
 
 GENERATE, EMBED, RERANK = "generate", "embed", "rerank"
@@ -24,7 +24,26 @@ RERANK_LABELS = ("yes", "no")
 class ServingTask:
     kind: str  # GENERATE, EMBED or RERANK
     pooling: PoolingConfig | None = None  # EMBED: how a prompt becomes a vector
+    dimension: int = 0  # EMBED: the length of the model's vectors
     label_token_ids: tuple[int, int] | None = None  # RERANK: the ids of "yes" and "no"
+
+
+_REFUSALS = {
+    GENERATE: ("this server runs the model for {kind} and does not generate text; serve a generative model "
+               "without --embeddings or --rerank for this route", "model_not_generative"),
+    EMBED: ("this server does not serve embeddings for its model: start `ember serve` with --embeddings, or "
+            "serve a model whose files define a pooling (sentence-transformers' modules.json)", "embeddings_disabled"),
+    RERANK: ("this server does not serve reranking for its model: start `ember serve` with --rerank for a "
+             "Qwen3-Reranker-style model, or with --embeddings to score by cosine similarity", "rerank_disabled"),
+}
+_KIND_NAMES = {EMBED: "embeddings", RERANK: "reranking", GENERATE: "generating"}
+
+
+def check_serves(task: ServingTask, route_tasks: tuple[str, ...]) -> None:
+    """A 400 when the served model's task is not one a route serves."""
+    if task.kind not in route_tasks:
+        message, code = _REFUSALS[route_tasks[-1]]
+        raise InvalidRequest(message.format(kind=_KIND_NAMES[task.kind]), param="model", code=code)
 
 
 def resolve_serving_task(source: Any, *, embeddings: bool = False, rerank: bool = False,
@@ -50,7 +69,7 @@ def resolve_serving_task(source: Any, *, embeddings: bool = False, rerank: bool 
     if pooling is not None and pooling != config.method:
         config = PoolingConfig(pooling, config.normalize, config.max_input_tokens, config.prompts,
                                config.default_prompt_name)
-    return ServingTask(EMBED, pooling=config)
+    return ServingTask(EMBED, pooling=config, dimension=int(source.hf_config["hidden_size"]))
 
 
 def _label_token_ids(source: Any) -> tuple[int, int]:
