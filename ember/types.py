@@ -21,6 +21,9 @@ class FinishReason(str, enum.Enum):
 
 
 MAX_CACHE_PINS = 8
+# How a prompt's final hidden states become one vector: its last token's row, the mean of all its
+# rows, or its first token's row (CLS)
+POOLING_METHODS = ("last", "mean", "cls")
 MAX_PIN_TTL_S = 24 * 3600.0
 
 
@@ -59,6 +62,9 @@ class SamplingParams:
     priority: int = 0  # 0: foreground; above 0: background work that yields to lower values (engine.scheduler)
     cache_pins: list[CachePin] = field(default_factory=list)
     draft: bool = True  # False: never speculated (the serial reference a drafted reply must equal)
+    # with max_tokens 0: the prompt's final hidden states pooled this way (POOLING_METHODS) into the
+    # final output's `pooled` vector
+    pooling: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -94,6 +100,11 @@ class SamplingParams:
         if not isinstance(self.draft, bool):
             raise InvalidRequest("draft must be true or false", param="draft")
         _check_cache_pins(self.cache_pins)
+        if self.pooling is not None:
+            if self.pooling not in POOLING_METHODS:
+                raise InvalidRequest(f"pooling must be one of {', '.join(POOLING_METHODS)}", param="pooling")
+            if self.max_tokens != 0:
+                raise InvalidRequest("pooling runs the prompt only: max_tokens must be 0", param="max_tokens")
         if self.logit_bias is not None:
             if not isinstance(self.logit_bias, dict):
                 raise InvalidRequest("logit_bias must map token ids to numbers", param="logit_bias")
@@ -182,6 +193,7 @@ class StepOutput:
     cached_tokens_by_tier: dict[str, int] | None = None
     num_preemptions: int = 0  # times the request was preempted (its KV freed) so far
     num_budget_closes: int = 0  # times a thinking budget closed the think block (final outputs)
+    pooled: list[float] | None = None  # a pooling request's vector (float32 values), in its final output
 
 
 @dataclass(slots=True)
@@ -255,6 +267,7 @@ class GenerationOutput:
     cached_tokens_by_tier: dict[str, int] | None = None  # see StepOutput
     num_preemptions: int = 0  # see StepOutput
     num_budget_closes: int = 0  # see StepOutput
+    pooled: list[float] | None = None  # see StepOutput
     dp_rank: int | None = None  # the data-parallel worker that ran it; None: one engine
 
     @property

@@ -23,6 +23,7 @@ from ember.engine.images import ImageEncoder, check_spans, images_attend_both_wa
 from ember.engine.loading import load_model
 from ember.engine.messages import MediaSpan
 from ember.engine.pool import build_step_parts
+from ember.engine.pooling import PooledPrompts
 from ember.engine.request import Request, RequestStatus
 from ember.engine.spec.speculator import Proposer, build_speculator
 from ember.engine.stats import EngineCounters, EngineStats
@@ -74,6 +75,7 @@ class EngineCore:
         self._scheduled_at: dict[str, float] = {}
         self._progress_ids: set[str] = set()  # requests that asked for prefill progress outputs
         self.counters = EngineCounters()
+        self.pooled = PooledPrompts()  # pooling requests' vectors as their chunks run
         # the model's images (engine.images), when it reads them
         self.images = (ImageEncoder(model, image_processing, device, int(config.image_cache_mb * 2**20))
                        if image_processing is not None else None)
@@ -185,6 +187,8 @@ class EngineCore:
         plan = self.scheduler.schedule()
         self._move_blocks()  # before the forward writes to blocks the pool let go
         counters.num_preemptions += len(plan.preempted)
+        for request in plan.preempted:  # it runs its prompt again from the start
+            self.pooled.forget(request.request_id)
         if not plan.scheduled:
             return outputs
         now = time.time()
@@ -200,6 +204,8 @@ class EngineCore:
             self.runner.execute(plan.scheduled)
         if self.speculator is not None:
             self.speculator.after_step(plan, result, began, forward_began, counters)
+        for request_id, part in result.pooled.items():
+            self.pooled.add(request_id, part)
         self.scheduler.update_from_output(plan, result.sampled, result.accepted)
         self._move_blocks()  # newly cached blocks to disk while they are sure to hold their tokens
         num_decode_tokens = 0
@@ -233,6 +239,7 @@ class EngineCore:
                 cached_tokens_by_tier=request.cached_tokens_by_tier or None,
                 num_preemptions=request.num_preemptions,
                 num_budget_closes=getattr(request.constraint, "num_budget_closes", 0) if finished else 0,
+                pooled=self._pooled_vector(request) if finished else None,
             ))
             if finished:
                 self._forget(request.request_id)
@@ -243,6 +250,12 @@ class EngineCore:
         if num_decode_tokens:
             self._decode_seconds = seconds - image_seconds
         return outputs
+
+    def _pooled_vector(self, request: Request) -> list[float] | None:
+        method = request.sampling_params.pooling
+        if method is None or request.finish_reason is not FinishReason.LENGTH:
+            return None
+        return self.pooled.take(request.request_id, method, request.num_prompt_tokens)
 
     def _move_blocks(self) -> None:
         if self.tiers is not None:
@@ -286,6 +299,7 @@ class EngineCore:
         """Drop what the core keeps of a request that ended."""
         self._scheduled_at.pop(request_id, None)
         self._progress_ids.discard(request_id)
+        self.pooled.forget(request_id)
         if self.speculator is not None:
             self.speculator.forget(request_id)
         if self.images is not None:

@@ -171,9 +171,10 @@ class KVCacheManager:
         the pool's block ids, then the blocks the tiers behind it hold, fetched (allocate_slots
         gives those fresh blocks to load into).
 
-        At most num_tokens - 1 tokens are hits, so the engine always computes one token to sample from.
+        At most num_tokens - 1 tokens are hits, so the engine always computes one token to sample from,
+        and none for a request that computes its whole prompt.
         """
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or request.computes_whole_prompt:
             return [], 0
         self._expire_pins()
         hits: list[int | FetchedBlock] = []

@@ -83,6 +83,7 @@ class RequestTracker:
             cached_tokens_by_tier=step.cached_tokens_by_tier,
             num_preemptions=step.num_preemptions,
             num_budget_closes=step.num_budget_closes,
+            pooled=step.pooled,
         )
 
     def _through_stop(self, new_ids: list[int]) -> tuple[list[int], str, str | None]:

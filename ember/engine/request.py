@@ -97,6 +97,12 @@ class Request:
         return len(self.token_ids) - self.num_prompt_tokens
 
     @property
+    def computes_whole_prompt(self) -> bool:
+        """Whether every prompt row must be computed here, none served by the prefix cache (a mean or
+        first-row pooling request reads them all: engine.pooling)."""
+        return self.sampling_params.pooling in ("mean", "cls")
+
+    @property
     def output_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens:]
 

@@ -11,6 +11,7 @@ import torch
 from ember.engine.attention import (LONG_DECODE_CHUNK, DecodeGroup, KVCache, LongDecode, PagedAttention, PrefillSeq,
                                     long_decode, long_decode_available, prefill_seq)
 from ember.engine.kernel_attention import kernel_attention
+from ember.engine.pooling import step_parts
 from ember.engine.sampler import Sampler, SamplingRow
 from ember.engine.scheduler import ScheduledRequest
 from ember.types import TokenLogprob
@@ -26,6 +27,7 @@ class RunnerOutput:
     logprobs: dict[str, list[TokenLogprob]]
     failed: dict[str, str] = field(default_factory=dict)  # request id -> why its constraint failed (no token)
     accepted: dict[str, int] = field(default_factory=dict)  # request id -> drafted tokens kept (drafted rows only)
+    pooled: dict[str, torch.Tensor] = field(default_factory=dict)  # request id -> its pooling part (engine.pooling)
 
 
 class StepItem(msgspec.Struct, array_like=True):
@@ -40,6 +42,8 @@ class StepItem(msgspec.Struct, array_like=True):
     # the request's bidirectional spans (Request.bidirectional_spans) cut to these positions, where
     # they hold two tokens or more: within each, the tokens attend to each other both ways
     bidirectional_spans: list[tuple[int, int]] = []
+    pooling: str | None = None  # a pooling request's method (engine.pooling)
+    ends_prompt: bool = False  # these tokens end the request's prompt
 
 
 def step_items(scheduled: list[ScheduledRequest], block_size: int) -> list[StepItem]:
@@ -48,8 +52,10 @@ def step_items(scheduled: list[ScheduledRequest], block_size: int) -> list[StepI
         start, end = item.start, item.start + item.num_new_tokens
         spans = [(max(a, start), min(b, end)) for a, b in item.request.bidirectional_spans
                  if min(b, end) - max(a, start) > 1]
-        items.append(StepItem(item.input_token_ids, start, item.request.block_ids[:-(-end // block_size)],
-                              item.samples, len(item.draft_token_ids), spans))
+        request = item.request
+        items.append(StepItem(item.input_token_ids, start, request.block_ids[:-(-end // block_size)],
+                              item.samples, len(item.draft_token_ids), spans, request.sampling_params.pooling,
+                              end == request.num_prompt_tokens))
     return items
 
 
@@ -72,24 +78,29 @@ class ModelRunner:
                 embeds: tuple[torch.Tensor, torch.Tensor] | None = None) -> RunnerOutput:
         """Run the step and sample; `items`: step_items(scheduled) where the caller has them already;
         `embeds`: (rows (R,), values (R, hidden)) that replace those rows' token embeddings (images)."""
-        logits = self.forward(step_items(scheduled, self.block_size) if items is None else items, embeds)
+        logits, parts = self.forward(step_items(scheduled, self.block_size) if items is None else items, embeds)
+        pooled = {scheduled[index].request.request_id: part for index, part in parts.items()}
         if logits is None:
-            return RunnerOutput({}, {})
-        return self._sample(logits, [s for s in scheduled if s.samples])
+            return RunnerOutput({}, {}, pooled=pooled)
+        output = self._sample(logits, [s for s in scheduled if s.samples])
+        output.pooled = pooled
+        return output
 
     @torch.inference_mode()
     def forward(self, items: list[StepItem], embeds: tuple[torch.Tensor, torch.Tensor] | None = None
-                ) -> torch.Tensor | None:
-        """The model over the items' tokens; the logits of their sampled rows, in item order, or
-        None when no item samples (and on a tensor-parallel rank other than 0)."""
+                ) -> tuple[torch.Tensor | None, dict[int, torch.Tensor]]:
+        """The model over the items' tokens: the logits of their sampled rows, in item order, or
+        None when no item samples (and on a tensor-parallel rank other than 0); and the pooling
+        items' parts by item index (engine.pooling.step_parts)."""
         input_ids, positions, sample_rows, attn = self.prepare(items)
         if embeds is None:
             hidden = self.model(input_ids, positions, attn)
         else:
             hidden = self.model(input_ids, positions, attn, embeds=embeds)
+        parts = step_parts(hidden, items) if any(item.pooling for item in items) else {}
         if not sample_rows:
-            return None
-        return self.model.compute_logits(hidden[torch.tensor(sample_rows, device=self.device)])
+            return None, parts
+        return self.model.compute_logits(hidden[torch.tensor(sample_rows, device=self.device)]), parts
 
     def _sample(self, logits: torch.Tensor, sampling: list[ScheduledRequest]) -> RunnerOutput:
         """Sample position by position. A drafted request has one logits row per drafted token plus

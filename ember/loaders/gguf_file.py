@@ -244,6 +244,8 @@ class GGUFModel(GGUFFile):
         }
         if self.metadata.get("tokenizer.ggml.padding_token_id") is not None:
             config["pad_token_id"] = self.metadata["tokenizer.ggml.padding_token_id"]
+        if self._arch_value("pooling_type") is not None:  # an embedding model's (loaders.pooling_config)
+            config["gguf_pooling_type"] = int(self._arch_value("pooling_type"))
         if self.model_type == "qwen2":
             config["use_sliding_window"] = False
         if self._arch_value("expert_count"):

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, Callable, Protocol, Union
 from ember.constraint_spec import GrammarSpec
 from ember.context_window import ContextWindow, OutputFit, fit_output
 from ember.errors import EmberError, InvalidRequest
+from ember.loaders.serving_task import GENERATE, ServingTask
 from ember.media.prompt import PromptImage, lay_out_images
 from ember.parsers.events import ContentText, ParsedReply, ReplyEvent
 from ember.parsers.reply import ReplyParser
@@ -58,6 +59,7 @@ class TextPrompt:
     # images the text's markers stand for, in order (an ImageRef until read); their spans once encoded
     images: list[Any] = field(default_factory=list)
     media: list[PromptImage] = field(default_factory=list)
+    keep_last_tokens: int | None = None  # only this many of its tokens, the last ones (truncate_prompt_tokens)
 
 
 @dataclass(slots=True)
@@ -94,6 +96,7 @@ class ModelInfo:
     single_token_id: Callable[[str], int | None] = lambda text: None
     image_marker: str | None = None  # what stands for an image in a text prompt; None: the model reads no images
     max_messages: int | None = DEFAULT_MAX_MESSAGES  # messages (Responses: input items) a request may carry
+    task: ServingTask = ServingTask(GENERATE)  # generating, embeddings or reranking (loaders.serving_task)
 
     def check_message_count(self, count: int, param: str) -> None:
         """A conversation longer than --max-messages is a 400 naming its field."""
@@ -187,7 +190,8 @@ def encode_prompt(prompt: Prompt, tokenizer, tool_format=None, vision: ImageProc
         return list(prompt.token_ids)
     if isinstance(prompt, TextPrompt):
         if not prompt.images:
-            return tokenizer.encode(prompt.text, add_special_tokens=prompt.add_special_tokens)
+            ids = tokenizer.encode(prompt.text, add_special_tokens=prompt.add_special_tokens)
+            return ids[-prompt.keep_last_tokens:] if prompt.keep_last_tokens else ids
         ids, prompt.media = lay_out_images(prompt.text, prompt.images, vision, lambda text: tokenizer.encode(
             text, add_special_tokens=prompt.add_special_tokens), "text")
         return ids
@@ -304,6 +308,7 @@ class ChoiceResult:
     dp_rank: int | None = None  # the data-parallel worker that ran it; None: one engine
     parser: ReplyParser | None = None  # chat replies with reasoning or tools
     events: list[ReplyEvent] = field(default_factory=list)  # what the latest output added
+    pooled: list[float] | None = None  # a pooling request's vector (engine.pooling)
 
     @property
     def matched_stop(self) -> str | int | None:
@@ -383,6 +388,7 @@ class RunResult:
             choice.stop_reason = output.stop_reason
             choice.text = output.text
             choice.error = output.error
+            choice.pooled = output.pooled
             if choice.parser is not None:
                 choice.events += choice.parser.finish()
             self.num_finished += 1
@@ -538,3 +544,4 @@ class Dialect:
     renderer: Callable[[GenerationRequest, RunResult, ResponseMeta], Renderer]
     errors: ErrorShape  # how refusals on its routes are answered
     read_body: Callable[[bytes], Any] | None = None  # JSON bytes -> the body parse takes; None: plain JSON
+    tasks: tuple[str, ...] = (GENERATE,)  # the serving tasks (loaders.serving_task) whose models it serves

@@ -27,6 +27,7 @@ from ember.server.pipeline import serve_generation
 from ember.server.request_log import RequestLog
 from ember.server.responses_routes import add_responses_routes
 from ember.server.anthropic_routes import ANTHROPIC_PATHS, add_anthropic_routes
+from ember.server.embedding_routes import add_embedding_routes
 from ember.server.native_routes import add_native_routes
 from ember.server.state import LoadedModel, ServerState, load_model
 from ember.server.stats_logger import ThroughputReporter
@@ -67,6 +68,7 @@ def create_app(config: ServerConfig, loader: Callable[[ServerConfig], LoadedMode
     add_responses_routes(app, state)
     add_anthropic_routes(app, state)
     add_native_routes(app, state)
+    add_embedding_routes(app)
     _add_error_handlers(app)
     app.add_middleware(GuardMiddleware, keys=state.keys, max_body_bytes=config.max_request_bytes)
     if config.cors_origins:

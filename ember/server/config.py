@@ -31,6 +31,9 @@ class ServerConfig:
     default_max_tokens: int | None = None
     max_messages: int | None = DEFAULT_MAX_MESSAGES  # messages per request; None: no cap
     chat_template: str | None = None  # template text replacing the model's own
+    embeddings: bool = False  # serve the model for embeddings (loaders.serving_task)
+    rerank: bool = False  # serve the model as a yes/no reranker (loaders.serving_task)
+    pooling: str | None = None  # embeddings' pooling method instead of the model's own (ember.types.POOLING_METHODS)
     reasoning_parser: str = "auto"  # auto | none | think
     tool_call_parser: str = "auto"  # auto | none | hermes | qwen3_xml
     default_thinking_budget: int | None = None  # reasoning tokens before ember closes the block

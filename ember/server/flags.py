@@ -24,6 +24,7 @@ from ember.protocols.neutral import DEFAULT_MAX_MESSAGES
 from ember.server.config import ServerConfig, is_loopback
 from ember.server.keys import read_key_file
 from ember.server.request_log import REDACTED
+from ember.types import POOLING_METHODS
 from ember.server.sampling_defaults import FLAGS, check_flags, check_override
 from ember.protocols.chat_reply import REASONING_EFFORTS
 
@@ -89,6 +90,17 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                             "layer in blocks of 32 (the LM head to 8 bits); none dequantizes to --dtype (default auto)")
     model.add_argument("--threads", type=int, default=None, metavar="N",
                        help="CPU threads the engine computes with (default: torch's choice, one per core)")
+    model.add_argument("--embeddings", action="store_true",
+                       help="serve the model for /v1/embeddings (and /v1/rerank, /v1/score by cosine similarity) "
+                            "instead of generating; a folder with sentence-transformers' pooling files or a GGUF "
+                            "with a pooling type is served this way without the flag")
+    model.add_argument("--rerank", action="store_true",
+                       help="serve a Qwen3-Reranker-style model for /v1/rerank and /v1/score (the probability of "
+                            "'yes' as the next token); a folder whose name holds 'reranker' is served this way "
+                            "without the flag")
+    model.add_argument("--pooling", default=None, choices=list(POOLING_METHODS),
+                       help="with --embeddings: how a prompt becomes a vector (last token, mean, first token); "
+                            "default: the model's own pooling, else last")
     chat = p.add_argument_group("reasoning and tool calls")
     chat.add_argument("--reasoning-parser", default="auto", choices=["auto", "none", *REASONING_PARSERS],
                       help="how replies separate reasoning from the answer: think reads <think>...</think> into "
@@ -338,6 +350,7 @@ def build_config(args: argparse.Namespace, environ=os.environ) -> ServerConfig:
         model=args.model, cache_dir=environ.get("EMBER_CACHE_DIR") or None, revision=args.revision,
         ollama_models=environ.get("OLLAMA_MODELS") or None, host=args.host, port=args.port,
         served_model_names=_split(args.served_model_name), api_key=api_key, api_key_file=args.api_key_file,
+        embeddings=args.embeddings, rerank=args.rerank, pooling=args.pooling,
         max_pending_per_tenant=args.max_pending_per_tenant, max_pending=args.max_pending,
         pending_timeout=args.pending_timeout, max_request_bytes=max(1, int(args.max_request_mb * (1 << 20))),
         cors_origins=origins, allowed_hosts=_split(args.allowed_hosts), default_max_tokens=args.default_max_tokens,

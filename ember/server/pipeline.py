@@ -19,6 +19,7 @@ from starlette.responses import JSONResponse, Response
 from ember.constraint_spec import ConstraintSpec
 from ember.engine.messages import MediaSpan
 from ember.errors import EmberError
+from ember.loaders.serving_task import check_serves
 from ember.protocols.errors import GenerationFailed
 from ember.protocols.json_body import parse_body
 from ember.protocols.neutral import Dialect, ResponseMeta, RunResult, choice_seeds, resolve_sampling
@@ -119,6 +120,7 @@ async def serve_generation(request: Request, dialect: Dialect) -> Response:
     record: RequestRecord = request.scope["ember.record"]
     record.route, record.errors = dialect.name, dialect.errors
     await state.require_engine()
+    check_serves(state.model.task, dialect.tasks)
     body = await request.body()
     job = dialect.parse(dialect.read_body(body) if dialect.read_body else parse_body(body), state.model)
     record.job, record.phase = job, "prepare"

@@ -16,6 +16,7 @@ import ember
 from ember.constraint_spec import ConstraintSpec
 from ember.engine.contract import Engine
 from ember.errors import EmberError
+from ember.loaders.serving_task import GENERATE, ServingTask, resolve_serving_task
 from ember.media.processing import ImageProcessing, source_image_processing
 from ember.protocols.errors import ImagesBusy, ModelLoading, ServerUnavailable
 from ember.parsers.constraint import budget_close_text
@@ -54,6 +55,7 @@ class LoadedModel:
     chat: ChatFeatures = field(default_factory=ChatFeatures)
     batch_invariance: dict[str, Any] = field(default_factory=dict)  # the engine's InvarianceReport.as_dict()
     vision: ImageProcessing | None = None  # how its images are laid into prompts; None: it reads none
+    task: ServingTask = ServingTask(GENERATE)  # generating, embeddings or reranking
 
 
 def load_model(config: ServerConfig) -> LoadedModel:
@@ -65,6 +67,7 @@ def load_model(config: ServerConfig) -> LoadedModel:
     tokenizer = source.tokenizer
     if config.chat_template is not None:
         tokenizer.chat_template = config.chat_template
+    task = resolve_serving_task(source, embeddings=config.embeddings, rerank=config.rerank, pooling=config.pooling)
     chat = chat_features(config, tokenizer)
     _ = tokenizer.token_bytes, tokenizer.template_traits  # built now rather than on the first request
     vision = source_image_processing(source, config.engine.vision)
@@ -77,7 +80,7 @@ def load_model(config: ServerConfig) -> LoadedModel:
         engine=engine, tokenizer=tokenizer, name=source.name, path=source.path,
         max_model_len=info.max_model_len, vocab_size=info.vocab_size, kv_capacity_tokens=info.kv_capacity_tokens,
         sampling_defaults=defaults, mode_sampling_defaults=mode_defaults, dtype=info.dtype, chat=chat,
-        batch_invariance=info.batch_invariance, vision=vision)
+        batch_invariance=info.batch_invariance, vision=vision, task=task)
 
 
 def _start_engine(config: ServerConfig, source) -> Engine:
@@ -202,7 +205,7 @@ class ServerState:
             mode_sampling_defaults=loaded.mode_sampling_defaults,
             chat=loaded.chat, has_chat_template=loaded.tokenizer.chat_template is not None,
             single_token_id=functools.partial(_single_token_id, loaded.tokenizer, loaded.vocab_size),
-            image_marker=loaded.vision.marker if loaded.vision is not None else None)
+            image_marker=loaded.vision.marker if loaded.vision is not None else None, task=loaded.task)
         digest = hashlib.sha256(f"{ember.__version__}|{loaded.name}|{loaded.dtype}|{loaded.max_model_len}".encode())
         self.fingerprint = f"fp_{digest.hexdigest()[:10]}"
         self.component_set_sha = component_set_sha(loaded, self.config)
