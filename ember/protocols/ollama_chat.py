@@ -54,7 +54,8 @@ def parse_chat(body: Any, model: ModelInfo) -> GenerationRequest:
     params = read_options(f, model, thinking)
     refuse_logprobs(f)
     read_keep_alive(f)
-    prompt = ChatPrompt(messages, template_kwargs, template_tools(tools) if tools else None)
+    prompt = ChatPrompt(messages, template_kwargs, template_tools(tools) if tools else None,
+                        preserve_thinking=model.chat.preserve_thinking)
     return GenerationRequest(prompt, params, stream=read_stream(f), prompt_param="messages", chat=options,
                              grammar=grammar, dialect_options=OllamaReply(label))
 

@@ -66,7 +66,7 @@ def parse_generate(body: Any, model: ModelInfo) -> GenerationRequest:
         chat = ChatOptions(thinking=thinking, reasoning_effort=effort, thinking_budget_param="think")
         messages = [{"role": "system", "content": system}] if system else []
         messages.append({"role": "user", "content": build_content([*map(image_part, images), text])})
-        prompt = ChatPrompt(messages, template_kwargs)
+        prompt = ChatPrompt(messages, template_kwargs, preserve_thinking=model.chat.preserve_thinking)
     params = read_options(f, model, thinking)
     refuse_logprobs(f)
     read_keep_alive(f)
