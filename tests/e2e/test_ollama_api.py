@@ -18,8 +18,8 @@ GREEDY = {"temperature": 0, "seed": 7, "num_predict": 16}
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Get the current weather in a city",
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
-PERSON = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
-          "required": ["name", "age"]}
+PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer"}},
+          "required": ["name", "age"], "additionalProperties": False}
 
 
 @pytest.fixture(scope="module")
@@ -61,12 +61,13 @@ def test_raw_generate_continues_the_text_as_it_is(olla, client, model_id):
     assert reply.response == completion.choices[0].text
 
 
-def test_format_json_and_a_schema_hold_the_answer(olla, model_id):
+def test_format_json_and_a_schema_hold_the_answer(olla, client, model_id):
     ask = [{"role": "user", "content": "Describe a person as JSON."}]
-    loose = olla.chat(model=model_id, messages=ask, format="json", options={"temperature": 0, "num_predict": 48})
-    assert isinstance(json.loads(loose.message.content), dict)
+    loose = olla.chat(model=model_id, messages=ask, format="json", options={"temperature": 0, "num_predict": 24})
+    expected = openai_reply(client, model_id, ask, max_tokens=24, response_format={"type": "json_object"})
+    assert loose.message.content.startswith("{") and loose.message.content == expected.message.content
     held = olla.generate(model=model_id, prompt="Describe a person as JSON.", format=PERSON,
-                         options={"temperature": 0, "num_predict": 48})
+                         options={"temperature": 0, "num_predict": 64})
     person = json.loads(held.response)
     assert isinstance(person["name"], str) and isinstance(person["age"], int)
 
