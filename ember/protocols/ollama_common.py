@@ -13,7 +13,7 @@ from typing import Any
 
 from ember.errors import EmberError, InvalidRequest
 from ember.protocols.errors import ErrorShape, ModelNotFound
-from ember.protocols.fields import Fields, json_type
+from ember.protocols.fields import Fields
 from ember.protocols.neutral import ModelInfo, RunResult
 from ember.protocols.sse import ServerEvent
 from ember.protocols.unknown_fields import note_ignored
@@ -85,13 +85,6 @@ def parse_duration(text: str) -> float:
 def read_stream(f: Fields) -> bool:
     """Ollama streams unless told `stream: false`."""
     return f.boolean("stream", True)
-
-
-def refuse_non_string(f: Fields, name: str) -> str | None:
-    value = f.raw(name)
-    if value is not None and not isinstance(value, str):
-        raise InvalidRequest(f"{name} must be a string, not {json_type(value)}", param=name)
-    return value
 
 
 def timestamp(moment: datetime | None = None) -> str:
