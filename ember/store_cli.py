@@ -46,19 +46,37 @@ def run_models(args: argparse.Namespace, ollama_models: pathlib.Path | None) -> 
 
 
 def run_pull(args: argparse.Namespace, ollama_models: pathlib.Path | None) -> int:
-    from ember.loaders.model_names import parse_model_name
-    from ember.loaders.resolve import resolve_model
+    from ember.errors import InvalidRequest
 
-    name = parse_model_name(args.model, args.revision)
-    if name.kind != "hub":
-        what = "is in Ollama's store already or is fetched with `ollama pull`" if name.kind == "ollama" else \
-            "is not a Hugging Face repo id (org/name)"
-        print(f"ember pull: {args.model} {what}", file=sys.stderr)
+    try:
+        resolved = pull_model(args.model, args.revision, ollama_models)
+    except InvalidRequest as exc:
+        print(f"ember pull: {exc.message}", file=sys.stderr)
         return 2
-    resolved = resolve_model(args.model, revision=args.revision, ollama_models=ollama_models, refresh=True)
     print(f"ember: {args.model} is ready at {resolved.path}; serve it with `ember serve {args.model}`",
           file=sys.stderr)
     return 0
+
+
+def pull_model(model: str, revision: str | None, ollama_models: pathlib.Path | None):
+    """Fetch a Hugging Face repo id's files into the cache, asking the hub even when a copy is
+    cached; the ResolvedModel. Any other kind of name is refused (InvalidRequest naming `model`)."""
+    from ember.loaders.resolve import resolve_model
+
+    check_pullable(model, revision)
+    return resolve_model(model, revision=revision, ollama_models=ollama_models, refresh=True)
+
+
+def check_pullable(model: str, revision: str | None) -> None:
+    """Refuse (InvalidRequest naming `model`) a name that is not a Hugging Face repo id."""
+    from ember.errors import InvalidRequest
+    from ember.loaders.model_names import parse_model_name
+
+    name = parse_model_name(model, revision)
+    if name.kind != "hub":
+        what = "is in Ollama's store already or is fetched with `ollama pull`" if name.kind == "ollama" else \
+            "is not a Hugging Face repo id (org/name)"
+        raise InvalidRequest(f"{model} {what}", param="model", code="not_pullable")
 
 
 def human_size(num_bytes: int) -> str:

@@ -25,6 +25,7 @@ from ember.protocols.cache_hints import Breakpoint, cache_pins
 from ember.protocols.chat_reply import ChatFeatures, ChatOptions, ReplyPlan
 from ember.protocols.errors import ErrorShape
 from ember.protocols.sse import ServerEvent
+from ember.protocols.stream_format import SSE, StreamFormat
 from ember.tokenization.chat_prompt import drop_closed_reasoning
 from ember.types import (CachePin, FinishReason, GenerationOutput, RequestTimings, SamplingParams, SpeculationCounts,
                          TokenLogprob)
@@ -545,3 +546,4 @@ class Dialect:
     errors: ErrorShape  # how refusals on its routes are answered
     read_body: Callable[[bytes], Any] | None = None  # JSON bytes -> the body parse takes; None: plain JSON
     tasks: tuple[str, ...] = (GENERATE,)  # the serving tasks (loaders.serving_task) whose models it serves
+    stream_format: StreamFormat = SSE

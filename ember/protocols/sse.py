@@ -26,6 +26,10 @@ class ServerEvent:
 _json = msgspec.json.Encoder()
 
 
+def json_bytes(data: Any) -> bytes:
+    return _json.encode(data)
+
+
 def encode(event: ServerEvent) -> bytes:
     data = event.data.encode() if isinstance(event.data, str) else _json.encode(event.data)
     head = b"event: " + event.event.encode() + b"\n" if event.event else b""

@@ -29,6 +29,7 @@ from ember.server.responses_routes import add_responses_routes
 from ember.server.anthropic_routes import ANTHROPIC_PATHS, add_anthropic_routes
 from ember.server.embedding_routes import add_embedding_routes
 from ember.server.native_routes import add_native_routes
+from ember.server.ollama_routes import OLLAMA_PATHS, add_ollama_routes
 from ember.server.state import LoadedModel, ServerState, load_model
 from ember.server.stats_logger import ThroughputReporter
 from ember.server.ui_routes import add_ui_routes
@@ -69,6 +70,7 @@ def create_app(config: ServerConfig, loader: Callable[[ServerConfig], LoadedMode
     add_anthropic_routes(app, state)
     add_native_routes(app, state)
     add_embedding_routes(app)
+    add_ollama_routes(app, state)
     _add_error_handlers(app)
     app.add_middleware(GuardMiddleware, keys=state.keys, max_body_bytes=config.max_request_bytes)
     if config.cors_origins:
@@ -76,7 +78,8 @@ def create_app(config: ServerConfig, loader: Callable[[ServerConfig], LoadedMode
                            allow_headers=["*"], expose_headers=["x-request-id", "request-id"], max_age=600)
     app.add_middleware(OriginGuardMiddleware, listen_host=config.host, allowed_hosts=config.allowed_hosts,
                        cors_origins=config.cors_origins)
-    app.add_middleware(RequestContextMiddleware, state=state, observer=observability, error_shapes=ANTHROPIC_PATHS)
+    app.add_middleware(RequestContextMiddleware, state=state, observer=observability,
+                       error_shapes={**ANTHROPIC_PATHS, **OLLAMA_PATHS})
     return app
 
 

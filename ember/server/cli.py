@@ -33,11 +33,16 @@ def run_serve(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"ember serve: {exc}", file=sys.stderr)
         return 2
-    try:
-        sock = _bind(config.host, config.port)
-    except OSError as exc:
-        print(f"ember serve: cannot listen on {config.host}:{config.port}: {exc.strerror or exc}", file=sys.stderr)
-        return 1
+    sockets = []
+    for port in (config.port, config.ollama_port):
+        if port is None:
+            continue
+        try:
+            sockets.append(_bind(config.host, port))
+        except OSError as exc:
+            print(f"ember serve: cannot listen on {config.host}:{port}: {exc.strerror or exc}", file=sys.stderr)
+            return 1
+    sock = sockets[0]
     import uvicorn
 
     from ember.server.app import create_app
@@ -54,6 +59,8 @@ def run_serve(args: argparse.Namespace) -> int:
         f"ember: model {loaded.name} loaded in {time.monotonic() - began:.1f} s; serving it as "
         f"'{state.model.name}' at {url}/v1{page} (Ctrl-C stops)", file=sys.stderr, flush=True))
     print(f"ember: listening on {url}; loading {config.model or 'the default model'} ...", file=sys.stderr, flush=True)
+    if len(sockets) > 1:
+        print(f"ember: Ollama's clients may also use port {sockets[1].getsockname()[1]}", file=sys.stderr, flush=True)
     server = _make_server(uvicorn.Config(app, log_config=None, access_log=False, lifespan="on",
                                          timeout_graceful_shutdown=config.drain_timeout + 5), state)
     load_failure: list[str] = []
@@ -67,7 +74,7 @@ def run_serve(args: argparse.Namespace) -> int:
     # done, so the second one ends the process normally instead of killing it.
     signal.signal(signal.SIGTERM, lambda *_: None)
     try:
-        server.run(sockets=[sock])
+        server.run(sockets=sockets)
     except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C it handled; stopping is what was asked
         pass
     if load_failure:

@@ -19,6 +19,7 @@ class ServerConfig:
     ollama_models: str | None = None  # Ollama's store ($OLLAMA_MODELS; None: ~/.ollama/models)
     host: str = "127.0.0.1"
     port: int = 8000
+    ollama_port: int | None = None  # a second listener for Ollama's clients (None: off)
     served_model_names: list[str] = field(default_factory=list)  # first: the public id; others: aliases
     api_key: str | None = None
     api_key_file: str | None = None  # keys, one a line, optionally "tenant: key" (server.keys)

@@ -14,7 +14,7 @@ from typing import AsyncIterator
 
 from starlette.responses import StreamingResponse
 
-from ember.protocols.sse import KEEP_ALIVE
+from ember.protocols.stream_format import SSE, StreamFormat
 
 logger = logging.getLogger("ember.server")
 
@@ -29,16 +29,19 @@ async def wait_for_disconnect(receive) -> None:
 
 
 class EventStreamResponse(StreamingResponse):
-    """An SSE response that watches for the client leaving while it streams (whatever the ASGI
-    server's version), and always cleans up: its frames are closed, which aborts the engine run,
-    and its admission ticket is released, however the stream ends. After `keep_alive` seconds
-    without a frame it sends a comment line, so proxies and clients keep a slow stream open (a long
+    """A streamed response (SSE unless `framing` says otherwise) that watches for the client leaving
+    while it streams (whatever the ASGI server's version), and always cleans up: its frames are
+    closed, which aborts the engine run, and its admission ticket is released, however the stream
+    ends. After `keep_alive` seconds without a frame it sends the framing's keep-alive (SSE: a
+    comment line; NDJSON has none), so proxies and clients keep a slow stream open (a long
     prompt's prefill, a wait in the queue). A client that reads nothing for `stalled_timeout`
     seconds (its socket's buffers full) is cut off, so it cannot hold a batch slot and KV blocks
     forever (0: never)."""
 
-    def __init__(self, frames: AsyncIterator[bytes], on_close, keep_alive: float, stalled_timeout: float = 0.0) -> None:
-        super().__init__(frames, media_type="text/event-stream", headers=SSE_HEADERS)
+    def __init__(self, frames: AsyncIterator[bytes], on_close, keep_alive: float, stalled_timeout: float = 0.0,
+                 framing: StreamFormat = SSE) -> None:
+        super().__init__(frames, media_type=framing.media_type, headers=SSE_HEADERS)
+        self.keep_alive_frame = framing.keep_alive
         self.frames = frames
         self._on_close = on_close
         self.keep_alive = keep_alive
@@ -94,8 +97,10 @@ class EventStreamResponse(StreamingResponse):
                         writer.cancel()
                         return
                     wake = sending_since + stalled if stalled else now + self.keep_alive
+                elif self.keep_alive_frame is None:
+                    wake = now + self.keep_alive  # nothing is sent while idle: only a stalled send is watched
                 elif now - last_sent >= self.keep_alive:
-                    comment = loop.create_task(deliver({"type": "http.response.body", "body": KEEP_ALIVE,
+                    comment = loop.create_task(deliver({"type": "http.response.body", "body": self.keep_alive_frame,
                                                         "more_body": True}))
                     comments.add(comment)
                     comment.add_done_callback(comment_sent)

@@ -51,6 +51,9 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                      help="address to listen on (default 127.0.0.1). Any other than loopback needs --api-key, "
                           f"or {_ALLOW_OPEN_FLAG} to serve without one on purpose")
     net.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000; 0 picks a free one)")
+    net.add_argument("--ollama-port", type=int, default=None, metavar="PORT",
+                     help="also listen on this port (on --host), for clients that only know Ollama's address "
+                          "(11434); the same app, Ollama's /api routes included, answers there. Default off")
     net.add_argument("--api-key", default=None,
                      help="require this key as 'Authorization: Bearer KEY' or 'x-api-key: KEY' on every route "
                           "but /health (default: $EMBER_API_KEY, else no key)")
@@ -349,6 +352,7 @@ def build_config(args: argparse.Namespace, environ=os.environ) -> ServerConfig:
     return ServerConfig(
         model=args.model, cache_dir=environ.get("EMBER_CACHE_DIR") or None, revision=args.revision,
         ollama_models=environ.get("OLLAMA_MODELS") or None, host=args.host, port=args.port,
+        ollama_port=args.ollama_port,
         served_model_names=_split(args.served_model_name), api_key=api_key, api_key_file=args.api_key_file,
         embeddings=args.embeddings, rerank=args.rerank, pooling=args.pooling,
         max_pending_per_tenant=args.max_pending_per_tenant, max_pending=args.max_pending,

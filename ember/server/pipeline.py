@@ -22,8 +22,8 @@ from ember.errors import EmberError
 from ember.loaders.serving_task import check_serves
 from ember.protocols.errors import GenerationFailed
 from ember.protocols.json_body import parse_body
+from ember.protocols.stream_format import SSE, StreamFormat
 from ember.protocols.neutral import Dialect, ResponseMeta, RunResult, choice_seeds, resolve_sampling
-from ember.protocols.sse import ServerEvent, encode
 from ember.server.event_stream import EventStreamResponse, wait_for_disconnect
 from ember.server.keys import DEFAULT_TENANT
 from ember.server.middleware import ClientGone
@@ -161,9 +161,9 @@ async def serve_generation(request: Request, dialect: Dialect) -> Response:
         if run.media is not None:  # its images count as being encoded until its first output
             run.on_first_output = state.images_encoding.take(sum(map(len, media[:len(runs)])))
         if job.stream:
-            frames = stream_frames(renderer, result, run, state, record)
+            frames = stream_frames(renderer, result, run, state, record, dialect.stream_format)
             response = EventStreamResponse(frames, ticket.release, state.config.sse_keepalive,
-                                           state.config.stalled_client_timeout)
+                                           state.config.stalled_client_timeout, dialect.stream_format)
             ticket = None  # the stream releases it when it ends
             return response
         await collect_unless_gone(request, run, result, state)
@@ -221,8 +221,9 @@ async def collect_unless_gone(request: Request, run: ChoiceRun, result: RunResul
 
 
 async def stream_frames(renderer, result: RunResult, run: ChoiceRun, state: ServerState,
-                        record: RequestRecord) -> AsyncIterator[bytes]:
-    """SSE frames of one request: opening chunks, deltas, closing chunks; errors become events."""
+                        record: RequestRecord, framing: StreamFormat = SSE) -> AsyncIterator[bytes]:
+    """The stream of one request, framed: opening chunks, deltas, closing chunks; errors become events."""
+    _frames = framing.frames
     state.runs.add(run)
     error: EmberError | None = None
     try:
@@ -253,6 +254,3 @@ async def stream_frames(renderer, result: RunResult, run: ChoiceRun, state: Serv
     else:
         yield _frames(renderer.stream_end())
 
-
-def _frames(events: list[ServerEvent]) -> bytes:
-    return b"".join(encode(event) for event in events)
