@@ -53,10 +53,11 @@ def pooling_params(task: ServingTask) -> SamplingParams:
 
 
 def pooling_run(value: str | list[int], task: ServingTask, param: str, *, prompt: str = "",
-                keep_last_tokens: int | None = None) -> PromptRun:
+                keep_last_tokens: int | None = None, keep_first_tokens: int | None = None) -> PromptRun:
     """One input as a pooling request: text after the instruction `prompt`, or token ids as they are."""
     if isinstance(value, str):
-        text = TextPrompt(prompt + value, add_special_tokens=True, keep_last_tokens=keep_last_tokens)
+        text = TextPrompt(prompt + value, add_special_tokens=True, keep_last_tokens=keep_last_tokens,
+                          keep_first_tokens=keep_first_tokens)
         return PromptRun(text, pooling_params(task), param)
     ids = value[-keep_last_tokens:] if keep_last_tokens else value
     return PromptRun(TokenPrompt(list(ids)), pooling_params(task), param)
@@ -144,7 +145,23 @@ def encode_vector(vector: list[float], encoding_format: str) -> list[float] | st
     return vector
 
 
-class EmbeddingsRenderer:
+class NeverStreamed:
+    """A renderer's stream methods for routes that answer only whole."""
+
+    def stream_start(self) -> list[ServerEvent]:
+        return []
+
+    def stream_output(self, choice: ChoiceResult, output: GenerationOutput) -> list[ServerEvent]:
+        return []
+
+    def stream_end(self) -> list[ServerEvent]:
+        return []
+
+    def stream_error(self, error: EmberError) -> list[ServerEvent]:
+        return []
+
+
+class EmbeddingsRenderer(NeverStreamed):
     def __init__(self, request: GenerationRequest, result: RunResult, meta: ResponseMeta) -> None:
         self.options: EmbeddingOptions = request.dialect_options
         self.result = result
@@ -158,19 +175,6 @@ class EmbeddingsRenderer:
         tokens = self.result.num_prompt_tokens
         return {"object": "list", "data": data, "model": self.meta.model,
                 "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
-
-    # never streamed
-    def stream_start(self) -> list[ServerEvent]:
-        return []
-
-    def stream_output(self, choice: ChoiceResult, output: GenerationOutput) -> list[ServerEvent]:
-        return []
-
-    def stream_end(self) -> list[ServerEvent]:
-        return []
-
-    def stream_error(self, error: EmberError) -> list[ServerEvent]:
-        return []
 
 
 EMBEDDINGS = Dialect(name="embeddings", id_prefix="emb-", parse=parse_embeddings, renderer=EmbeddingsRenderer,

@@ -61,6 +61,7 @@ class TextPrompt:
     images: list[Any] = field(default_factory=list)
     media: list[PromptImage] = field(default_factory=list)
     keep_last_tokens: int | None = None  # only this many of its tokens, the last ones (truncate_prompt_tokens)
+    keep_first_tokens: int | None = None  # only this many of its tokens, the first ones (Ollama's truncate)
 
 
 @dataclass(slots=True)
@@ -192,7 +193,9 @@ def encode_prompt(prompt: Prompt, tokenizer, tool_format=None, vision: ImageProc
     if isinstance(prompt, TextPrompt):
         if not prompt.images:
             ids = tokenizer.encode(prompt.text, add_special_tokens=prompt.add_special_tokens)
-            return ids[-prompt.keep_last_tokens:] if prompt.keep_last_tokens else ids
+            if prompt.keep_last_tokens:
+                ids = ids[-prompt.keep_last_tokens:]
+            return ids[:prompt.keep_first_tokens] if prompt.keep_first_tokens else ids
         ids, prompt.media = lay_out_images(prompt.text, prompt.images, vision, lambda text: tokenizer.encode(
             text, add_special_tokens=prompt.add_special_tokens), "text")
         return ids

@@ -1,23 +1,17 @@
 """Embedding and reranking routes: /v1/embeddings, /v1/rerank (also /rerank and /v1/reranking), /v1/score
-(also /score), all through the one generation pipeline (admission, the request log, metrics); and
-`embed_texts`, the call other dialects' routes (Ollama's /api/embed) use to embed texts."""
+(also /score), all through the one generation pipeline (admission, the request log, metrics).
+Ollama's /api/embed is one more dialect on the same pipeline (server.ollama_routes)."""
 
 from __future__ import annotations
 
-import uuid
-from dataclasses import dataclass
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
-from ember.loaders.serving_task import EMBED, check_serves
-from ember.protocols.embeddings import EMBEDDINGS, VectorShape, pooling_run, vector_of
-from ember.protocols.neutral import GenerationRequest, RunResult, resolve_sampling
+from ember.protocols.embeddings import EMBEDDINGS
 from ember.protocols.rerank import RERANK_DIALECT, SCORE_DIALECT
-from ember.server.keys import DEFAULT_TENANT
-from ember.server.pipeline import ChoiceRun, serve_generation
-from ember.server.state import ServerState
+from ember.server.pipeline import serve_generation
 
 
 def _docs(fields: dict[str, Any], required: list[str]) -> dict[str, Any]:
@@ -55,37 +49,3 @@ def add_embedding_routes(app: FastAPI) -> None:
     for path in ("/v1/score", "/score"):
         app.add_api_route(path, score, methods=["POST"], summary="Relevance scores of text pairs (vLLM's shape)",
                           include_in_schema=path == "/v1/score", **SCORE_DOCS)
-
-
-@dataclass(slots=True)
-class EmbeddedTexts:
-    vectors: list[list[float]]  # one per text, in order (float32 values)
-    token_counts: list[int]  # each text's prompt tokens
-
-
-async def embed_texts(state: ServerState, texts: list[str], *, dimensions: int | None = None,
-                      keep_last_tokens: int | None = None, param: str = "input") -> EmbeddedTexts:
-    """Embed `texts` on the served embedding model, as one batch through admission, with the
-    model's default prompt and normalisation; `dimensions` cuts each vector (then renormalised);
-    `keep_last_tokens` truncates each text. Refusals (InvalidRequest) name `param[i]`."""
-    await state.require_engine()
-    task = state.model.task
-    check_serves(task, (EMBED,))
-    runs = [pooling_run(text, task, f"{param}[{i}]", prompt=task.pooling.default_prompt,
-                        keep_last_tokens=keep_last_tokens) for i, text in enumerate(texts)]
-    prompts = [await state.encode(run.prompt) for run in runs]
-    params = [resolve_sampling(GenerationRequest(run.prompt, run.params, prompt_param=run.prompt_param), len(ids), state.model, run.params, run.prompt_param)[0]
-              for run, ids in zip(runs, prompts)]
-    ticket = await state.admission.acquire(len(runs), DEFAULT_TENANT)
-    result = RunResult(len(runs), prompts[0], batch_prompt_ids=prompts)
-    run = ChoiceRun(state.engine, prompts, params, f"embed-{uuid.uuid4().hex}")
-    try:
-        async for index, output in run.outputs():
-            result.add(index, output)
-    finally:
-        await run.close()
-        ticket.release()
-    shape = VectorShape(task.pooling.normalize, dimensions)
-    return EmbeddedTexts([shape.finish(vector_of(choice)) for choice in result.choices],
-                         [len(ids) for ids in prompts])
-

@@ -1,7 +1,8 @@
 """Ollama's API on ember's server: /api/chat and /api/generate through the one generation pipeline
 (NDJSON streams), /api/tags, /api/show, /api/ps and /api/version from the served model, /api/pull
-through `ember pull`, /api/delete refused. Every refusal on /api paths is Ollama's `{"error"}`
-(OLLAMA_PATHS, registered with the request-context middleware). /api/embed is not served here.
+through `ember pull`, /api/delete refused, /api/embed and /api/embeddings on an embedding model.
+Every refusal on /api paths is Ollama's `{"error"}` (OLLAMA_PATHS, registered with the
+request-context middleware).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from ember.protocols.json_body import parse_body
 from ember.protocols.neutral import Dialect
 from ember.protocols.ollama_admin import is_load_request, load_reply, parse_pull, parse_show, refuse_delete
 from ember.protocols.ollama_chat import CHAT
+from ember.protocols.ollama_embed import EMBED_DIALECT, LEGACY_EMBEDDINGS
 from ember.protocols.ollama_common import OLLAMA_ERRORS, error_line, line, served_name
 from ember.protocols.ollama_generate import GENERATE
 from ember.protocols.stream_format import NDJSON
@@ -65,6 +67,14 @@ def add_ollama_routes(app: FastAPI, state: ServerState) -> None:
     @app.post("/api/generate", summary="Generate from a prompt (Ollama)")
     async def generate(request: Request) -> Response:
         return await generation(request, GENERATE, "prompt")
+
+    @app.post("/api/embed", summary="Embeddings of texts (Ollama)")
+    async def embed(request: Request) -> Response:
+        return await serve_generation(request, EMBED_DIALECT)
+
+    @app.post("/api/embeddings", summary="The embedding of one text (Ollama's older route)")
+    async def embeddings(request: Request) -> Response:
+        return await serve_generation(request, LEGACY_EMBEDDINGS)
 
     @app.get("/api/tags", summary="The served model (Ollama)")
     async def tags() -> dict:

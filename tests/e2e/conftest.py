@@ -64,7 +64,11 @@ class ServerProcess:
         if not listening.wait(START_TIMEOUT_S) or self.port is None:
             self.stop()
             raise RuntimeError("ember serve did not start:\n" + "\n".join(self.lines[-30:]))
-        self._wait_ready()
+        try:
+            self._wait_ready()
+        except BaseException:
+            self.stop()  # a server that never became ready is not left running
+            raise
         return self
 
     def _wait_ready(self) -> None:

@@ -109,3 +109,24 @@ def test_a_generative_model_refuses_embeddings(client):
     with pytest.raises(openai.BadRequestError) as caught:
         client.embeddings.create(model="any", input="hi")
     assert caught.value.code == "embeddings_disabled" and "--embeddings" in caught.value.message
+
+
+def test_ollama_embed_equals_the_openai_route_and_truncates_by_default(embed_server, embed_client):
+    ollama = pytest.importorskip("ollama")
+    client = ollama.Client(host=embed_server.url)
+    reply = client.embed(model=MODEL, input=TEXTS)
+    openai_vectors = [d.embedding for d in embed_client.embeddings.create(model=MODEL, input=TEXTS,
+                                                                          encoding_format="float").data]
+    assert [list(v) for v in reply.embeddings] == openai_vectors  # the model normalises: the same vectors
+    assert reply.prompt_eval_count > len(TEXTS) and reply.total_duration > 0
+    one = client.embed(model=MODEL + ":latest", input=TEXTS[0], dimensions=8)
+    assert len(one.embeddings[0]) == 8 and abs(sum(v * v for v in one.embeddings[0]) - 1) < 1e-5
+    assert client.embeddings(model=MODEL, prompt=TEXTS[1]).embedding == openai_vectors[1]
+    long = "long " * 300
+    assert client.embed(model=MODEL, input=long).prompt_eval_count == 128  # the window's first tokens
+    with pytest.raises(ollama.ResponseError) as caught:
+        client.embed(model=MODEL, input=long, truncate=False)
+    assert caught.value.status_code == 400 and "input" in caught.value.error
+    with pytest.raises(ollama.ResponseError) as caught:
+        client.embed(model=MODEL, input=[TEXTS[0], 7])
+    assert caught.value.status_code == 400 and "input[1]" in caught.value.error
