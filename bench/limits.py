@@ -19,7 +19,8 @@ from pathlib import Path
 
 import torch
 
-from ember.bench.limits import Bounds, probe
+from ember.bench.limits import Bounds
+from ember.bench.machine_probe import probe
 
 
 def main() -> None:

@@ -210,7 +210,8 @@ def main() -> None:
         from ember.loaders.default_model import default_model_path
         args.model = str(default_model_path())
     workloads = [w for w in WORKLOADS if args.only is None or w.name in args.only.split(",")]
-    from ember.bench.limits import Bounds, probe
+    from ember.bench.limits import Bounds
+    from ember.bench.machine_probe import probe
     limits = probe(args.threads)  # before any server starts: the machine to itself
 
     ember_port, llama_port = free_port(), free_port()

@@ -50,7 +50,7 @@ class EngineTransport:
         this model's weights."""
         if not self.probe_limits or self.llm.engine.device.type != "cpu":
             return None
-        from ember.bench.limits import probe
+        from ember.bench.machine_probe import probe
 
         limits = await asyncio.get_running_loop().run_in_executor(None, probe)
         info = self.engine.info

@@ -1,4 +1,4 @@
-"""The machine-limits probe (ember.bench.limits) and the speeds `ember bench` prints against it.
+"""The machine-limits probe (ember.bench.machine_probe) and the speeds `ember bench` prints against it.
 
 The probe runs for real, scaled down; its figures are only checked to exist, never for size.
 """
@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from ember.bench.config import BenchConfig, Level
-from ember.bench.limits import Bounds, MachineLimits, decode_share, probe
+from ember.bench.limits import Bounds, MachineLimits, decode_share
+from ember.bench.machine_probe import probe
 from ember.bench.records import RequestRecord
 from ember.bench.report import format_report
 from ember.bench.result import BenchResult, LevelResult
