@@ -1,5 +1,6 @@
 """ember against llama.cpp's server on the same GGUF file, with the same threads and the same
-workloads, measured by `ember bench` in one run; prints one table of ratios.
+workloads, measured by `ember bench` in one run; prints one table of ratios, and each speed as a
+fraction of the machine's bound (ember/bench/limits.py, probed first on the same threads).
 
     python bench/vs_llama_cpp.py --llama-server PATH/TO/llama-server [--model FILE.gguf] [--threads 2]
         [--only one-stream,32-streams,...] [--json results.json] [--ember-arg=--quantization=int4 ...]
@@ -7,6 +8,10 @@ workloads, measured by `ember bench` in one run; prints one table of ratios.
 Each server is started in turn (never both at once), waited for, measured on every workload and
 stopped. Resident memory is read from /proc after the server is ready and at its peak during the
 workloads. The default model's GGUF is used unless --model names another file.
+
+The bounds: one stream's decode against read bandwidth / weight bytes per token (ember's from its
+/health, llama-server's the GGUF file's size), many streams and prefill (prompt tokens over the
+time to first token) against int8 peak / (2 x weights), the weights as ember counts them.
 """
 
 from __future__ import annotations
@@ -30,24 +35,25 @@ import httpx
 class Workload:
     name: str
     args: tuple[str, ...]
-    # (label, summary key, statistic, higher is better)
-    metrics: tuple[tuple[str, str, str, bool], ...]
+    # (label, summary key, statistic, higher is better, bound): the bound its speed is held
+    # against, "read" (one stream's decode), "int8" (many streams, prefill) or "" (none)
+    metrics: tuple[tuple[str, str, str, bool, str], ...]
 
 
 WORKLOADS = (
     Workload("one-stream", ("--concurrency", "1", "--input-len", "128", "--output-len", "128", "--num-requests", "8"),
-             (("one stream, output tok/s", "output_tokens_per_s", "", True),)),
+             (("one stream, output tok/s", "output_tokens_per_s", "", True, "read"),)),
     Workload("32-streams", ("--concurrency", "32", "--input-len", "128", "--output-len", "128", "--num-requests", "64"),
-             (("32 streams, output tok/s", "output_tokens_per_s", "", True),)),
+             (("32 streams, output tok/s", "output_tokens_per_s", "", True, "int8"),)),
     Workload("prompt-1500", ("--concurrency", "1", "--input-len", "1500", "--output-len", "4", "--num-requests", "3"),
-             (("1,500-token prompt, time to first token s", "ttft", "p50", False),)),
+             (("1,500-token prompt, time to first token s", "ttft", "p50", False, "int8"),)),
     Workload("prompt-8000", ("--concurrency", "1", "--input-len", "8000", "--output-len", "48", "--num-requests", "2"),
-             (("8,000-token prompt, time to first token s", "ttft", "p50", False),
-              ("decode at 8,000 tokens of context, ms per token", "tpot", "p50", False))),
+             (("8,000-token prompt, time to first token s", "ttft", "p50", False, "int8"),
+              ("decode at 8,000 tokens of context, ms per token", "tpot", "p50", False, "read"))),
     Workload("multiturn", ("--workload", "multiturn", "--turns", "6", "--concurrency", "1", "--input-len", "600",
                            "--output-len", "64"),
-             (("6-turn conversation (600 new tokens a turn), mean time to first token s", "ttft", "mean", False),
-              ("6-turn conversation, output tok/s per request", "request_output_tokens_per_s", "p50", True))),
+             (("6-turn conversation (600 new tokens a turn), mean time to first token s", "ttft", "mean", False, ""),
+              ("6-turn conversation, output tok/s per request", "request_output_tokens_per_s", "p50", True, ""))),
 )
 _CONTEXT = 16384  # room for the 8,000-token prompt and the conversation
 _SLOTS = 32
@@ -62,6 +68,12 @@ class Server:
     rss_after_load_mib: float = 0.0
     rss_peak_mib: float = 0.0
     results: dict[str, dict] = field(default_factory=dict)
+    weight_bytes: int = 0  # what one decode step reads, for the bounds
+
+    def read_weight_bytes(self, gguf: Path) -> None:
+        """ember's weights in memory from its /health; another server's, its GGUF file's size."""
+        health = httpx.get(self.url + "/health", timeout=10).json()
+        self.weight_bytes = int(health["gb"] * 1e9) if "gb" in health else gguf.stat().st_size
 
     def start(self, log: Path) -> None:
         self.process = subprocess.Popen(self.command, stdout=log.open("w"), stderr=subprocess.STDOUT)
@@ -167,6 +179,23 @@ def value(summary: dict, key: str, statistic: str) -> float:
     return number * 1000 if key in ("tpot", "itl") else number
 
 
+def speed(summary: dict, key: str, statistic: str) -> float:
+    """A metric as tokens a second: throughputs as they are, a time per token inverted, a time to
+    first token as the prompt's tokens over it."""
+    number = value(summary, key, statistic)
+    if key == "tpot":
+        return 1000 / number
+    if key == "ttft":
+        return summary["prompt_tokens"] / summary["num_ok"] / number
+    return number
+
+
+def ember_num_weights(server: Server) -> int:
+    """The weights as ember counts them, from its /health's gigabytes and bits per weight."""
+    health = httpx.get(server.url + "/health", timeout=10).json()
+    return round(health["gb"] * 1e9 * 8 / health["bpw"])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--llama-server", required=True, help="path of a built llama-server binary")
@@ -181,6 +210,9 @@ def main() -> None:
         from ember.loaders.default_model import default_model_path
         args.model = str(default_model_path())
     workloads = [w for w in WORKLOADS if args.only is None or w.name in args.only.split(",")]
+    from ember.bench.limits import Bounds
+    from ember.bench.machine_probe import probe
+    limits = probe(args.threads)  # before any server starts: the machine to itself
 
     ember_port, llama_port = free_port(), free_port()
     servers = [
@@ -198,6 +230,9 @@ def main() -> None:
         for server in servers:
             server.start(folder / f"{server.name}.log")
             try:
+                server.read_weight_bytes(Path(args.model))
+                if server.name == "ember":
+                    num_weights = ember_num_weights(server)
                 for workload in workloads:
                     print(f"{server.name}: {workload.name} ...", file=sys.stderr, flush=True)
                     server.results[workload.name] = run_workload(server, workload, folder)
@@ -205,26 +240,45 @@ def main() -> None:
                 server.stop()
 
     ember, llama = servers
+    bounds = {server.name: Bounds(limits, server.weight_bytes, num_weights) for server in servers}
     rows = []
     for workload in workloads:
-        for label, key, statistic, higher_better in workload.metrics:
-            a, b = value(ember.results[workload.name], key, statistic), value(llama.results[workload.name], key, statistic)
-            rows.append((label, a, b, a / b if b else float("nan"), higher_better))
+        for label, key, statistic, higher_better, bound in workload.metrics:
+            results = (ember.results[workload.name], llama.results[workload.name])
+            a, b = (value(result, key, statistic) for result in results)
+            shares = [share_of_bound(bounds[server.name], bound, speed(result, key, statistic))
+                      for server, result in zip(servers, results)]
+            rows.append((label, a, b, a / b if b else float("nan"), higher_better, *shares))
     rows.append(("resident memory after load, MiB", ember.rss_after_load_mib, llama.rss_after_load_mib,
-                 ember.rss_after_load_mib / llama.rss_after_load_mib, False))
+                 ember.rss_after_load_mib / llama.rss_after_load_mib, False, None, None))
     rows.append(("resident memory at its peak, MiB", ember.rss_peak_mib, llama.rss_peak_mib,
-                 ember.rss_peak_mib / llama.rss_peak_mib, False))
+                 ember.rss_peak_mib / llama.rss_peak_mib, False, None, None))
     print(f"model {Path(args.model).name}, {args.threads} threads each, "
           f"ember args: {' '.join(args.ember_arg) or '(defaults)'}")
-    print("| measure | ember | llama-server | ember / llama-server |")
-    print("| --- | --- | --- | --- |")
-    for label, a, b, ratio, higher_better in rows:
+    print(f"{limits.describe()}; weights: ember {ember.weight_bytes / 1e9:.3f} GB, llama-server "
+          f"{llama.weight_bytes / 1e9:.3f} GB (its file), {num_weights / 1e6:.0f} M")
+    print("| measure | ember | llama-server | ember / llama-server | ember / bound | llama-server / bound |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for label, a, b, ratio, higher_better, ember_share, llama_share in rows:
         better = "higher is better" if higher_better else "lower is better"
-        print(f"| {label} | {a:.2f} | {b:.2f} | {ratio:.2f}x ({better}) |")
+        print(f"| {label} | {a:.2f} | {b:.2f} | {ratio:.2f}x ({better}) | {_percent(ember_share)} | "
+              f"{_percent(llama_share)} |")
     if args.json:
         Path(args.json).write_text(json.dumps({"model": args.model, "threads": args.threads,
                                                "ember_args": args.ember_arg, "rows": rows,
+                                               "bounds": {name: b.to_json() for name, b in bounds.items()},
                                                "results": {s.name: s.results for s in servers}}, indent=1))
+
+
+def share_of_bound(bounds, bound: str, tokens_per_s: float) -> float | None:
+    """A speed as a fraction of the bound its metric names ("read", "int8"), None for none."""
+    if bound == "read":
+        return bounds.of_read(tokens_per_s)
+    return bounds.of_int8(tokens_per_s) if bound == "int8" else None
+
+
+def _percent(share: float | None) -> str:
+    return "-" if share is None else f"{share:.0%}"
 
 
 if __name__ == "__main__":

@@ -7,7 +7,7 @@
 Modules: config (settings, levels), words and workload (seeded prompts, conversations), records
 (one request's numbers), http_client and offline (where requests go), loops (closed, open,
 multiturn; limits), runner (a whole run), stats (summaries), result (JSON), report (text), plot,
-progress, cli.
+progress, cli; limits (the machine's bounds) and machine_probe (measuring them, offline).
 """
 
 from ember.bench.config import BenchConfig, BenchError, LengthRange, OfflineSettings

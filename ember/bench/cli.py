@@ -103,6 +103,9 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
                          help="on CPU, whole-batch matmuls: faster prefill, results may vary in the last bits")
     offline.add_argument("--quantization", default="auto", choices=["auto", "none", "int8", "int4"],
                          help="linear-layer weights, as for `ember serve` (default auto)")
+    offline.add_argument("--no-limits", action="store_true",
+                         help="skip the probe of the machine's read bandwidth and int8 and bfloat16 peaks "
+                              "(a few seconds after the run) and the speeds as fractions of them")
     return p
 
 
@@ -115,7 +118,8 @@ def build_config(args: argparse.Namespace, environ=os.environ) -> BenchConfig:
         offline = OfflineSettings(model=args.model, cache_dir=environ.get("EMBER_CACHE_DIR") or None,
                                   dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
                                   max_num_seqs=args.max_num_seqs, enable_prefix_caching=not args.no_prefix_caching,
-                                  batch_invariant=not args.no_batch_invariant, quantization=args.quantization)
+                                  batch_invariant=not args.no_batch_invariant, quantization=args.quantization,
+                                  probe_limits=not args.no_limits)
     return BenchConfig(
         base_url=args.base_url, model=None if args.offline else args.model, endpoint=args.endpoint,
         api_key=args.api_key or environ.get("EMBER_API_KEY") or None, workload=args.workload,

@@ -55,6 +55,7 @@ class OfflineSettings:
     enable_prefix_caching: bool = True
     batch_invariant: bool = True
     quantization: str = "auto"
+    probe_limits: bool = True  # measure the machine's limits after the run (bench.limits), a few seconds
 
 
 @dataclass(slots=True, frozen=True)

@@ -54,6 +54,10 @@ class HttpTransport:
             self.model = str(first["id"])
         return self.model
 
+    async def bounds(self) -> None:
+        """The server's machine may be another: its limits are not probed from here."""
+        return None
+
     async def count_prompt_tokens(self, prompt: Prompt) -> int:
         body = self._body(prompt, 1)
         body["stream"] = False

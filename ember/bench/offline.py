@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 
 from ember.bench.config import BenchConfig, OfflineSettings
+from ember.bench.limits import Bounds
 from ember.bench.records import CANCELLED, OK, LevelClock, RequestRecord
 from ember.bench.workload import Prompt, RequestSpec
 
@@ -29,6 +30,7 @@ class EngineTransport:
             enable_prefix_caching=settings.enable_prefix_caching, batch_invariant=settings.batch_invariant,
             quantization=settings.quantization))
         self.engine = AsyncEngine(self.llm.engine, self.llm.tokenizer)
+        self.probe_limits = settings.probe_limits
         self.endpoint = config.endpoint
         self.temperature = config.temperature
         self.ignore_eos = config.ignore_eos
@@ -42,6 +44,17 @@ class EngineTransport:
 
     async def model_name(self) -> str:
         return self.llm.source.name
+
+    async def bounds(self) -> Bounds | None:
+        """The machine's limits on the engine's threads, measured while the engine is idle, for
+        this model's weights."""
+        if not self.probe_limits or self.llm.engine.device.type != "cpu":
+            return None
+        from ember.bench.machine_probe import probe
+
+        limits = await asyncio.get_running_loop().run_in_executor(None, probe)
+        info = self.engine.info
+        return Bounds(limits, info.weight_bytes, info.num_weights)
 
     async def count_prompt_tokens(self, prompt: Prompt) -> int:
         return len(self._encode(prompt))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from ember.bench.limits import Bounds, decode_share
 from ember.bench.result import BenchResult, LevelResult
 from ember.bench.stats import Distribution
 
@@ -24,6 +25,8 @@ def format_report(result: BenchResult) -> str:
     ]
     if config.workload == "multiturn":
         sections.append(_turn_table(result.levels))
+    if result.bounds is not None:
+        sections.append(_bounds_section(result.bounds, result.levels, prefill=config.workload == "single"))
     notes = _notes(result.levels)
     if calibration.overhead_tokens >= config.input_len.low:
         notes.insert(0, f"the endpoint adds about {calibration.overhead_tokens:.0f} tokens to every prompt (its chat "
@@ -67,6 +70,32 @@ def _turn_table(levels: list[LevelResult]) -> str:
                          _number(turn.cached_tokens_mean), _value(turn.ttft, "p50", 1000.0, 1),
                          _value(turn.ttft, "p90", 1000.0, 1), _value(turn.ttft, "mean", 1000.0, 1)])
     return _table(headers, rows)
+
+
+def _bounds_section(bounds: Bounds, levels: list[LevelResult], prefill: bool) -> str:
+    """Each level's speeds as fractions of what the machine allows: one stream's decode (1 / TPOT)
+    against the read bound, many streams' output and a prompt's prefill (its tokens over TTFT)
+    against the int8 peak."""
+    headers = ["against the machine's limits", "tok/s", "bound tok/s", "share"]
+    rows = []
+    for level in levels:
+        s, streams, label = level.summary, level.level.concurrency, level.level.label
+        if streams == 1 and s.tpot is not None and s.tpot.p50 > 0:
+            rows.append(_share_row(f"{label} decode (1 / TPOT p50)", 1 / s.tpot.p50, bounds.decode_tokens_per_s,
+                                   decode_share(bounds, 1, 1 / s.tpot.p50)))
+        elif streams != 1:
+            rows.append(_share_row(f"{label} output", s.output_tokens_per_s, bounds.compute_tokens_per_s,
+                                   decode_share(bounds, streams, s.output_tokens_per_s)))
+        with_usage = s.num_ok - s.num_missing_usage
+        if prefill and streams == 1 and with_usage and s.ttft is not None and s.ttft.p50 > 0:
+            speed = s.prompt_tokens / with_usage / s.ttft.p50
+            rows.append(_share_row(f"{label} prefill (prompt / TTFT p50)", speed, bounds.compute_tokens_per_s,
+                                   bounds.of_int8(speed)))
+    return bounds.describe() + "\n" + _table(headers, rows)
+
+
+def _share_row(label: str, speed: float, bound: float, share: float) -> list[str]:
+    return [label, f"{speed:.1f}", f"{bound:.1f}", f"{share:.0%}"]
 
 
 def _notes(levels: list[LevelResult]) -> list[str]:

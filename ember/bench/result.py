@@ -7,6 +7,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from ember.bench.config import BenchConfig, Level
+from ember.bench.limits import Bounds
 from ember.bench.records import RequestRecord
 from ember.bench.stats import LevelSummary
 from ember.bench.workload import Calibration
@@ -31,6 +32,7 @@ class BenchResult:
     model: str
     calibration: Calibration
     levels: list[LevelResult]
+    bounds: Bounds | None = None  # the machine's limits for this model (offline runs on the CPU)
 
     @property
     def interrupted(self) -> bool:
@@ -45,6 +47,7 @@ class BenchResult:
             "model": self.model,
             "config": config,
             "calibration": asdict(self.calibration),
+            "bounds": self.bounds.to_json() if self.bounds is not None else None,
             "levels": [{
                 "label": level.level.label,
                 "concurrency": level.level.concurrency,

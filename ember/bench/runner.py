@@ -12,6 +12,7 @@ import signal
 from typing import Awaitable, Callable, Protocol, TextIO
 
 from ember.bench.config import BenchConfig, Level
+from ember.bench.limits import Bounds
 from ember.bench.loops import (Send, closed_loop, conversation_loop, open_loop, poisson_arrivals,
                                run_with_limits)
 from ember.bench.progress import ProgressBar
@@ -35,6 +36,8 @@ class Transport(Protocol):
     async def count_prompt_tokens(self, prompt: Prompt) -> int: ...
 
     async def send(self, spec: RequestSpec, record: RequestRecord, clock: LevelClock) -> str | None: ...
+
+    async def bounds(self) -> Bounds | None: ...
 
     async def close(self) -> None: ...
 
@@ -69,7 +72,8 @@ async def run_async(config: BenchConfig, transport: Transport | None = None, *,
                 break
             levels.append(await _run_level(config, transport, calibration, index, level, interrupt, run_id,
                                            progress_stream))
-        return BenchResult(config, transport.target, model, calibration, levels)
+        bounds = await transport.bounds() if levels and not interrupt.is_set() else None
+        return BenchResult(config, transport.target, model, calibration, levels, bounds)
     finally:
         release_ctrl_c()
         await transport.close()

@@ -347,3 +347,10 @@ def test_offline_runs_the_same_workload_on_the_engine():
     (level,) = result.levels
     check_level(level, output_len=4, http=False)
     assert result.model == "SmolLM2-135M-Instruct" and result.target.startswith("offline")
+    # after the run, the machine's limits on the engine's threads and this model's bounds
+    bounds = result.bounds
+    assert bounds is not None and bounds.limits.threads >= 1 and bounds.weight_bytes > 0
+    assert 130e6 < bounds.num_weights < 140e6  # SmolLM2-135M, its tied table counted once
+    report = format_report(result)
+    assert bounds.describe() in report and "concurrency 2 output" in report
+    assert result.to_json()["bounds"]["weight_bytes"] == bounds.weight_bytes
