@@ -5,7 +5,8 @@ must fit in the cache on its own. For a prompt of P tokens, the room is window -
 
 - an empty prompt is refused (400 `invalid_request_error`, naming the prompt's field);
 - a prompt that leaves no room for one output token is refused (400 `context_length_exceeded`,
-  ContextLengthExceeded; the Anthropic dialect words it as Anthropic does);
+  ContextLengthExceeded; the Anthropic dialect words it as Anthropic does), unless it asks for
+  no output token (max_tokens 0: a pooling or prefill-only request may fill the window);
 - with no max_tokens the reply may run to the window's end, or to the server's default limit
   (`--default-max-tokens`) if that is smaller;
 - a max_tokens of 0 asks for the prompt alone: it must fit as any prompt does, and it is prefilled
@@ -54,7 +55,7 @@ def fit_output(window: ContextWindow, num_prompt_tokens: int, max_tokens: int | 
     if num_prompt_tokens == 0:
         raise InvalidRequest("the prompt is empty", param=prompt_param)
     limit = window.tokens
-    if num_prompt_tokens >= limit:
+    if num_prompt_tokens > limit or (num_prompt_tokens == limit and max_tokens != 0):
         error = ContextLengthExceeded(limit, num_prompt_tokens)
         error.param = prompt_param
         raise error

@@ -28,6 +28,12 @@ def test_refusals_are_the_same_under_both_policies(over_room):
         assert f"maximum context length is 100 tokens; your request has {prompt} prompt tokens" in caught.value.message
 
 
+def test_a_prompt_only_request_may_fill_the_window():
+    assert fit_output(WINDOW, 100, 0).max_tokens == 0
+    with pytest.raises(ContextLengthExceeded):
+        fit_output(WINDOW, 101, 0)
+
+
 def test_no_max_tokens_runs_to_the_window_or_the_default():
     assert fit_output(WINDOW, 30, None).max_tokens == 70
     assert fit_output(WINDOW, 30, None).reaches_window
