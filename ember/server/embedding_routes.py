@@ -67,7 +67,8 @@ async def embed_texts(state: ServerState, texts: list[str], *, dimensions: int |
                       keep_last_tokens: int | None = None, param: str = "input") -> EmbeddedTexts:
     """Embed `texts` on the served embedding model, as one batch through admission, with the
     model's default prompt and normalisation; `dimensions` cuts each vector (then renormalised);
-    `keep_last_tokens` truncates each text. Refusals (InvalidRequest) name `param[i]`."""
+    `keep_last_tokens` truncates each text. Refusals (InvalidRequest) name `param[i]`, or `param`
+    when the texts hold more tokens together than --max-total-input-tokens."""
     await state.require_engine()
     task = state.model.task
     check_serves(task, (EMBED,))
@@ -76,6 +77,7 @@ async def embed_texts(state: ServerState, texts: list[str], *, dimensions: int |
     prompts = [await state.encode(run.prompt) for run in runs]
     params = [resolve_sampling(GenerationRequest(run.prompt, run.params, prompt_param=run.prompt_param), len(ids), state.model, run.params, run.prompt_param)[0]
               for run, ids in zip(runs, prompts)]
+    state.model.check_total_input_tokens(prompts, param)
     ticket = await state.admission.acquire(len(runs), DEFAULT_TENANT)
     result = RunResult(len(runs), prompts[0], batch_prompt_ids=prompts)
     run = ChoiceRun(state.engine, prompts, params, f"embed-{uuid.uuid4().hex}")
