@@ -96,8 +96,8 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                             "with a pooling type is served this way without the flag")
     model.add_argument("--rerank", action="store_true",
                        help="serve a Qwen3-Reranker-style model for /v1/rerank and /v1/score (the probability of "
-                            "'yes' as the next token); a folder whose name holds 'reranker' is served this way "
-                            "without the flag")
+                            "'yes' as the next token); a folder whose name holds 'reranker', or a cross-encoder "
+                            "with a classification head, is served for reranking without the flag")
     model.add_argument("--pooling", default=None, choices=list(POOLING_METHODS),
                        help="with --embeddings: how a prompt becomes a vector (last token, mean, first token); "
                             "default: the model's own pooling, else last")
