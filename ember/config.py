@@ -29,6 +29,9 @@ class ModelConfig:
     max_position_embeddings: int = 2048
     tie_word_embeddings: bool = False
     attention_bias: bool = False
+    # a sequence-classification checkpoint's labels (its score head's outputs, which replace the
+    # LM head); 0 for a causal LM
+    num_labels: int = 0
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
     # per layer: its sliding window (the keys a token sees, its own included), None where the layer
@@ -104,6 +107,7 @@ class ModelConfig:
                 max_position_embeddings=max_positions,
                 tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
                 attention_bias=bool(hf.get("attention_bias", hf["model_type"] == "qwen2")),
+                num_labels=classifier_labels(hf),
                 bos_token_id=hf.get("bos_token_id"),
                 eos_token_ids=[] if eos is None else ([eos] if isinstance(eos, int) else list(eos)),
                 layer_windows=sliding_windows(hf, max_positions),
@@ -112,6 +116,16 @@ class ModelConfig:
             )
         except KeyError as missing:
             raise ModelLoadError(f"the model's config lacks the field {missing}") from None
+
+
+def classifier_labels(hf: dict[str, Any]) -> int:
+    """How many labels a sequence-classification checkpoint (`...ForSequenceClassification` in its
+    architectures) scores, as transformers counts them (id2label, else num_labels, else 2); 0 for any
+    other model."""
+    if not any(str(name).endswith("ForSequenceClassification") for name in hf.get("architectures") or ()):
+        return 0
+    labels = hf.get("id2label")
+    return len(labels) if isinstance(labels, dict) and labels else int(hf.get("num_labels", 2))
 
 
 def sliding_windows(hf: dict[str, Any], max_positions: int) -> list[int | None]:

@@ -24,6 +24,9 @@ MAX_CACHE_PINS = 8
 # How a prompt's final hidden states become one vector: its last token's row, the mean of all its
 # rows, or its first token's row (CLS)
 POOLING_METHODS = ("last", "mean", "cls")
+# A classifier's reading of a prompt (a cross-encoder's pair): its last token's row through the
+# model's classification head, one logit per label
+CLASSIFY = "classify"
 MAX_PIN_TTL_S = 24 * 3600.0
 
 
@@ -62,8 +65,8 @@ class SamplingParams:
     priority: int = 0  # 0: foreground; above 0: background work that yields to lower values (engine.scheduler)
     cache_pins: list[CachePin] = field(default_factory=list)
     draft: bool = True  # False: never speculated (the serial reference a drafted reply must equal)
-    # with max_tokens 0: the prompt's final hidden states pooled this way (POOLING_METHODS) into the
-    # final output's `pooled` vector
+    # with max_tokens 0: the prompt's final hidden states pooled this way (POOLING_METHODS, or
+    # CLASSIFY on a classifier) into the final output's `pooled` vector
     pooling: str | None = None
 
     def __post_init__(self) -> None:
@@ -101,8 +104,9 @@ class SamplingParams:
             raise InvalidRequest("draft must be true or false", param="draft")
         _check_cache_pins(self.cache_pins)
         if self.pooling is not None:
-            if self.pooling not in POOLING_METHODS:
-                raise InvalidRequest(f"pooling must be one of {', '.join(POOLING_METHODS)}", param="pooling")
+            if self.pooling not in POOLING_METHODS + (CLASSIFY,):
+                raise InvalidRequest(f"pooling must be one of {', '.join(POOLING_METHODS + (CLASSIFY,))}",
+                                     param="pooling")
             if self.max_tokens != 0:
                 raise InvalidRequest("pooling runs the prompt only: max_tokens must be 0", param="max_tokens")
         if self.logit_bias is not None:

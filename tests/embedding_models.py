@@ -1,12 +1,16 @@
-"""Tiny random embedding models saved as sentence-transformers folders (no network), shared by the
-engine and HTTP tests of embeddings."""
+"""Tiny random embedding and reranking models (no network), shared by the engine and HTTP tests of
+embeddings: sentence-transformers folders, cross-encoders with a classification head, and yes/no
+rerankers whose tokenizer holds "yes" and "no"."""
 
 from __future__ import annotations
 
 import json
 import pathlib
 
-from model_stores import tiny_hf_folder
+import torch
+
+from model_stores import TINY_GENERATION_CONFIG, tiny_hf_folder, tiny_tokenizer
+from unit.gguf_models import TINY, tiny_model
 
 ST_POOLING_MODES = {"last": "lasttoken", "mean": "mean", "cls": "cls"}
 
@@ -44,3 +48,47 @@ def sentence_transformer(folder: pathlib.Path):
     model = SentenceTransformer(str(folder), device="cpu")
     model.tokenizer.pad_token = model.tokenizer.eos_token
     return model
+
+
+YES_NO_MERGES = (("y", "e"), ("ye", "s"), ("n", "o"))  # "yes" and "no" become tokens of their own
+# a cross-encoder's pair template, as BERT-style tokenizers write one: a separator between the texts
+# and an end token after them (the tiny tokenizer's own template adds nothing)
+PAIR_TEMPLATE = {"single": "$A <|endoftext|>", "pair": "$A <|im_end|> $B <|endoftext|>"}
+
+
+def cross_encoder_folder(parent: pathlib.Path, model_type: str = "qwen3", num_labels: int = 1) -> pathlib.Path:
+    """A tiny random `<Arch>ForSequenceClassification` folder (every parameter random, the score
+    head included) whose tokenizer encodes a pair with a separator between the texts and has no
+    chat template."""
+    import transformers
+    from tokenizers.processors import TemplateProcessing
+
+    classes = {"llama": (transformers.LlamaConfig, transformers.LlamaForSequenceClassification),
+               "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForSequenceClassification),
+               "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForSequenceClassification)}
+    config_class, model_class = classes[model_type]
+    torch.manual_seed(0)
+    model = model_class(config_class(**TINY, num_labels=num_labels, tie_word_embeddings=False))
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.normal_(0.0, 0.5)
+    folder = parent / f"tiny-{model_type}-cross-encoder"
+    model.save_pretrained(folder)
+    tokenizer = tiny_tokenizer(model.config.vocab_size)
+    specials = [(token, tokenizer.hf.convert_tokens_to_ids(token)) for token in ("<|im_end|>", "<|endoftext|>")]
+    tokenizer.hf.backend_tokenizer.post_processor = TemplateProcessing(**PAIR_TEMPLATE, special_tokens=specials)
+    # no chat template, as a cross-encoder's tokenizer has none (sentence-transformers would write a
+    # pair as chat messages through one)
+    tokenizer.hf.chat_template = None
+    tokenizer.save(folder)
+    return folder
+
+
+def yes_no_reranker_folder(parent: pathlib.Path) -> pathlib.Path:
+    """A tiny random Qwen3 causal LM whose tokenizer has "yes" and "no" as tokens of their own."""
+    model = tiny_model("qwen3", tie_word_embeddings=False)
+    folder = parent / "tiny-qwen3-yes-no"
+    model.save_pretrained(folder)
+    tiny_tokenizer(model.config.vocab_size, YES_NO_MERGES).save(folder)
+    (folder / "generation_config.json").write_text(json.dumps(TINY_GENERATION_CONFIG))
+    return folder

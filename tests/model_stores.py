@@ -13,10 +13,10 @@ from unit.gguf_models import tiny_model
 TINY_GENERATION_CONFIG = {"eos_token_id": [2, 0], "temperature": 0.7, "top_p": 0.9}
 
 
-def tiny_tokenizer(vocab_size: int):
+def tiny_tokenizer(vocab_size: int, extra_merges: tuple[tuple[str, str], ...] = ()):
     from ember.tokenization.tokenizer import Tokenizer
 
-    tokens, types, merges = byte_level_vocab(vocab_size)
+    tokens, types, merges = byte_level_vocab(vocab_size, extra_merges)
     return Tokenizer.from_gguf_metadata({
         "tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "default",
         "tokenizer.ggml.tokens": tokens, "tokenizer.ggml.token_type": types,

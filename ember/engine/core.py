@@ -29,7 +29,7 @@ from ember.engine.spec.speculator import Proposer, build_speculator
 from ember.engine.stats import EngineCounters, EngineStats
 from ember.errors import InvalidRequest
 from ember.media.processing import ImageProcessing, source_image_processing
-from ember.types import FinishReason, SamplingParams, StepOutput, TokenConstraint
+from ember.types import CLASSIFY, FinishReason, SamplingParams, StepOutput, TokenConstraint
 
 logger = logging.getLogger("ember.engine")
 
@@ -155,6 +155,7 @@ class EngineCore:
         if any(not 0 <= t < vocab for t in prompt_token_ids):
             raise InvalidRequest(f"the prompt holds a token id outside the vocabulary (0..{vocab - 1})",
                                  param="prompt")
+        self._check_head(params)
         max_tokens = self.resolve_max_tokens(len(prompt_token_ids), params.max_tokens)
         params = params.seeded(self.config.seed)
         request = Request(request_id, list(prompt_token_ids), params, max_tokens=max_tokens,
@@ -165,6 +166,17 @@ class EngineCore:
             self.images.add(request)
         if report_progress:  # opt-in: an empty output after each prefill chunk, with num_computed_prompt_tokens
             self._progress_ids.add(request_id)
+
+    def _check_head(self, params: SamplingParams) -> None:
+        """A classifier's head scores prompts (CLASSIFY) and has no vocabulary to generate from; only
+        a classifier has a head to classify with."""
+        classifier = self.model_config.num_labels > 0
+        if classifier and params.pooling is None:
+            raise InvalidRequest("this model is a classifier (a sequence-classification checkpoint): it scores "
+                                 f"prompts (pooling {CLASSIFY!r}) and does not generate", param="pooling")
+        if params.pooling == CLASSIFY and not classifier:
+            raise InvalidRequest(f"pooling {CLASSIFY!r} needs a model with a classification head "
+                                 "(a ...ForSequenceClassification checkpoint)", param="pooling")
 
     def abort(self, request_ids: list[str]) -> list[StepOutput]:
         """Abort live requests (unknown ids are ignored); returns a final output for each aborted one."""

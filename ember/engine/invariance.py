@@ -11,7 +11,8 @@ loading, the engine checks it on its real layers, in two probes.
 2. The engine. A few short requests of random tokens, greedy and seeded, run alone and then
    together: beside a copy of themselves, beside shorter and longer partners, with a partner
    that finishes early, and with one request joining while another decodes (a step mixing
-   prefill and decode). Their log probabilities must be equal bit for bit.
+   prefill and decode). Their log probabilities must be equal bit for bit. A classifier's
+   requests score their prompts instead (types.CLASSIFY), and their scores must be.
 
 If the engine probe fails under the plan the first probe chose, the strictest plan (every call
 one fixed tile) is tried before the promise is withdrawn. The report says what was found; the
@@ -27,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from ember.models.layers import WHOLE_BATCH, Linear, RowPlan, linear, set_row_plan
-from ember.types import SamplingParams
+from ember.types import CLASSIFY, SamplingParams
 
 logger = logging.getLogger("ember.engine")
 
@@ -176,6 +177,8 @@ def engine_probe(core) -> str | None:
     greedy = SamplingParams(temperature=0.0, max_tokens=3, logprobs=0, ignore_eos=True)
     seeded = SamplingParams(temperature=1.0, top_p=0.9, seed=11, max_tokens=3, logprobs=0, ignore_eos=True)
     early = SamplingParams(temperature=0.0, max_tokens=1, logprobs=0, ignore_eos=True)
+    if core.model_config.num_labels:  # a classifier generates nothing: its probes read their scores
+        greedy = seeded = early = SamplingParams(max_tokens=0, pooling=CLASSIFY)
     params = [greedy, seeded, greedy][: len(prompts)]
     runs = _Runs(core)
     try:
@@ -221,7 +224,7 @@ class _Runs:
             for out in core.step():
                 tokens, logprobs = results[out.request_id]
                 tokens += out.new_token_ids
-                logprobs += [lp.logprob for lp in out.logprobs or ()]
+                logprobs += [lp.logprob for lp in out.logprobs or ()] + (out.pooled or [])
             step += 1
         return [results[i] for i in ids]
 

@@ -7,21 +7,31 @@ sum of the chunk's rows for a mean. The core adds the parts up across chunks (`P
 puts the vector in the request's final output. A mean sums in float64, so that how the prompt was cut
 into chunks (which depends on its neighbours) leaves the float32 result's bits alone.
 
+A classifier's reading (CLASSIFY) is the last row through the model's head (its compute_logits: a
+score head, one logit per label), applied here in the worker so the hidden row never leaves it; the
+rows of a step's classifying items go through the head in one call, whose bits the batch-invariance
+row plan keeps (as it keeps the sampled rows' logits).
+
 Mean and first-row pooling need every prompt row computed, so such requests take no prefix-cache
 hits (Request.computes_whole_prompt); their blocks are cached when freed like any others.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
+from ember.types import CLASSIFY
 
-def step_parts(hidden: torch.Tensor, items: Sequence) -> dict[int, torch.Tensor]:
-    """hidden: (T, hidden) of the step's rows, the items' tokens one after another. Returns, by
-    item index, each pooling item's part of its vector this step (float64 (hidden,)), where it has one."""
+
+def step_parts(hidden: torch.Tensor, items: Sequence,
+               head: Callable[[torch.Tensor], torch.Tensor]) -> dict[int, torch.Tensor]:
+    """hidden: (T, hidden) of the step's rows, the items' tokens one after another; head: the
+    model's compute_logits. Returns, by item index, each pooling item's part of its vector this step
+    (float64: (hidden,), or (num_labels,) for CLASSIFY), where it has one."""
     parts: dict[int, torch.Tensor] = {}
+    classified: dict[int, int] = {}  # item index -> its last row, read through the head
     begin = 0
     for index, item in enumerate(items):
         count = len(item.token_ids)
@@ -31,7 +41,12 @@ def step_parts(hidden: torch.Tensor, items: Sequence) -> dict[int, torch.Tensor]
             parts[index] = hidden[begin].double()
         elif item.pooling == "last" and item.ends_prompt:
             parts[index] = hidden[begin + count - 1].double()
+        elif item.pooling == CLASSIFY and item.ends_prompt:
+            classified[index] = begin + count - 1
         begin += count
+    if classified:
+        logits = head(hidden[torch.tensor(list(classified.values()), device=hidden.device)])
+        parts.update({index: row.double() for index, row in zip(classified, logits)})
     return parts
 
 

@@ -97,7 +97,7 @@ class ModelRunner:
             hidden = self.model(input_ids, positions, attn)
         else:
             hidden = self.model(input_ids, positions, attn, embeds=embeds)
-        parts = step_parts(hidden, items) if any(item.pooling for item in items) else {}
+        parts = step_parts(hidden, items, self.model.compute_logits) if any(item.pooling for item in items) else {}
         if not sample_rows:
             return None, parts
         return self.model.compute_logits(hidden[torch.tensor(sample_rows, device=self.device)]), parts

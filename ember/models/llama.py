@@ -138,21 +138,29 @@ class Model(nn.Module):
         super().__init__()
         self.config = config
         self.model = Decoder(config, self.attention_class, self.mlp_builder, self.rotary_dim(config))
-        self.lm_head = (self.model.embed_tokens if config.tie_word_embeddings
-                        else Linear(config.hidden_size, config.vocab_size))
+        if config.num_labels:  # a classifier: its score head (checkpoint "score.") is the model's head
+            self.lm_head = Linear(config.hidden_size, config.num_labels)
+            self.lm_head.keep_float = True  # a handful of rows, and rounding them would move every score
+        else:
+            self.lm_head = (self.model.embed_tokens if config.tie_word_embeddings
+                            else Linear(config.hidden_size, config.vocab_size))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: Any) -> torch.Tensor:
         """input_ids, positions: (T,) flattened over sequences -> (T, hidden) after the final norm."""
         return self.model(input_ids, positions, attn)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        """(N, hidden) -> (N, vocab) float32; the matmul runs in the weights' dtype. Under tensor
+        """(N, hidden) -> (N, vocab) float32, (N, num_labels) for a classifier; the matmul runs in the
+        weights' dtype. Under tensor
         parallelism each rank computes its vocabulary rows' logits, gathered on rank 0 (None on
         the others)."""
         logits = linear(hidden, self.lm_head.weights, self.lm_head.rows).float()
         return logits if self.parallel is None else self.parallel.gather_logits(logits)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Hugging Face names; a tied head ignores any lm_head.weight the checkpoint also has."""
-        skip = HARMLESS + (("lm_head.weight",) if self.config.tie_word_embeddings else ())
-        load_checkpoint(self, weights, FUSED, skip)
+        """Hugging Face names; a tied head ignores any lm_head.weight the checkpoint also has, and a
+        classifier's score.weight loads into its head."""
+        if self.config.num_labels:
+            weights = (("lm_head.weight" if name == "score.weight" else name, tensor) for name, tensor in weights)
+        tied = self.config.tie_word_embeddings and not self.config.num_labels
+        load_checkpoint(self, weights, FUSED, HARMLESS + (("lm_head.weight",) if tied else ()))

@@ -100,6 +100,9 @@ def plan_shards(config: ModelConfig, world: int) -> list[ShardPlan]:
     if config.model_type not in SHARDABLE:
         raise ModelLoadError(f"tensor parallelism supports the architectures {', '.join(SHARDABLE)}, "
                              f"not {config.model_type!r}", param="tensor_parallel_size")
+    if config.num_labels:
+        raise ModelLoadError("tensor parallelism splits an LM head by vocabulary and has no rule for a "
+                             "classifier's score head: serve it on one rank", param="tensor_parallel_size")
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
     if world > heads:
         raise ModelLoadError(f"tensor_parallel_size {world} is more than the model's {heads} attention heads",

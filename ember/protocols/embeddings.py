@@ -6,7 +6,9 @@ MAX_INPUTS), `model`, `encoding_format` (float or base64: little-endian float32)
 first N values, scaled to unit length again), `user` (taken, unused), and ember's
 `truncate_prompt_tokens` (keep only an input's last N tokens) and `prompt_name` (one of the model's
 sentence-transformers prompts, prefixed to every text input; default: the model's default prompt).
-An input longer than the context window is a 400 naming its index, unless truncated.
+A model's max_seq_length (sentence_bert_config.json) cuts every input to its first tokens, as
+sentence-transformers does. An input still longer than the context window is a 400 naming its
+index, unless truncated.
 """
 
 from __future__ import annotations
@@ -53,13 +55,17 @@ def pooling_params(task: ServingTask) -> SamplingParams:
 
 
 def pooling_run(value: str | list[int], task: ServingTask, param: str, *, prompt: str = "",
-                keep_last_tokens: int | None = None, keep_first_tokens: int | None = None) -> PromptRun:
-    """One input as a pooling request: text after the instruction `prompt`, or token ids as they are."""
+                keep_last_tokens: int | None = None, max_length: int | None = None) -> PromptRun:
+    """One input as a pooling request: text after the instruction `prompt`, or token ids as they are.
+    The model's max_seq_length (and `max_length`, where smaller) cuts it first, as sentence-transformers
+    does (its first tokens kept, and a text's special tokens); then `keep_last_tokens` keeps the last
+    of those."""
+    limit = min((n for n in (task.pooling.max_input_tokens, max_length) if n), default=None)
     if isinstance(value, str):
-        text = TextPrompt(prompt + value, add_special_tokens=True, keep_last_tokens=keep_last_tokens,
-                          keep_first_tokens=keep_first_tokens)
+        text = TextPrompt(prompt + value, add_special_tokens=True, keep_last_tokens=keep_last_tokens, max_length=limit)
         return PromptRun(text, pooling_params(task), param)
-    ids = value[-keep_last_tokens:] if keep_last_tokens else value
+    ids = value[:limit] if limit else value
+    ids = ids[-keep_last_tokens:] if keep_last_tokens else ids
     return PromptRun(TokenPrompt(list(ids)), pooling_params(task), param)
 
 
@@ -89,7 +95,7 @@ def parse_embeddings(body: Any, model: ModelInfo) -> GenerationRequest:
                         prompt=prompt, keep_last_tokens=keep) for i, value in enumerate(inputs)]
     options = EmbeddingOptions(encoding, VectorShape(task.pooling.normalize, dimensions))
     return GenerationRequest(runs[0].prompt, runs[0].params, prompt_param=runs[0].prompt_param, batch=runs,
-                             dialect_options=options)
+                             dialect_options=options, total_tokens_param="input")
 
 
 def _read_inputs(value: Any, vocab_size: int) -> list[str | list[int]]:

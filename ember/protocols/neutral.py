@@ -61,7 +61,9 @@ class TextPrompt:
     images: list[Any] = field(default_factory=list)
     media: list[PromptImage] = field(default_factory=list)
     keep_last_tokens: int | None = None  # only this many of its tokens, the last ones (truncate_prompt_tokens)
-    keep_first_tokens: int | None = None  # only this many of its tokens, the first ones (Ollama's truncate)
+    text_pair: str | None = None  # a second text, encoded with `text` as the tokenizer's pair (cross-encoders)
+    # at most this many tokens, its first ones, special tokens kept (an embedding model's max_seq_length)
+    max_length: int | None = None
 
 
 @dataclass(slots=True)
@@ -76,6 +78,9 @@ Prompt = Union[ChatPrompt, TextPrompt, TokenPrompt]
 WEIGHT_VERSION = "default"
 
 DEFAULT_MAX_MESSAGES = 256  # messages one request may carry unless --max-messages says otherwise
+# prompt tokens of one embeddings, rerank or score request, all its inputs together, unless
+# --max-total-input-tokens says otherwise (2048 inputs of 128 tokens)
+DEFAULT_MAX_TOTAL_INPUT_TOKENS = 262144
 
 
 @dataclass(slots=True)
@@ -98,6 +103,7 @@ class ModelInfo:
     single_token_id: Callable[[str], int | None] = lambda text: None
     image_marker: str | None = None  # what stands for an image in a text prompt; None: the model reads no images
     max_messages: int | None = DEFAULT_MAX_MESSAGES  # messages (Responses: input items) a request may carry
+    max_total_input_tokens: int | None = DEFAULT_MAX_TOTAL_INPUT_TOKENS  # see check_total_input_tokens
     task: ServingTask = ServingTask(GENERATE)  # generating, embeddings or reranking (loaders.serving_task)
 
     def check_message_count(self, count: int, param: str) -> None:
@@ -105,6 +111,15 @@ class ModelInfo:
         if self.max_messages is not None and count > self.max_messages:
             raise InvalidRequest(f"{param} holds {count} entries; this server takes at most {self.max_messages} "
                                  "(--max-messages)", param=param, code="too_many_messages")
+
+    def check_total_input_tokens(self, prompts: list[list[int]], param: str) -> None:
+        """The inputs of an embeddings, rerank or score request, encoded, hold at most
+        --max-total-input-tokens together; else a 400 naming the field that holds them."""
+        total = sum(len(ids) for ids in prompts)
+        if self.max_total_input_tokens is not None and total > self.max_total_input_tokens:
+            raise InvalidRequest(f"{param} holds {total} tokens in all; this server takes at most "
+                                 f"{self.max_total_input_tokens} in one request (--max-total-input-tokens)",
+                                 param=param, code="too_many_tokens")
 
     def sampling_defaults_for(self, thinking: bool | None) -> dict[str, Any]:
         """The defaults of a turn whose thinking is settled on or off; None (not settled: the
@@ -149,6 +164,8 @@ class GenerationRequest:
     # several prompts run together, one choice each (n is 1; prompt and params are the first's)
     batch: list[PromptRun] | None = None
     dialect_options: Any = None  # what only the dialect's own renderer reads
+    # a batch of inputs capped together (ModelInfo.check_total_input_tokens): the field that holds them
+    total_tokens_param: str | None = None
     session: str | None = None  # the client's session key (prompt_cache_key), as sent
 
     def prompt_runs(self) -> list[PromptRun]:
@@ -192,10 +209,9 @@ def encode_prompt(prompt: Prompt, tokenizer, tool_format=None, vision: ImageProc
         return list(prompt.token_ids)
     if isinstance(prompt, TextPrompt):
         if not prompt.images:
-            ids = tokenizer.encode(prompt.text, add_special_tokens=prompt.add_special_tokens)
-            if prompt.keep_last_tokens:
-                ids = ids[-prompt.keep_last_tokens:]
-            return ids[:prompt.keep_first_tokens] if prompt.keep_first_tokens else ids
+            ids = tokenizer.encode(prompt.text, add_special_tokens=prompt.add_special_tokens, pair=prompt.text_pair,
+                                   max_length=prompt.max_length)
+            return ids[-prompt.keep_last_tokens:] if prompt.keep_last_tokens else ids
         ids, prompt.media = lay_out_images(prompt.text, prompt.images, vision, lambda text: tokenizer.encode(
             text, add_special_tokens=prompt.add_special_tokens), "text")
         return ids

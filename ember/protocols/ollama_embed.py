@@ -78,7 +78,7 @@ def _request(f: Fields, model: ModelInfo, texts: list[str], param: str | None, k
     read_keep_alive(f)
     task = model.task
     runs = [pooling_run(text, task, param or f"input[{i}]", prompt=task.pooling.default_prompt,
-                        keep_first_tokens=keep_first) for i, text in enumerate(texts)]
+                        max_length=keep_first) for i, text in enumerate(texts)]
     return GenerationRequest(runs[0].prompt, runs[0].params, prompt_param=runs[0].prompt_param, batch=runs,
                              dialect_options=reply)
 

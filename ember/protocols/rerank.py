@@ -2,6 +2,10 @@
 `POST /v1/score` (vLLM's `text_1` / `text_2`): how relevant each document is to a query.
 
 How a pair is scored is the served model's (loaders.serving_task):
+- a cross-encoder (a classification head of one label): the tokenizer's pair encoding of (query,
+  document), as transformers and sentence-transformers encode a pair, read through the head at the
+  last token in the engine (types.CLASSIFY); the relevance is the sigmoid of that logit, as
+  sentence-transformers' CrossEncoder reports it by default;
 - a yes/no reranker (Qwen3-Reranker): the prompt its model card documents, one prompt-only
   reading per pair, and the relevance is the probability of "yes" in a softmax over the logits of
   "yes" and "no" at the last position (the log-probability path /v1/systemone reads);
@@ -14,17 +18,16 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from ember.errors import EmberError, InvalidRequest
+from ember.errors import InvalidRequest
 from ember.loaders.serving_task import EMBED, RERANK, ServingTask
-from ember.protocols.embeddings import pooling_run, vector_of
+from ember.protocols.embeddings import NeverStreamed, pooling_run, vector_of
 from ember.protocols.errors import OPENAI_ERRORS, GenerationFailed
 from ember.protocols.fields import Fields, json_type
 from ember.protocols.neutral import (ChoiceResult, Dialect, GenerationRequest, ModelInfo, PromptRun, ResponseMeta,
                                      RunResult, TextPrompt)
 from ember.protocols.openai_common import check_model
-from ember.protocols.sse import ServerEvent
 from ember.protocols.systemone import label_probabilities
-from ember.types import GenerationOutput, SamplingParams
+from ember.types import CLASSIFY, SamplingParams
 
 MAX_DOCUMENTS = 1024
 DEFAULT_INSTRUCTION = "Given a web search query, retrieve relevant passages that answer the query"
@@ -40,12 +43,22 @@ def rerank_prompt(query: str, document: str, instruction: str = DEFAULT_INSTRUCT
     return f"{_RERANK_PREFIX}<Instruct>: {instruction}\n<Query>: {query}\n<Document>: {document}{_RERANK_SUFFIX}"
 
 
+# How a pair's relevance is read: the head's logit, the yes/no reading, or two vectors compared
+HEAD, YES_NO, COSINE = "head", "yes_no", "cosine"
+
+
+def pair_reading(task: ServingTask) -> str:
+    if task.kind == EMBED:
+        return COSINE
+    return HEAD if task.cross_encoder else YES_NO
+
+
 @dataclass(frozen=True, slots=True)
 class Pairs:
     """What the renderer needs: the pairs' (query index, document index) by run, the documents'
     texts, and how the runs score (a reading per pair, or vectors compared)."""
 
-    kind: str  # RERANK: run i scores pair i; EMBED: runs are the queries' then the documents' vectors
+    reading: str  # HEAD, YES_NO: run i scores pair i; COSINE: runs are the queries' then the documents' vectors
     pairs: list[tuple[int, int]]
     num_queries: int
     documents: list[str]
@@ -55,16 +68,21 @@ class Pairs:
 
 def _runs(task: ServingTask, queries: list[str], documents: list[str], pairs: list[tuple[int, int]],
           instruction: str | None, keep: int | None, doc_param: str) -> list[PromptRun]:
-    if task.kind == RERANK:
+    reading = pair_reading(task)
+    if reading != YES_NO and instruction is not None:
+        raise InvalidRequest("instruction is read by yes/no rerankers only; this server scores by "
+                             + ("its classification head" if reading == HEAD else "embeddings"), param="instruction")
+    if reading == HEAD:
+        params = SamplingParams(max_tokens=0, pooling=CLASSIFY)
+        return [PromptRun(TextPrompt(queries[q], text_pair=documents[d], keep_last_tokens=keep), params,
+                          f"{doc_param}[{d}]") for q, d in pairs]
+    if reading == YES_NO:
         yes, no = task.label_token_ids
         params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, logprobs=0,
                                 logprob_token_ids=[yes, no])
         return [PromptRun(TextPrompt(rerank_prompt(queries[q], documents[d], instruction or DEFAULT_INSTRUCTION),
                                      add_special_tokens=False, keep_last_tokens=keep),
                           params, f"{doc_param}[{d}]") for q, d in pairs]
-    if instruction is not None:
-        raise InvalidRequest("instruction is read by yes/no rerankers only; this server scores by embeddings",
-                             param="instruction")
     prompt = task.pooling.default_prompt
     return ([pooling_run(q, task, "query", prompt=prompt, keep_last_tokens=keep) for q in queries]
             + [pooling_run(d, task, f"{doc_param}[{i}]", prompt=prompt, keep_last_tokens=keep)
@@ -75,9 +93,9 @@ def _request(task: ServingTask, queries: list[str], documents: list[str], pairs:
              f: Fields, doc_param: str, **options) -> GenerationRequest:
     runs = _runs(task, queries, documents, pairs, f.string("instruction"),
                  f.integer("truncate_prompt_tokens", low=1), doc_param)
-    scoring = Pairs(task.kind, pairs, len(queries), documents, **options)
+    scoring = Pairs(pair_reading(task), pairs, len(queries), documents, **options)
     return GenerationRequest(runs[0].prompt, runs[0].params, prompt_param=runs[0].prompt_param, batch=runs,
-                             dialect_options=scoring)
+                             dialect_options=scoring, total_tokens_param=doc_param)
 
 
 def _refuse_unknown(f: Fields, known: tuple[str, ...], route: str) -> None:
@@ -142,9 +160,18 @@ def cosine(a: list[float], b: list[float]) -> float:
     return math.fsum(x * y for x, y in zip(a, b)) / norms if norms > 0 else 0.0
 
 
+def sigmoid(x: float) -> float:
+    if x >= 0:
+        return 1.0 / (1.0 + math.exp(-x))
+    e = math.exp(x)  # no overflow for a large negative logit
+    return e / (1.0 + e)
+
+
 def pair_scores(scoring: Pairs, choices: list[ChoiceResult]) -> list[float]:
     """Each pair's relevance, in pair order."""
-    if scoring.kind == RERANK:
+    if scoring.reading == HEAD:
+        return [sigmoid(vector_of(choice)[0]) for choice in choices]
+    if scoring.reading == YES_NO:
         scores = []
         for choice in choices:
             if not choice.logprobs:
@@ -156,21 +183,7 @@ def pair_scores(scoring: Pairs, choices: list[ChoiceResult]) -> list[float]:
     return [cosine(queries[q], documents[d]) for q, d in scoring.pairs]
 
 
-class _NeverStreamed:
-    def stream_start(self) -> list[ServerEvent]:
-        return []
-
-    def stream_output(self, choice: ChoiceResult, output: GenerationOutput) -> list[ServerEvent]:
-        return []
-
-    def stream_end(self) -> list[ServerEvent]:
-        return []
-
-    def stream_error(self, error: EmberError) -> list[ServerEvent]:
-        return []
-
-
-class RerankRenderer(_NeverStreamed):
+class RerankRenderer(NeverStreamed):
     def __init__(self, request: GenerationRequest, result: RunResult, meta: ResponseMeta) -> None:
         self.scoring: Pairs = request.dialect_options
         self.result = result
@@ -190,7 +203,7 @@ class RerankRenderer(_NeverStreamed):
                 "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
 
 
-class ScoreRenderer(_NeverStreamed):
+class ScoreRenderer(NeverStreamed):
     def __init__(self, request: GenerationRequest, result: RunResult, meta: ResponseMeta) -> None:
         self.scoring: Pairs = request.dialect_options
         self.result = result

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from ember.config import EngineConfig
 from ember.media.limits import MediaLimits
 from ember.media.sources import ImageFetching
-from ember.protocols.neutral import DEFAULT_MAX_MESSAGES
+from ember.protocols.neutral import DEFAULT_MAX_MESSAGES, DEFAULT_MAX_TOTAL_INPUT_TOKENS
 
 
 @dataclass(slots=True)
@@ -31,6 +31,8 @@ class ServerConfig:
     allowed_hosts: list[str] = field(default_factory=list)  # host names requests may use besides the address
     default_max_tokens: int | None = None
     max_messages: int | None = DEFAULT_MAX_MESSAGES  # messages per request; None: no cap
+    # prompt tokens of one embeddings, rerank or score request, its inputs together; None: no cap
+    max_total_input_tokens: int | None = DEFAULT_MAX_TOTAL_INPUT_TOKENS
     chat_template: str | None = None  # template text replacing the model's own
     embeddings: bool = False  # serve the model for embeddings (loaders.serving_task)
     rerank: bool = False  # serve the model as a yes/no reranker (loaders.serving_task)
@@ -76,6 +78,8 @@ class ServerConfig:
             raise ValueError("the request size limit must be positive")
         if self.max_messages is not None and self.max_messages < 1:
             raise ValueError(f"--max-messages must be at least 1 (0: no cap), got {self.max_messages}")
+        if self.max_total_input_tokens is not None and self.max_total_input_tokens < 1:
+            raise ValueError(f"--max-total-input-tokens must be at least 1 (0: no cap), got {self.max_total_input_tokens}")
         if self.default_max_tokens is not None and self.default_max_tokens < 1:
             raise ValueError(f"default_max_tokens must be positive, got {self.default_max_tokens}")
         if self.default_thinking_budget is not None and self.default_thinking_budget < 1:

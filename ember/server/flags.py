@@ -20,7 +20,7 @@ from ember.media.limits import (DEFAULT_MAX_IMAGE_MB, DEFAULT_MAX_IMAGE_SIDE, DE
                                 MediaLimits)
 from ember.media.sources import DEFAULT_FETCH_TIMEOUT_S, ImageFetching
 from ember.parsers import REASONING_PARSERS, TOOL_PARSERS
-from ember.protocols.neutral import DEFAULT_MAX_MESSAGES
+from ember.protocols.neutral import DEFAULT_MAX_MESSAGES, DEFAULT_MAX_TOTAL_INPUT_TOKENS
 from ember.server.config import ServerConfig, is_loopback
 from ember.server.keys import read_key_file
 from ember.server.request_log import REDACTED
@@ -99,8 +99,8 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                             "with a pooling type is served this way without the flag")
     model.add_argument("--rerank", action="store_true",
                        help="serve a Qwen3-Reranker-style model for /v1/rerank and /v1/score (the probability of "
-                            "'yes' as the next token); a folder whose name holds 'reranker' is served this way "
-                            "without the flag")
+                            "'yes' as the next token); a folder whose name holds 'reranker', or a cross-encoder "
+                            "with a classification head, is served for reranking without the flag")
     model.add_argument("--pooling", default=None, choices=list(POOLING_METHODS),
                        help="with --embeddings: how a prompt becomes a vector (last token, mean, first token); "
                             "default: the model's own pooling, else last")
@@ -229,6 +229,9 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     engine.add_argument("--max-messages", type=int, default=DEFAULT_MAX_MESSAGES,
                         help=f"messages (Responses: input items) one request may carry; 0: no cap "
                              f"(default {DEFAULT_MAX_MESSAGES}); long agent sessions may need more")
+    engine.add_argument("--max-total-input-tokens", type=int, default=DEFAULT_MAX_TOTAL_INPUT_TOKENS,
+                        help="prompt tokens one /v1/embeddings, /v1/rerank or /v1/score request may hold, all its "
+                             f"inputs together; 0: no cap (default {DEFAULT_MAX_TOTAL_INPUT_TOKENS})")
     engine.add_argument("--default-max-tokens", type=int, default=None,
                         help="output limit for requests that set no max_tokens (default: the rest of the window)")
     engine.add_argument("--no-engine-worker", action="store_true",
@@ -358,7 +361,8 @@ def build_config(args: argparse.Namespace, environ=os.environ) -> ServerConfig:
         max_pending_per_tenant=args.max_pending_per_tenant, max_pending=args.max_pending,
         pending_timeout=args.pending_timeout, max_request_bytes=max(1, int(args.max_request_mb * (1 << 20))),
         cors_origins=origins, allowed_hosts=_split(args.allowed_hosts), default_max_tokens=args.default_max_tokens,
-        max_messages=args.max_messages or None, chat_template=chat_template, sse_keepalive=args.sse_keepalive, request_log=args.request_log,
+        max_messages=args.max_messages or None, max_total_input_tokens=args.max_total_input_tokens or None,
+        chat_template=chat_template, sse_keepalive=args.sse_keepalive, request_log=args.request_log,
         reasoning_parser=args.reasoning_parser, tool_call_parser=args.tool_call_parser, default_thinking_budget=args.default_thinking_budget,
         log_stats_interval=args.log_stats_interval, response_store_max_records=args.response_store_max_records,
         response_store_max_mb=args.response_store_max_mb, reasoning_key_file=args.reasoning_key_file, ui=args.ui,

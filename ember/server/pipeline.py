@@ -134,6 +134,8 @@ async def serve_generation(request: Request, dialect: Dialect) -> Response:
     record.prompt_tokens = sum(len(ids) for ids in prompts)
     fitted = [resolve_sampling(job, len(ids), state.model, run.params, run.prompt_param)
               for run, ids in zip(runs, prompts)]
+    if job.total_tokens_param is not None:  # after each input's own fit, which names its index
+        state.model.check_total_input_tokens(prompts, job.total_tokens_param)
     params, fit = fitted[0]
     if plan is not None:
         plan.check_budget_room(params.max_tokens)

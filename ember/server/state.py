@@ -199,7 +199,7 @@ class ServerState:
         self.model = ModelInfo(
             name=names[0], aliases=tuple(names[1:]), max_model_len=loaded.max_model_len,
             vocab_size=loaded.vocab_size, default_max_tokens=self.config.default_max_tokens,
-            max_messages=self.config.max_messages,
+            max_messages=self.config.max_messages, max_total_input_tokens=self.config.max_total_input_tokens,
             default_seed=self.config.engine.seed,
             kv_capacity_tokens=loaded.kv_capacity_tokens, sampling_defaults=loaded.sampling_defaults,
             mode_sampling_defaults=loaded.mode_sampling_defaults,

@@ -141,8 +141,21 @@ class Tokenizer:
         from ember.tokenization.chat_prompt import probe_template
         return probe_template(self)
 
-    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+    def encode(self, text: str, add_special_tokens: bool = False, pair: str | None = None,
+               max_length: int | None = None) -> list[int]:
+        """`pair`: a second text, encoded with `text` as the tokenizer's pair (a cross-encoder's input).
+        `max_length` (no pair): at most this many ids, the text's first ones cut to leave room for the
+        special tokens, which stay (transformers' truncation=True, as sentence-transformers applies
+        a model's max_seq_length)."""
+        if max_length is None:
+            return self._backend.encode(text, pair, add_special_tokens=add_special_tokens).ids
+        if pair is not None:
+            raise ValueError("max_length cuts a single text, not a pair")
+        encoding = self._backend.encode(text, add_special_tokens=False)
+        processor = self._backend.post_processor
+        specials = processor.num_special_tokens_to_add(False) if add_special_tokens and processor is not None else 0
+        encoding.truncate(max(max_length - specials, 0))
+        return self._backend.post_process(encoding, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)

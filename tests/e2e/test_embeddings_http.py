@@ -20,7 +20,7 @@ def embed_server(tmp_path_factory):
     folder = embedding_folder(tmp_path_factory.mktemp("embed"), "qwen3", "last",
                               prompts={"query": "Query: "}, default_prompt_name=None)
     process = ServerProcess(str(folder), "--dtype", "float32", "--quantization", "none", "--max-model-len", "128",
-                            "--max-num-seqs", "8").start()
+                            "--max-num-seqs", "8", "--max-total-input-tokens", "300").start()
     process.folder = folder
     yield process
     process.stop()
@@ -91,6 +91,16 @@ def test_embedding_refusals_name_their_field(embed_server, body, param):
     reply = httpx.post(embed_server.url + "/v1/embeddings", json=body)
     assert reply.status_code == 400, reply.text
     assert reply.json()["error"]["param"] == param
+
+
+def test_a_request_holds_at_most_max_total_input_tokens(embed_server):
+    fits = httpx.post(embed_server.url + "/v1/embeddings", json={"input": [[5] * 100] * 3})
+    assert fits.status_code == 200 and fits.json()["usage"]["prompt_tokens"] == 300
+    for route, body, param in (("/v1/embeddings", {"input": [[5] * 100] * 4}, "input"),
+                               ("/v1/score", {"text_1": "lamp", "text_2": ["x " * 40] * 8}, "text_2")):
+        reply = httpx.post(embed_server.url + route, json=body)
+        assert reply.status_code == 400, reply.text
+        assert reply.json()["error"]["param"] == param and reply.json()["error"]["code"] == "too_many_tokens"
 
 
 def test_truncation_only_when_asked(embed_server):

@@ -1,6 +1,7 @@
 """Pooling requests on tiny random Qwen3 and Llama embedding models, against sentence-transformers
 on the same folder in float32: the engine's vectors point the same way (cosine >= 0.99999), keep
-their bits alone and in a batch of mixed lengths, and leave no KV blocks behind."""
+their bits alone and in a batch of mixed lengths, and leave no KV blocks behind; a model's
+max_seq_length cuts its inputs as sentence-transformers cuts them."""
 
 import math
 
@@ -10,6 +11,10 @@ import torch
 from embedding_models import embedding_folder, sentence_transformer
 from ember.llm import LLM
 from ember.loaders.pooling_config import read_pooling_config
+from ember.loaders.serving_task import resolve_serving_task
+from ember.protocols.embeddings import pooling_run
+from ember.protocols.neutral import encode_prompt
+from ember.tokenization.tokenizer import Tokenizer
 from ember.types import SamplingParams
 
 TEXTS = ["The keeper lit the lamp at dusk.", "Ships", "A storm rolled in from the west and the waves rose high "
@@ -82,3 +87,28 @@ def test_pooling_beside_a_generating_request(case):
                                                       SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)])
     assert talking.pooled is None and len(talking.token_ids) == 3
     assert pooled.token_ids == [] and pooled.pooled == embed(llm, [TEXTS[0]], method)[0]
+
+
+def test_max_seq_length_cuts_inputs_as_sentence_transformers_does(tmp_path):
+    """sentence_bert_config.json's max_seq_length: a text keeps its first tokens (the tokenizer's
+    special tokens kept), as sentence-transformers cuts it; token ids keep their first ones."""
+    from tokenizers.processors import TemplateProcessing
+
+    folder = embedding_folder(tmp_path, "qwen3", "last", max_seq_length=12)
+    tokenizer = Tokenizer.from_pretrained_folder(folder)  # an end token after each text, as Qwen3-Embedding has
+    tokenizer.hf.backend_tokenizer.post_processor = TemplateProcessing(
+        single="$A <|endoftext|>", special_tokens=[("<|endoftext|>", tokenizer.hf.convert_tokens_to_ids("<|endoftext|>"))])
+    tokenizer.save(folder)
+    llm = LLM(str(folder), dtype="float32", quantization="none", max_model_len=256, kv_cache_tokens=4096)
+    task = resolve_serving_task(llm.source)
+    assert task.pooling.max_input_tokens == 12
+    reference = sentence_transformer(folder)
+    runs = [pooling_run(text, task, "input") for text in TEXTS]
+    prompts = [encode_prompt(run.prompt, llm.tokenizer) for run in runs]
+    assert prompts == [reference.tokenize([text])["input_ids"][0].tolist() for text in TEXTS]
+    assert len(prompts[2]) == 12 and prompts[2][-1] == prompts[1][-1]  # cut, its end token kept
+    ours = [o.pooled for o in llm.generate(prompts, [run.params for run in runs])]
+    for mine, theirs in zip(ours, reference.encode(TEXTS, batch_size=1)):
+        assert cosine(mine, theirs.tolist()) >= 0.99999
+    ids = pooling_run(list(range(3, 40)), task, "input").prompt.token_ids
+    assert ids == list(range(3, 15))

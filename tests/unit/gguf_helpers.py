@@ -58,16 +58,17 @@ def gguf_tensor_name(hf_name: str) -> str:
     return f"blk.{layer}.{_HF_TO_GGUF_LAYER['.'.join(rest)]}.{kind}"
 
 
-def byte_level_vocab(size: int) -> tuple[list[str], list[int], list[str]]:
+def byte_level_vocab(size: int, extra_merges: tuple[tuple[str, str], ...] = ()
+                     ) -> tuple[list[str], list[int], list[str]]:
     """A tiny GPT-2 style vocabulary of `size` tokens: specials, the 256 byte characters, then
-    merged tokens built from a few merges. Returns (tokens, token types, merges)."""
+    merged tokens built from a few merges and `extra_merges`. Returns (tokens, token types, merges)."""
     from ember.tokenization.vocab import byte_alphabet
     chars = list(byte_alphabet())
     tokens = SPECIAL_TOKENS + chars
     types = [3] * len(SPECIAL_TOKENS) + [1] * len(chars)
     merges: list[str] = []
     for left, right in [("Ġ", "t"), ("h", "e"), ("Ġt", "he"), ("i", "n"), ("Ġ", "a"), ("e", "r"),
-                        ("Ġ", "Ġ"), ("o", "n"), ("Ġ", "w")]:
+                        ("Ġ", "Ġ"), ("o", "n"), ("Ġ", "w"), *extra_merges]:
         if len(tokens) >= size:
             break
         merges.append(f"{left} {right}")
