@@ -9,10 +9,19 @@ import threading
 import pytest
 
 from ember.errors import EmberError, InvalidRequest
+from ember.parsers.events import ThinkMarkers
+from ember.parsers.hermes import HERMES
+from ember.protocols.chat_reply import ChatFeatures
+from ember.protocols.neutral import ModelInfo
+from ember.protocols.openai_responses import parse_responses
+from ember.protocols.reasoning_seal import ReasoningSeal
 from ember.server.response_store import MemoryResponseStore, StoredResponse, StoreUnavailable
+from ember.server.responses_routes import make_context
 from ember.server.sqlite_response_store import APPLICATION_ID, SqliteResponseStore
 
 A, B = "alpha", "beta"
+MODEL = ModelInfo(name="served", max_model_len=512, vocab_size=1000, chat=ChatFeatures(ThinkMarkers(), HERMES))
+SEAL = ReasoningSeal(b"k" * 32)
 
 
 def record(response_id: str, size: int = 10, text: str = "") -> StoredResponse:
@@ -69,6 +78,17 @@ def test_a_tenant_sees_only_its_own_records(make_store):
     assert store.get("mine", B) is None
     assert not store.delete("mine", B)
     assert store.get("mine", A) is not None and store.delete("mine", A)
+
+
+def test_a_tenants_requests_continue_only_its_own_responses(make_store):
+    store = make_store()
+    alpha, beta = make_context(store, SEAL, A), make_context(store, SEAL, B)
+    first = parse_responses({"input": "Hi"}, MODEL, alpha)
+    alpha.save({"id": "resp_1", **first.spec.echo}, first.spec, tuple(first.spec.input_items))
+    assert parse_responses({"input": "More", "previous_response_id": "resp_1"}, MODEL, alpha).spec.history
+    with pytest.raises(InvalidRequest) as caught:
+        parse_responses({"input": "More", "previous_response_id": "resp_1"}, MODEL, beta)
+    assert (caught.value.status, caught.value.code) == (404, "previous_response_not_found")
 
 
 def test_concurrent_writers_and_readers_keep_the_bounds(make_store):
@@ -187,6 +207,10 @@ def test_a_full_disk_turns_storing_off_and_keeps_what_was_stored(tmp_path, caplo
     assert (error.status, error.param, error.code) == (503, "store", "response_store_unavailable")
     assert "disk is full" in error.message
     assert store.put(record("later"), A) == [] and store.ids() == ["kept"]
+    context = make_context(store, SEAL, A)
+    with pytest.raises(StoreUnavailable):  # refused before any work
+        parse_responses({"input": "Hi"}, MODEL, context)
+    assert not parse_responses({"input": "Hi", "store": False}, MODEL, context).spec.store
     assert store.get("kept", A) == record("kept") and store.delete("kept", A)
     store.close()
 
