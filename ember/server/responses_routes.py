@@ -13,9 +13,9 @@ from ember.errors import EmberError, InvalidRequest
 from ember.protocols.errors import unsupported
 from ember.protocols.openai_responses import ResponsesContext, ResponseSpec, responses_dialect
 from ember.protocols.reasoning_seal import ReasoningSeal
-from ember.server.openapi import generation_route_docs
 from ember.server.config import ServerConfig
 from ember.server.keys import DEFAULT_TENANT
+from ember.server.openapi import generation_route_docs
 from ember.server.pipeline import serve_generation, tokenize_only
 from ember.server.response_store import MemoryResponseStore, ResponseStore, StoredResponse, record_size
 from ember.server.sqlite_response_store import SqliteResponseStore
