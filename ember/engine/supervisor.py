@@ -20,6 +20,7 @@ import concurrent.futures
 import itertools
 import logging
 import os
+import secrets
 import shutil
 import signal
 import subprocess
@@ -144,7 +145,7 @@ class WorkerSupervisor:
         self.restarts = 0
         self.context = zmq.Context()
         self._on_ready, self._retire, self._on_lost = on_ready, retire, on_lost
-        self._folder = tempfile.mkdtemp(prefix="ember-engine-")
+        self._addresses = IpcAddresses()
         self._generation = itertools.count()
         self._quick_deaths = 0
         self._first: concurrent.futures.Future = concurrent.futures.Future()
@@ -168,7 +169,7 @@ class WorkerSupervisor:
 
     def close(self) -> None:
         self.context.destroy(linger=0)
-        shutil.rmtree(self._folder, ignore_errors=True)
+        self._addresses.close()
 
     # ---- the supervisor thread ----------------------------------------------------------------
 
@@ -219,8 +220,7 @@ class WorkerSupervisor:
 
     def _start_worker(self, first: bool) -> Worker:
         generation = next(self._generation)
-        inbox = f"ipc://{os.path.join(self._folder, f'w{generation}-in')}"
-        outbox = f"ipc://{os.path.join(self._folder, f'w{generation}-out')}"
+        inbox, outbox = self._addresses.name(f"w{generation}-in"), self._addresses.name(f"w{generation}-out")
         push, pull = self.context.socket(zmq.PUSH), self.context.socket(zmq.PULL)
         push.setsockopt(zmq.LINGER, 0)
         push.setsockopt(zmq.SNDHWM, 0)  # a send waits for no one: it fails only when the worker is gone
@@ -250,6 +250,26 @@ class WorkerSupervisor:
             push.close(0)
             pull.close(0)
             raise
+
+
+class IpcAddresses:
+    """The ZeroMQ addresses of one supervisor's workers. On Linux they are abstract socket names
+    (`ipc://@...`): no file stands for them, and the kernel frees them with the last socket, so a
+    front end killed outright (SIGKILL, out of memory) leaves nothing behind. Elsewhere they are
+    files in a temporary folder that `close` removes."""
+
+    def __init__(self) -> None:
+        self._folder = None if sys.platform == "linux" else tempfile.mkdtemp(prefix="ember-engine-")
+        self._prefix = f"@ember-engine-{os.getpid()}-{secrets.token_hex(6)}"  # unique per supervisor
+
+    def name(self, socket_name: str) -> str:
+        if self._folder is None:
+            return f"ipc://{self._prefix}-{socket_name}"
+        return f"ipc://{os.path.join(self._folder, socket_name)}"
+
+    def close(self) -> None:
+        if self._folder is not None:
+            shutil.rmtree(self._folder, ignore_errors=True)
 
 
 def stop_process(process: subprocess.Popen, timeout: float) -> None:

@@ -52,8 +52,9 @@ def parse_responses(body: Any, model: ModelInfo, context: ResponsesContext) -> R
         stored = context.history_of(previous)
         if stored is None:
             raise InvalidRequest(f"previous_response_id '{previous}' is not a stored response: it was never stored "
-                                 "(store: false), was deleted, was evicted, or the server restarted",
-                                 param="previous_response_id", code="previous_response_not_found")
+                                 "(store: false), was deleted or evicted, belongs to another API key's tenant, or "
+                                 "the server restarted with --response-store memory",
+                                 param="previous_response_id", code="previous_response_not_found", status=404)
         history = stored
     raw_input = f.raw("input")
     if isinstance(raw_input, list):

@@ -59,6 +59,7 @@ def create_app(config: ServerConfig, loader: Callable[[ServerConfig], LoadedMode
         if reporter is not None:
             reporter.cancel()
         await state.shutdown()
+        app.state.responses.close()
         observability.close()
 
     app = FastAPI(title="ember", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)

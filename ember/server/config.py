@@ -49,6 +49,7 @@ class ServerConfig:
     sse_keepalive: float = 5.0  # seconds without an event before a keep-alive comment
     request_log: str | None = None  # a JSON-lines file of server and request events, appended
     log_stats_interval: float = 10.0  # seconds between throughput lines on stderr; 0: none
+    response_store: str | None = None  # a SQLite file, or "memory"; None: responses.db in ember's state folder
     response_store_max_records: int = 1024  # stored Responses kept (least recently used go first)
     response_store_max_mb: float = 256.0  # MiB the stored Responses may take
     reasoning_key_file: str | None = None  # the key of encrypted reasoning (64 hex digits); None: one per process

@@ -285,8 +285,12 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     other.add_argument("--log-stats-interval", type=float, default=10.0, metavar="SECONDS",
                        help="log a throughput line on stderr every SECONDS while the server is busy "
                             "(default 10; 0: off)")
+    other.add_argument("--response-store", default=None, metavar="PATH",
+                       help="the SQLite file that keeps stored Responses across restarts, or 'memory' to keep "
+                            "them in this process only (default: responses.db in ember's state folder, "
+                            "$EMBER_STATE_DIR or ~/.local/share/ember)")
     other.add_argument("--response-store-max-records", type=int, default=1024, metavar="N",
-                       help="stored Responses kept in memory for retrieval and previous_response_id; the least "
+                       help="stored Responses kept for retrieval and previous_response_id; the least "
                             "recently used go first (default 1024)")
     other.add_argument("--response-store-max-mb", type=float, default=256.0, metavar="MIB",
                        help="MiB the stored Responses may take, conversations included (default 256)")
@@ -364,7 +368,8 @@ def build_config(args: argparse.Namespace, environ=os.environ) -> ServerConfig:
         max_messages=args.max_messages or None, max_total_input_tokens=args.max_total_input_tokens or None,
         chat_template=chat_template, sse_keepalive=args.sse_keepalive, request_log=args.request_log,
         reasoning_parser=args.reasoning_parser, tool_call_parser=args.tool_call_parser, default_thinking_budget=args.default_thinking_budget,
-        log_stats_interval=args.log_stats_interval, response_store_max_records=args.response_store_max_records,
+        log_stats_interval=args.log_stats_interval, response_store=args.response_store,
+        response_store_max_records=args.response_store_max_records,
         response_store_max_mb=args.response_store_max_mb, reasoning_key_file=args.reasoning_key_file, ui=args.ui,
         no_thinking=args.no_thinking, reasoning_effort=args.reasoning_effort, preserve_thinking=args.preserve_thinking,
         sampling_flags=sampling_flags, override_generation_config=args.override_generation_config,

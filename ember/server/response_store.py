@@ -1,10 +1,12 @@
-"""Stored Responses: in this process's memory, least recently used first out, bounded in count and size.
+"""Stored Responses: the store interface the Responses routes use, and its in-memory form.
 
 Each record holds its whole conversation (the parent's items, this request's input items, its
 output items), so a continuation never needs its ancestors: deleting or evicting a parent leaves
-its descendants working. The items themselves are shared between records, not copied; each record
-is charged the JSON size of everything it holds, which over-counts what is shared and so keeps the
-real memory under the bound.
+its descendants working. Each record is charged the JSON size of everything it holds; the store
+keeps at most `max_records` records and `max_bytes` of them, least recently used first out.
+
+A record belongs to the tenant that stored it: asked with another tenant's name, a store answers
+as if the record did not exist. `sqlite_response_store` keeps records on disk across restarts.
 """
 
 from __future__ import annotations
@@ -13,9 +15,9 @@ import json
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
-from ember.errors import InvalidRequest
+from ember.errors import EmberError, InvalidRequest
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,15 +46,64 @@ class StoreCapacityExceeded(InvalidRequest):
                          param="store", code="response_store_capacity_exceeded")
 
 
-class ResponseStore:
+class StoreUnavailable(EmberError):
+    """Storing was turned off while the server runs (its disk filled up); reading still works."""
+
+    status = 503
+    type = "server_error"
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(f"The response store cannot take new responses: {reason}. Send the request with "
+                         "store: false, or free disk space and restart the server.",
+                         param="store", code="response_store_unavailable")
+
+
+class ResponseStore(Protocol):
+    max_records: int
+    max_bytes: int
+
+    def __len__(self) -> int: ...
+
+    @property
+    def num_bytes(self) -> int: ...
+
+    def check_fits(self, size: int) -> None:
+        """Refuse, before any work, a request whose record could not be stored: StoreCapacityExceeded
+        (400) when `size` bytes exceed the whole store, StoreUnavailable (503) when storing is off."""
+
+    def put(self, record: StoredResponse, tenant: str) -> list[str]:
+        """Store (or replace) a record as the most recently used; returns the ids evicted for room.
+        A store that cannot write any more turns storing off and keeps the reply going (no raise)."""
+
+    def get(self, response_id: str, tenant: str) -> StoredResponse | None:
+        """The tenant's record, now the most recently used; None when unknown, another tenant's,
+        deleted or evicted."""
+
+    def delete(self, response_id: str, tenant: str) -> bool: ...
+
+    def ids(self) -> list[str]:
+        """Every tenant's, oldest use first (the next to be evicted first)."""
+
+    def close(self) -> None: ...
+
+
+def check_bounds(max_records: int, max_bytes: int) -> None:
+    if max_records < 1:
+        raise ValueError(f"the response store needs room for at least one record, got {max_records}")
+    if max_bytes < 1:
+        raise ValueError("the response store's size limit must be positive")
+
+
+class MemoryResponseStore:
+    """This process's memory (`--response-store memory`): a restart forgets every record. The
+    items are shared between records, not copied, so charging each record all it holds keeps the
+    real memory under the bound."""
+
     def __init__(self, max_records: int = 1024, max_bytes: int = 256 << 20) -> None:
-        if max_records < 1:
-            raise ValueError(f"the response store needs room for at least one record, got {max_records}")
-        if max_bytes < 1:
-            raise ValueError("the response store's size limit must be positive")
+        check_bounds(max_records, max_bytes)
         self.max_records = max_records
         self.max_bytes = max_bytes
-        self._records: OrderedDict[str, StoredResponse] = OrderedDict()  # oldest use first
+        self._records: OrderedDict[str, tuple[str, StoredResponse]] = OrderedDict()  # id -> (tenant, record)
         self._bytes = 0
         self._lock = threading.Lock()
 
@@ -67,40 +118,42 @@ class ResponseStore:
         if size > self.max_bytes:
             raise StoreCapacityExceeded(size, self.max_bytes)
 
-    def put(self, record: StoredResponse) -> list[str]:
-        """Store (or replace) a record as the most recently used; returns the ids evicted for room."""
+    def put(self, record: StoredResponse, tenant: str) -> list[str]:
         self.check_fits(record.size)
         evicted = []
         with self._lock:
             old = self._records.pop(record.id, None)
             if old is not None:
-                self._bytes -= old.size
+                self._bytes -= old[1].size
             while self._records and (len(self._records) >= self.max_records
                                      or self._bytes + record.size > self.max_bytes):
-                victim_id, victim = self._records.popitem(last=False)
+                victim_id, (_, victim) = self._records.popitem(last=False)
                 self._bytes -= victim.size
                 evicted.append(victim_id)
-            self._records[record.id] = record
+            self._records[record.id] = (tenant, record)
             self._bytes += record.size
         return evicted
 
-    def get(self, response_id: str) -> StoredResponse | None:
-        """The record, now the most recently used; None when unknown, deleted or evicted."""
+    def get(self, response_id: str, tenant: str) -> StoredResponse | None:
         with self._lock:
-            record = self._records.get(response_id)
-            if record is not None:
-                self._records.move_to_end(response_id)
-            return record
+            entry = self._records.get(response_id)
+            if entry is None or entry[0] != tenant:
+                return None
+            self._records.move_to_end(response_id)
+            return entry[1]
 
-    def delete(self, response_id: str) -> bool:
+    def delete(self, response_id: str, tenant: str) -> bool:
         with self._lock:
-            record = self._records.pop(response_id, None)
-            if record is None:
+            entry = self._records.get(response_id)
+            if entry is None or entry[0] != tenant:
                 return False
-            self._bytes -= record.size
+            del self._records[response_id]
+            self._bytes -= entry[1].size
             return True
 
     def ids(self) -> list[str]:
-        """Oldest use first (the next to be evicted first)."""
         with self._lock:
             return list(self._records)
+
+    def close(self) -> None:
+        pass

@@ -13,6 +13,7 @@ import re
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -32,11 +33,14 @@ def serve_command() -> list[str]:
 
 
 class ServerProcess:
-    """One `ember serve` subprocess on a free port; its stderr is kept for the log tests."""
+    """One `ember serve` subprocess on `port` (0: a free one); its stderr is kept for the log tests.
+    Each has a state folder of its own (its Responses store), unless `env` names one."""
 
-    def __init__(self, *flags: str, env: dict[str, str] | None = None) -> None:
+    def __init__(self, *flags: str, env: dict[str, str] | None = None, port: int = 0) -> None:
         self.flags = list(flags)
-        self.env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", **(env or {})}
+        state = tempfile.mkdtemp(prefix="server-", dir=os.environ["EMBER_STATE_DIR"])
+        self.env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "EMBER_STATE_DIR": state, **(env or {})}
+        self.requested_port = port
         self.lines: list[str] = []
         self.proc: subprocess.Popen | None = None
         self.port: int | None = None
@@ -47,7 +51,7 @@ class ServerProcess:
         return f"http://127.0.0.1:{self.port}"
 
     def start(self) -> "ServerProcess":
-        self.proc = subprocess.Popen([*serve_command(), "--port", "0", *self.flags], stdout=subprocess.DEVNULL,
+        self.proc = subprocess.Popen([*serve_command(), "--port", str(self.requested_port), *self.flags], stdout=subprocess.DEVNULL,
                                      stderr=subprocess.PIPE, text=True, env=self.env)
         listening = threading.Event()
 

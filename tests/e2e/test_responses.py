@@ -109,14 +109,14 @@ def test_deleting_a_response_keeps_its_continuations(client, model_id, http):
     third = create(client, model_id, input="And one more.", previous_response_id=second.id)
     assert third.usage.input_tokens > second.usage.input_tokens
     refused = http.post("/v1/responses", json={"model": model_id, "input": "x", "previous_response_id": first.id})
-    assert refused.status_code == 400 and error_of(refused)["param"] == "previous_response_id"
+    assert refused.status_code == 404 and error_of(refused)["param"] == "previous_response_id"
 
 
 def test_store_false_cannot_be_retrieved_or_continued(client, model_id, http):
     reply = create(client, model_id, input="Hello.", store=False)
     assert http.get(f"/v1/responses/{reply.id}").status_code == 404
     refused = http.post("/v1/responses", json={"model": model_id, "input": "x", "previous_response_id": reply.id})
-    assert refused.status_code == 400 and error_of(refused)["param"] == "previous_response_id"
+    assert refused.status_code == 404 and error_of(refused)["param"] == "previous_response_id"
 
 
 def test_input_items_are_listed_in_pages(client, model_id, http):

@@ -23,7 +23,7 @@ from ember.protocols.neutral import ModelInfo
 from ember.protocols.openai_responses import parse_responses
 from ember.protocols.reasoning_seal import ReasoningSeal
 from ember.protocols.unknown_fields import watch_fields
-from ember.server.response_store import ResponseStore
+from ember.server.response_store import MemoryResponseStore
 from ember.server.responses_routes import make_context
 
 APPLY_PATCH = """start: begin_patch hunk+ end_patch
@@ -51,7 +51,7 @@ def patch_tool(syntax="lark", definition=APPLY_PATCH) -> dict:
 
 
 def parse(model=XML_MODEL, **fields):
-    return parse_responses({"input": "Add hello.txt", **fields}, model, make_context(ResponseStore(),
+    return parse_responses({"input": "Add hello.txt", **fields}, model, make_context(MemoryResponseStore(),
                                                                                      ReasoningSeal(b"k" * 32)))
 
 

@@ -4,9 +4,13 @@ spawner died before the child could ask the kernel to follow it exits instead of
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import textwrap
+import time
+
+import psutil
 
 from ember.engine.parent_death import PARENT_PID, child_environment
 
@@ -48,3 +52,54 @@ def test_a_child_started_by_hand_is_left_alone():
 def test_a_given_environment_is_kept_and_named():
     env = child_environment({"PATH": "/bin"})
     assert env == {"PATH": "/bin", PARENT_PID: str(os.getpid())}
+
+
+# A child (as a worker) that starts a grandchild (as a tensor-parallel rank), both following their
+# parents; the child prints both pids, then both wait to be killed.
+CHAIN = textwrap.dedent("""
+    import subprocess, sys, time
+    from ember.engine.parent_death import child_environment, die_with_parent
+    die_with_parent()
+    rank = subprocess.Popen([sys.executable, "-c", "from ember.engine.parent_death import die_with_parent; "
+                             "die_with_parent(); print('rank', flush=True); import time; time.sleep(600)"],
+                            env=child_environment(), stdout=subprocess.PIPE, text=True)
+    rank.stdout.readline()
+    print(rank.pid, flush=True)
+    time.sleep(600)
+""")
+SPAWNER = textwrap.dedent("""
+    import subprocess, sys, time
+    from ember.engine.parent_death import child_environment
+    child = subprocess.Popen([sys.executable, "-c", sys.argv[1]], env=child_environment())
+    time.sleep(600)
+""")
+
+
+def test_a_killed_spawner_takes_its_child_and_grandchild_with_it():
+    """As `ember serve` killed with SIGKILL takes its worker and the worker's ranks."""
+    spawner = subprocess.Popen([sys.executable, "-c", SPAWNER, CHAIN], stdout=subprocess.PIPE, text=True)
+    try:
+        rank_pid = int(spawner.stdout.readline())
+        descendants = psutil.Process(spawner.pid).children(recursive=True)
+        assert rank_pid in [p.pid for p in descendants] and len(descendants) == 2
+        spawner.send_signal(signal.SIGKILL)
+        spawner.wait()
+        deadline = time.monotonic() + 2  # the bound the server promises; the kernel acts at once
+        while _running(descendants) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert _running(descendants) == []
+    finally:
+        if spawner.poll() is None:
+            spawner.kill()
+            spawner.wait()
+
+
+def _running(processes: list[psutil.Process]) -> list[int]:
+    running = []
+    for process in processes:
+        try:
+            if process.status() != psutil.STATUS_ZOMBIE:
+                running.append(process.pid)
+        except psutil.NoSuchProcess:
+            pass
+    return running

@@ -16,7 +16,7 @@ from ember.protocols.openai_chat import parse_chat
 from ember.protocols.openai_completions import parse_completion
 from ember.protocols.openai_responses import parse_responses
 from ember.protocols.reasoning_seal import ReasoningSeal
-from ember.server.response_store import ResponseStore
+from ember.server.response_store import MemoryResponseStore
 from ember.server.responses_routes import make_context
 from ember.types import FinishReason, SamplingParams
 
@@ -37,7 +37,7 @@ def messages(**fields):
 
 
 def responses(**fields):
-    return parse_responses({"input": "Hi", **fields}, MODEL, make_context(ResponseStore(), ReasoningSeal(b"k" * 32)))
+    return parse_responses({"input": "Hi", **fields}, MODEL, make_context(MemoryResponseStore(), ReasoningSeal(b"k" * 32)))
 
 
 def refused(parse, **fields) -> InvalidRequest:

@@ -24,7 +24,8 @@ from ember.protocols.openai_chat import parse_chat
 from ember.protocols.openai_responses import parse_responses
 from ember.protocols.reasoning_seal import ReasoningSeal
 from ember.server.media_input import read_prompt_images
-from ember.server.response_store import ResponseStore, StoredResponse, record_size
+from ember.server.keys import DEFAULT_TENANT
+from ember.server.response_store import MemoryResponseStore, StoredResponse, record_size
 from ember.server.responses_routes import make_context
 from ember.types import CachePin
 from vision_fixtures import data_url, image_bytes, load_vision, write_smolvlm_folder
@@ -91,7 +92,7 @@ def test_a_tool_result_image_reaches_a_template_that_lists_no_tools(smolvlm, poo
              {"type": "function_call", "call_id": "c1", "name": "draw", "arguments": "{\"what\": \"sky\"}"},
              {"type": "function_call_output", "call_id": "c1", "output": [
                  {"type": "input_text", "text": "done:"}, {"type": "input_image", "image_url": data_url(WIDE)}]}]
-    context = make_context(ResponseStore(), ReasoningSeal(b"k" * 32))
+    context = make_context(MemoryResponseStore(), ReasoningSeal(b"k" * 32))
     prompt = parse_responses({"input": items}, MODEL, context).prompt
     text = tokenizer.decode(encoded(prompt, smolvlm, pool), skip_special_tokens=False)
     # the template cannot list tools: the result is a user turn of text around the image
@@ -100,7 +101,7 @@ def test_a_tool_result_image_reaches_a_template_that_lists_no_tools(smolvlm, poo
 
 
 def test_a_stored_conversation_replays_its_images_and_keeps_its_items(smolvlm, pool):
-    store = ResponseStore()
+    store = MemoryResponseStore()
     context = make_context(store, ReasoningSeal(b"k" * 32))
     first = parse_responses({"input": [{"role": "user", "content": [
         {"type": "input_image", "image_url": data_url(SQUARE)}, {"type": "input_text", "text": "What is it?"}]}]},
@@ -110,13 +111,13 @@ def test_a_stored_conversation_replays_its_images_and_keeps_its_items(smolvlm, p
              "content": [{"type": "output_text", "text": "A red square.", "annotations": []}]}
     history = (*first.spec.input_items, reply)
     store.put(StoredResponse({"id": "resp_1"}, tuple(first.spec.input_items), history,
-                             record_size({"id": "resp_1"}, history)))
+                             record_size({"id": "resp_1"}, history)), DEFAULT_TENANT)
     again = parse_responses({"input": [{"role": "user", "content": [
         {"type": "input_image", "image_url": data_url(WIDE)}]}], "previous_response_id": "resp_1"}, MODEL, context)
     encoded(again.prompt, smolvlm, pool)
     assert [span.image.sha256 for span in again.prompt.media] == [hashlib.sha256(SQUARE).digest(),
                                                                     hashlib.sha256(WIDE).digest()]
-    assert store.get("resp_1").history[0]["content"][0] == {"type": "input_image", "image_url": data_url(SQUARE),
+    assert store.get("resp_1", DEFAULT_TENANT).history[0]["content"][0] == {"type": "input_image", "image_url": data_url(SQUARE),
                                                             "detail": "auto"}
 
 

@@ -14,7 +14,8 @@ from ember.protocols.chat_reply import FUNCTION, NONE, REQUIRED, ChatFeatures
 from ember.protocols.neutral import ModelInfo, ResponseMeta, RunResult
 from ember.protocols.openai_responses import parse_responses, responses_dialect
 from ember.protocols.reasoning_seal import ReasoningSeal, SealError
-from ember.server.response_store import ResponseStore, StoredResponse, record_size
+from ember.server.keys import DEFAULT_TENANT
+from ember.server.response_store import MemoryResponseStore, StoredResponse, record_size
 from ember.server.responses_routes import list_page, make_context
 from ember.types import FinishReason
 from tests.e2e.responses_stream import check_stream
@@ -24,8 +25,8 @@ WEATHER = {"type": "function", "name": "get_weather", "parameters": {"type": "ob
     "city": {"type": "string"}}}}
 
 
-def context(store: ResponseStore | None = None):
-    return make_context(store if store is not None else ResponseStore(), ReasoningSeal(b"k" * 32))
+def context(store: MemoryResponseStore | None = None):
+    return make_context(store if store is not None else MemoryResponseStore(), ReasoningSeal(b"k" * 32))
 
 
 def parse(ctx=None, **fields):
@@ -245,12 +246,12 @@ def test_a_key_file_lets_another_process_open_the_seal(tmp_path):
 
 
 def test_previous_response_id_rebuilds_the_stored_chain_without_its_instructions():
-    store = ResponseStore()
+    store = MemoryResponseStore()
     ctx = context(store)
     history = ({"id": "msg_1", "type": "message", "role": "user", "content": [{"type": "input_text", "text": "Hi"}]},
                {"id": "msg_2", "type": "message", "role": "assistant", "status": "completed",
                 "content": [{"type": "output_text", "text": "Hello!", "annotations": []}]})
-    store.put(StoredResponse({"id": "resp_1"}, history[:1], history, 10))
+    store.put(StoredResponse({"id": "resp_1"}, history[:1], history, 10), DEFAULT_TENANT)
     request = parse(ctx, input="More", previous_response_id="resp_1", instructions="New rules.")
     assert request.prompt.messages == [{"role": "system", "content": "New rules."}, {"role": "user", "content": "Hi"},
                                        {"role": "assistant", "content": "Hello!"},
@@ -290,14 +291,14 @@ def test_input_images_become_image_refs_and_stay_as_sent_in_the_items():
 
 
 def test_a_stored_conversation_replays_its_images():
-    store = ResponseStore()
+    store = MemoryResponseStore()
     ctx = context(store)
     first = parse(ctx, input=[{"role": "user", "content": [input_image(), {"type": "input_text", "text": "Hi"}]}])
     reply = {"id": "msg_2", "type": "message", "role": "assistant", "status": "completed",
              "content": [{"type": "output_text", "text": "A dot.", "annotations": []}]}
     history = (*first.spec.input_items, reply)
     store.put(StoredResponse({"id": "resp_1"}, tuple(first.spec.input_items), history,
-                             record_size({"id": "resp_1"}, history)))
+                             record_size({"id": "resp_1"}, history)), DEFAULT_TENANT)
     again = parse(ctx, input=[{"role": "user", "content": [input_image("https://x.org/b.png")]}],
                   previous_response_id="resp_1")
     assert again.prompt.messages == [
@@ -390,27 +391,6 @@ def test_a_reply_cut_by_the_token_limit_is_incomplete_and_invents_no_message():
     assert final["status"] == "incomplete" and final["incomplete_details"] == {"reason": "max_output_tokens"}
     assert [item["type"] for item in final["output"]] == ["reasoning"]
     assert final["completed_at"] is None
-
-
-# ---- the store ----------------------------------------------------------------------------------------
-
-def record(response_id: str, size: int = 10) -> StoredResponse:
-    return StoredResponse({"id": response_id}, (), (), size)
-
-
-def test_the_store_evicts_the_least_recently_used_by_count_and_size():
-    store = ResponseStore(max_records=3, max_bytes=100)
-    for name in "abc":
-        store.put(record(name))
-    assert store.get("a") is not None  # a is now the most recently used
-    assert store.put(record("d")) == ["b"]
-    assert store.ids() == ["c", "a", "d"]
-    assert store.put(record("e", 85)) == ["c", "a"]  # room for 85 bytes: 10 + 85 <= 100
-    assert store.ids() == ["d", "e"] and store.num_bytes == 95
-    assert store.delete("d") and not store.delete("d") and store.get("d") is None
-    with pytest.raises(InvalidRequest) as caught:
-        store.put(record("huge", 101))
-    assert caught.value.code == "response_store_capacity_exceeded" and store.ids() == ["e"]
 
 
 def test_list_pages():

@@ -23,7 +23,7 @@ from ember.protocols.openai_responses import parse_responses
 from ember.protocols.reasoning_seal import ReasoningSeal
 from ember.protocols.unknown_fields import MAX_HEADER_NAMES, FieldReport, watch_fields
 from ember.server.flags import add_serve_parser, build_config
-from ember.server.response_store import ResponseStore
+from ember.server.response_store import MemoryResponseStore
 from ember.server.responses_routes import make_context
 from ember.server.sampling_defaults import check_override, sampling_defaults
 from ember.tokenization.chat_prompt import drop_closed_reasoning
@@ -31,7 +31,7 @@ from ember.tokenization.chat_prompt import drop_closed_reasoning
 FEATURES = ChatFeatures(ThinkMarkers(), HERMES)
 MODEL = ModelInfo(name="served", max_model_len=512, vocab_size=1000, chat=FEATURES)
 USER = [{"role": "user", "content": "Hi"}]
-CONTEXT = make_context(ResponseStore(), ReasoningSeal(b"k" * 32))
+CONTEXT = make_context(MemoryResponseStore(), ReasoningSeal(b"k" * 32))
 
 
 def model_with(**features) -> ModelInfo:
@@ -218,7 +218,7 @@ def test_closed_turns_lose_their_reasoning_and_the_open_turn_keeps_it():
 
 
 def test_a_stored_response_keeps_its_setting_and_a_child_inherits_it():
-    store = ResponseStore()
+    store = MemoryResponseStore()
     ctx = make_context(store, ReasoningSeal(b"k" * 32))
     parent = parse_responses({"input": "Hi", "preserve_thinking": True}, MODEL, ctx)
     assert parent.spec.echo["preserve_thinking"] is True

@@ -32,7 +32,7 @@ from ember.protocols.unknown_fields import watch_fields
 from ember.server.cli import TCP_USER_TIMEOUT_MS, _bind
 from ember.server.request_events import engine_timing, telemetry, thinking_budget, tool_call_parse
 from ember.server.request_record import RequestRecord
-from ember.server.response_store import ResponseStore
+from ember.server.response_store import MemoryResponseStore
 from ember.server.responses_routes import make_context
 from ember.server.sampling_defaults import check_override, mode_sampling_defaults, sampling_defaults
 from ember.types import FinishReason, GenerationOutput, RequestTimings, SamplingParams
@@ -49,7 +49,7 @@ def refusal(call) -> InvalidRequest:
 
 
 def responses(model=MODEL, **fields):
-    context = make_context(ResponseStore(), ReasoningSeal(b"k" * 32))
+    context = make_context(MemoryResponseStore(), ReasoningSeal(b"k" * 32))
     return parse_responses({"input": "Hi", **fields}, model, context)
 
 

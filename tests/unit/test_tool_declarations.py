@@ -14,7 +14,7 @@ from ember.protocols.neutral import ModelInfo
 from ember.protocols.openai_responses import parse_responses
 from ember.protocols.reasoning_seal import ReasoningSeal
 from ember.protocols.unknown_fields import watch_fields
-from ember.server.response_store import ResponseStore
+from ember.server.response_store import MemoryResponseStore
 from ember.server.responses_routes import make_context
 
 MODEL = ModelInfo(name="served", max_model_len=2048, vocab_size=1000, chat=ChatFeatures(ThinkMarkers(), HERMES))
@@ -23,7 +23,7 @@ WEATHER = {"type": "function", "name": "get_weather", "parameters": {"type": "ob
 
 
 def responses(**fields):
-    return parse_responses({"input": "Hi", **fields}, MODEL, make_context(ResponseStore(), ReasoningSeal(b"k" * 32)))
+    return parse_responses({"input": "Hi", **fields}, MODEL, make_context(MemoryResponseStore(), ReasoningSeal(b"k" * 32)))
 
 
 @pytest.mark.parametrize("strict", [False, True])

@@ -13,7 +13,7 @@ from ember.protocols.chat_reply import ChatFeatures
 from ember.protocols.neutral import ModelInfo
 from ember.protocols.openai_responses import parse_responses
 from ember.protocols.reasoning_seal import ReasoningSeal
-from ember.server.response_store import ResponseStore
+from ember.server.response_store import MemoryResponseStore
 from ember.server.responses_routes import make_context
 
 MODEL = ModelInfo(name="served", max_model_len=2048, vocab_size=1000, chat=ChatFeatures(ThinkMarkers(), HERMES))
@@ -97,7 +97,7 @@ def output(call_id: str, text: str = "ok", kind: str = "function_call_output") -
 
 
 def responses(items: list[dict], ctx=None):
-    ctx = ctx or make_context(ResponseStore(), ReasoningSeal(b"k" * 32))
+    ctx = ctx or make_context(MemoryResponseStore(), ReasoningSeal(b"k" * 32))
     return parse_responses({"input": [{"role": "user", "content": "Weather?"}, *items]}, MODEL, ctx)
 
 
@@ -138,7 +138,7 @@ def test_responses_a_result_answers_only_the_turn_before_it(items, param):
 
 
 def test_responses_results_for_a_stored_turn_answer_its_calls():
-    ctx = make_context(ResponseStore(), ReasoningSeal(b"k" * 32))
+    ctx = make_context(MemoryResponseStore(), ReasoningSeal(b"k" * 32))
     stored = [{"id": "fc_1", "type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": "{}",
                "status": "completed"},
               {"id": "fc_2", "type": "function_call", "call_id": "c2", "name": "get_weather", "arguments": "{}",
