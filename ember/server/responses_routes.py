@@ -67,7 +67,8 @@ def make_context(store: ResponseStore, seal: ReasoningSeal | None = None,
 def add_responses_routes(app: FastAPI, state: ServerState) -> None:
     config = state.config
     store = open_response_store(config)
-    seal = ReasoningSeal.from_key_file(config.reasoning_key_file) if config.reasoning_key_file else None
+    # one seal for the server's life: what one request sealed, the next one opens
+    seal = ReasoningSeal.from_key_file(config.reasoning_key_file) if config.reasoning_key_file else ReasoningSeal()
     app.state.responses = store
 
     def dialect_of(request: Request):
