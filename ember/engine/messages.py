@@ -9,7 +9,9 @@ a worker on another host as well as ipc:// one on this host.
                           engine.driver)
     worker -> front end   Ready (once loaded), Outputs (after each step, with the statistics
                           and, for a data-parallel router, the changes to its prefix cache),
-                          Answer (to a Query), Fatal (the worker cannot go on; it exits after it)
+                          Answer (to a Query), Heartbeat (while it has nothing to step: the
+                          front end's watchdog counts it as progress), Fatal (the worker cannot
+                          go on; it exits after it)
 """
 
 from __future__ import annotations
@@ -123,6 +125,10 @@ class Outputs(msgspec.Struct, tag=True):
     cache: CacheChanges | None = None
 
 
+class Heartbeat(msgspec.Struct, tag=True):
+    """The worker waits for messages with nothing to step: it is alive (engine.watchdog)."""
+
+
 class Answer(msgspec.Struct, tag=True):
     query_id: int
     value: Any = None
@@ -155,7 +161,7 @@ class WorkerSettings(msgspec.Struct):
 
 
 ToWorker = Add | Abort | Query | Shutdown
-FromWorker = Ready | Outputs | Answer | Fatal
+FromWorker = Ready | Outputs | Answer | Heartbeat | Fatal
 
 _encoder = msgspec.msgpack.Encoder()
 to_worker = msgspec.msgpack.Decoder(ToWorker)

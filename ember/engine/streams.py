@@ -47,6 +47,10 @@ class RequestStreams:
         return Add(request_id or f"req-{next(self._ids)}", prompt_token_ids, params, cache_salt, time.time(),
                    constraint, report_progress, list(media))
 
+    @property
+    def num_live(self) -> int:
+        return len(self._queues)
+
     def deliver(self, steps: Iterable[StepOutput]) -> None:
         """Hand each step to its request's queue (a request that has left drops what it missed)."""
         queues = self._queues
