@@ -349,6 +349,7 @@ class EngineClient:
             self._base = {name: getattr(self.latest_stats, name) for name in _COUNTERS}
         self.worker_pid = None
         self.cached_blocks.clear()
+        self.streams.forget_pauses()
         self.status = "unavailable" if gave_up else "loading"
         if gave_up:
             self.failed = reason

@@ -4,9 +4,9 @@ Every message is a typed msgspec Struct, tagged by its class name, sent as msgpa
 sockets (ember.engine.client, ember.engine.worker). Nothing here is a live object: tcp:// reaches
 a worker on another host as well as ipc:// one on this host.
 
-    front end -> worker   Add, Abort, Query, Shutdown (AsyncEngine's thread takes the same Add,
-                          Abort and Shutdown through a queue, and applies them the same way:
-                          engine.driver)
+    front end -> worker   Add, Abort, Pause, Resume, Query, Shutdown (AsyncEngine's thread takes
+                          the same Add, Abort, Pause, Resume and Shutdown through a queue, and
+                          applies them the same way: engine.driver)
     worker -> front end   Ready (once loaded), Outputs (after each step, with the statistics
                           and, for a data-parallel router, the changes to its prefix cache),
                           Answer (to a Query), Heartbeat (while it has nothing to step: the
@@ -60,6 +60,17 @@ class Add(msgspec.Struct, tag=True):
 
 
 class Abort(msgspec.Struct, tag=True):
+    request_ids: list[str]
+
+
+class Pause(msgspec.Struct, tag=True):
+    """Stop stepping these requests (their consumers have too much unread: engine.backlog); they
+    keep their blocks, and may be preempted like any other request."""
+
+    request_ids: list[str]
+
+
+class Resume(msgspec.Struct, tag=True):
     request_ids: list[str]
 
 
@@ -160,7 +171,7 @@ class WorkerSettings(msgspec.Struct):
     report_cache_changes: bool = False  # send CacheChanges with each Outputs (a data-parallel router)
 
 
-ToWorker = Add | Abort | Query | Shutdown
+ToWorker = Add | Abort | Pause | Resume | Query | Shutdown
 FromWorker = Ready | Outputs | Answer | Heartbeat | Fatal
 
 _encoder = msgspec.msgpack.Encoder()

@@ -80,7 +80,7 @@ class Worker:
     def serve(self) -> None:
         core, driver = self.core, self.driver
         while True:
-            if not core.has_unfinished():
+            if not core.has_schedulable():
                 while not self.inbox.poll(_IDLE_POLL_MS):
                     if os.getppid() != self.parent:
                         return  # the front end is gone
@@ -100,7 +100,7 @@ class Worker:
                     self.outbox.send(messages.encode(driver.answer(message)))
                 else:
                     outputs += driver.handle(message)
-            if core.has_unfinished():
+            if core.has_schedulable():
                 self.num_model_steps += 1
                 if self.fault is not None:
                     self.fault.at_step(self.num_model_steps)

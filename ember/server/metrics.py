@@ -31,6 +31,7 @@ _ROUTE_LABELS = {"/health": "health", "/v1/health": "health", "/healthz": "healt
 ENGINE_GAUGES = {
     "ember:num_sequences_running": ("num_running", "Sequences the engine is running (a request with n choices runs n)"),
     "ember:num_sequences_waiting": ("num_waiting", "Sequences waiting inside the engine"),
+    "ember:num_sequences_paused": ("num_paused", "Sequences the engine skips until their stream's reader catches up"),
     "ember:kv_cache_blocks_total": ("kv_blocks_total", "KV cache blocks in the pool"),
     "ember:kv_cache_blocks_used": ("kv_blocks_used", "KV cache blocks held by live sequences"),
     "ember:kv_cache_blocks_cached": ("kv_blocks_cached", "KV cache blocks no sequence holds that keep reusable prefixes"),
