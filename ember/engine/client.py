@@ -11,7 +11,8 @@ A request whose worker died is sent again once, from the start, with the same id
 its consumer allows (`may_retry`: nothing of it has reached the client yet). The replay's tokens
 that the consumer already has are checked against it and dropped, so the consumer sees one run;
 a replay that differs ends the request with an error rather than a wrong reply. Otherwise the
-request ends with EngineRestarted.
+request ends with EngineRestarted. A worker that holds work and sends nothing for the stall
+timeout (engine.watchdog) is killed here, and its requests are handled the same way.
 """
 
 from __future__ import annotations
@@ -36,7 +37,8 @@ from ember.engine.messages import (Abort, Add, Answer, EngineInfo, Fatal, MediaS
 from ember.engine.outputs import RequestTracker
 from ember.engine.stats import EngineCounters, EngineStats
 from ember.engine.streams import RequestStreams
-from ember.engine.supervisor import LoopBridge, Worker, WorkerSupervisor, kill_if_running
+from ember.engine.supervisor import LoopBridge, Worker, WorkerExit, WorkerSupervisor, kill_if_running
+from ember.engine.watchdog import DEFAULT_STALL_TIMEOUT_S, StallWatchdog
 from ember.errors import EngineRestarted, EngineUnavailable, InvalidRequest
 from ember.types import GenerationOutput, SamplingParams, StepOutput
 
@@ -112,7 +114,8 @@ class _Resubmission:
 class EngineClient:
     """engine.contract.Engine over a supervised worker process: the model runs elsewhere."""
 
-    def __init__(self, settings: WorkerSettings, tokenizer, env: dict[str, str] | None = None) -> None:
+    def __init__(self, settings: WorkerSettings, tokenizer, env: dict[str, str] | None = None,
+                 stall_timeout: float = DEFAULT_STALL_TIMEOUT_S) -> None:
         self.settings = settings
         self.tokenizer = tokenizer
         self.streams = RequestStreams(tokenizer)
@@ -132,6 +135,8 @@ class EngineClient:
         self._ready: asyncio.Event | None = None
         self._supervisor = WorkerSupervisor(settings, env, self._bridge, self._closing, on_ready=self._on_ready,
                                             retire=self._retire, on_lost=self._on_lost)
+        # 0: no watchdog (a hung worker then waits for its clients to give up)
+        self._watchdog = StallWatchdog(stall_timeout, self._holds_work, self._on_stall) if stall_timeout > 0 else None
 
     @property
     def worker_restarts(self) -> int:
@@ -154,6 +159,8 @@ class EngineClient:
             if self.status == "ok":
                 self._ready.set()
                 self._watch(self._supervisor.worker)
+            if self._watchdog is not None:
+                self._watchdog.start(self._bridge.loop)
 
         self._bridge.attach(attached)
 
@@ -163,6 +170,8 @@ class EngineClient:
         # The sockets are the event loop's: it sends the last message and drops its reader (none
         # may outlive its socket).
         self._bridge.run(self.send, Shutdown(), wait=timeout)
+        if self._watchdog is not None:
+            self._bridge.run(self._watchdog.stop, wait=timeout)
         worker = self._supervisor.stop(timeout)
         if worker is not None:
             self._bridge.run(self._unwatch, worker, wait=timeout)
@@ -217,7 +226,10 @@ class EngineClient:
             self._queries.pop(query_id, None)
 
     def health(self) -> dict:
-        return {"worker_pid": self.worker_pid, "worker_restarts": self.worker_restarts}
+        last = self._supervisor.last_exit
+        return {"worker_pid": self.worker_pid, "worker_restarts": self.worker_restarts,
+                "worker_exits": dict(self._supervisor.exits),
+                "last_worker_exit": {"cause": last.cause, "reason": last.reason} if last is not None else None}
 
     def send(self, message: msgspec.Struct) -> None:
         if self._push is None:
@@ -257,6 +269,8 @@ class EngineClient:
                 message = messages.from_worker.decode(pull.recv(zmq.NOBLOCK))
             except zmq.Again:
                 return
+            if self._watchdog is not None:
+                self._watchdog.progress()  # a Heartbeat says no more than this
             if type(message) is Outputs:
                 self._stats = message.stats
                 if message.cache is not None:
@@ -289,12 +303,30 @@ class EngineClient:
 
     # ---- the supervisor's callbacks (on the event loop once one is attached) -------------------
 
-    def _retire(self, worker: Worker) -> str | None:
-        """Take a dead worker's last messages and close its output socket; the fault it reported, if any."""
+    def _retire(self, worker: Worker) -> WorkerExit | None:
+        """Take a dead worker's last messages and close its output socket; why it stopped, when
+        this side knows (the watchdog killed it, or it reported a fault)."""
         self._read(worker)
         self._unwatch(worker)
         worker.pull.close(0)
-        return worker.fatal.message if worker.fatal is not None else None
+        if worker.stalled is not None:
+            return WorkerExit("stalled", worker.stalled)
+        return WorkerExit("fault", worker.fatal.message) if worker.fatal is not None else None
+
+    # ---- the watchdog's callbacks (on the event loop) -------------------------------------------
+
+    def _holds_work(self) -> bool:
+        return self.status == "ok" and not self._closing.is_set() and bool(self.streams.num_live or self._queries)
+
+    def _on_stall(self, silent: float) -> None:
+        """Kill the live worker: the supervisor restarts it as after a crash."""
+        worker = self._supervisor.worker
+        if worker is None or worker.stalled is not None or worker.process.poll() is not None:
+            return
+        worker.stalled = (f"the engine worker made no progress for {silent:.0f} s while it held work "
+                          f"(--worker-stall-timeout {self._watchdog.timeout:g}): killed")
+        logger.error("engine worker %d: %s", worker.process.pid, worker.stalled)
+        worker.process.kill()
 
     def _on_ready(self, worker: Worker) -> None:
         ready = worker.ready
@@ -302,6 +334,8 @@ class EngineClient:
         self.info, self.worker_pid = ready.info, ready.pid
         self._stats = ready.stats
         self.status = "ok"
+        if self._watchdog is not None:
+            self._watchdog.progress()  # a fresh worker's clock starts now
         if self._bridge.loop is not None and not self._closing.is_set():  # shutdown closes the sockets
             self._watch(worker)
         if self._ready is not None:
@@ -315,6 +349,7 @@ class EngineClient:
             self._base = {name: getattr(self.latest_stats, name) for name in _COUNTERS}
         self.worker_pid = None
         self.cached_blocks.clear()
+        self.streams.forget_pauses()
         self.status = "unavailable" if gave_up else "loading"
         if gave_up:
             self.failed = reason

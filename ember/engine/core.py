@@ -185,6 +185,10 @@ class EngineCore:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    def has_schedulable(self) -> bool:
+        """Some unfinished request is not paused: a step has work."""
+        return self.scheduler.has_schedulable()
+
     # ---- the step ------------------------------------------------------------------------------
 
     def step(self) -> list[StepOutput]:
@@ -324,6 +328,7 @@ class EngineCore:
             num_running=self.scheduler.num_running,
             num_waiting=self.scheduler.num_waiting,
             num_prefilling=self.scheduler.num_prefilling,
+            num_paused=self.scheduler.num_paused,
             kv_blocks_total=kv.num_blocks - 1,
             kv_blocks_used=kv.num_used_blocks,
             kv_blocks_cached=kv.num_cached_blocks,

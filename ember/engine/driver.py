@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Callable
 
-from ember.engine.messages import Abort, Add, Answer, Query, QueryKind
+from ember.engine.messages import Abort, Add, Answer, Pause, Query, QueryKind, Resume
 from ember.errors import EmberError
 from ember.types import FinishReason, StepOutput
 
@@ -24,7 +24,8 @@ class EngineDriver:
         self.core = core
         self.tokenizer = tokenizer
         self._constraints = None  # a grammar.realize.ConstraintBuilder, built when first needed
-        self._handlers: dict[type, Callable[[Any], list[StepOutput]]] = {Add: self.add, Abort: self.abort}
+        self._handlers: dict[type, Callable[[Any], list[StepOutput]]] = {
+            Add: self.add, Abort: self.abort, Pause: self.pause, Resume: self.resume}
         self._answers: dict[QueryKind, Callable[[Query], Any]] = {
             QueryKind.STATS: lambda query: core.stats(),
             QueryKind.CHECK_INVARIANTS: self._check_invariants,
@@ -42,7 +43,7 @@ class EngineDriver:
                                                         core.eos_token_ids)
         return self._constraints
 
-    def handle(self, message: Add | Abort) -> list[StepOutput]:
+    def handle(self, message: Add | Abort | Pause | Resume) -> list[StepOutput]:
         return self._handlers[type(message)](message)
 
     def admit(self, message: Add) -> None:
@@ -63,6 +64,14 @@ class EngineDriver:
     def abort(self, message: Abort) -> list[StepOutput]:
         """Final outputs of the live requests among `message.request_ids` (unknown ids are ignored)."""
         return self.core.abort(message.request_ids)
+
+    def pause(self, message: Pause) -> list[StepOutput]:
+        self.core.scheduler.pause(message.request_ids)
+        return []
+
+    def resume(self, message: Resume) -> list[StepOutput]:
+        self.core.scheduler.resume(message.request_ids)
+        return []
 
     def abort_all(self) -> list[StepOutput]:
         return self.core.abort(list(self.core.scheduler.requests))

@@ -1,7 +1,7 @@
 """The in-process asyncio engine: the core runs in a thread of this process.
 
 The front end's event loop never waits on model work. It sends the engine worker's own messages
-(Add, Abort, Shutdown: engine.messages) and CallInEngine into the engine thread's inbox, which
+(Add, Abort, Pause, Resume, Shutdown: engine.messages) and CallInEngine into the engine thread's inbox, which
 applies them as the worker does (engine.driver); step outputs come back through
 `loop.call_soon_threadsafe`. Detokenizing and stop strings happen on the front end's side
 (engine.streams). The server runs its engine in a supervised worker process instead
@@ -23,7 +23,7 @@ from typing import Any, AsyncIterator, Callable, TypeVar
 from ember.constraint_spec import ConstraintSpec
 from ember.engine.core import EngineCore
 from ember.engine.driver import EngineDriver
-from ember.engine.messages import Abort, Add, EngineInfo, MediaSpan, Shutdown, engine_info
+from ember.engine.messages import Abort, Add, EngineInfo, MediaSpan, Pause, Resume, Shutdown, engine_info
 from ember.engine.streams import RequestStreams
 from ember.errors import EngineUnavailable
 from ember.types import FinishReason, GenerationOutput, SamplingParams, StepOutput
@@ -149,7 +149,7 @@ class AsyncEngine:
         core, driver = self.core, self.driver
         while True:
             try:
-                message = self._inbox.get(block=not core.has_unfinished())
+                message = self._inbox.get(block=not core.has_schedulable())
             except queue.Empty:
                 message = None
             outputs: list[StepOutput] = []
@@ -165,7 +165,7 @@ class AsyncEngine:
                     message = None
             self.latest_stats = core.stats()
             self._send(outputs)
-            if not core.has_unfinished():
+            if not core.has_schedulable():
                 continue
             try:
                 outputs = core.step()
@@ -180,7 +180,7 @@ class AsyncEngine:
         if outputs:
             self._loop.call_soon_threadsafe(self.streams.deliver, outputs)
 
-    def _handle(self, message: Add | Abort) -> list[StepOutput]:
+    def _handle(self, message: Add | Abort | Pause | Resume) -> list[StepOutput]:
         if self.failed and type(message) is Add:
             return [StepOutput(message.request_id, [], None, FinishReason.ERROR, len(message.prompt_token_ids), 0,
                                error=self.failed)]

@@ -5,6 +5,7 @@ the engine worker it launches first (a restarted worker runs clean, unless `alwa
 
     kill@N     the worker kills itself with SIGKILL as its N-th model step begins
     raise@N    the N-th model step raises, as a device fault would
+    hang@N     the N-th model step never ends, as a stuck kernel or a deadlocked collective would
     exit@load  the worker exits while loading
     ...,always every worker, restarted ones included (a fault loop)
 """
@@ -13,10 +14,11 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 from dataclasses import dataclass
 
 ENV_VAR = "EMBER_INJECT_FAULT"
-KINDS = ("kill", "raise", "exit")
+KINDS = ("kill", "raise", "hang", "exit")
 
 
 class InjectedFault(RuntimeError):
@@ -34,7 +36,7 @@ class FaultPlan:
         spec, _, flag = text.partition(",")
         kind, _, where = spec.partition("@")
         if kind not in KINDS or flag not in ("", "always") or not where:
-            raise ValueError(f"{ENV_VAR}={text!r}: expected kill@N, raise@N or exit@load, optionally ',always'")
+            raise ValueError(f"{ENV_VAR}={text!r}: expected kill@N, raise@N, hang@N or exit@load, optionally ',always'")
         if kind == "exit":
             if where != "load":
                 raise ValueError(f"{ENV_VAR}={text!r}: exit happens only @load")
@@ -54,3 +56,5 @@ class FaultPlan:
             os.kill(os.getpid(), signal.SIGKILL)
         if self.kind == "raise":
             raise InjectedFault(f"injected device fault at step {step}")
+        while self.kind == "hang":  # until the front end's watchdog kills the process
+            time.sleep(3600)

@@ -4,12 +4,14 @@ Every message is a typed msgspec Struct, tagged by its class name, sent as msgpa
 sockets (ember.engine.client, ember.engine.worker). Nothing here is a live object: tcp:// reaches
 a worker on another host as well as ipc:// one on this host.
 
-    front end -> worker   Add, Abort, Query, Shutdown (AsyncEngine's thread takes the same Add,
-                          Abort and Shutdown through a queue, and applies them the same way:
-                          engine.driver)
+    front end -> worker   Add, Abort, Pause, Resume, Query, Shutdown (AsyncEngine's thread takes
+                          the same Add, Abort, Pause, Resume and Shutdown through a queue, and
+                          applies them the same way: engine.driver)
     worker -> front end   Ready (once loaded), Outputs (after each step, with the statistics
                           and, for a data-parallel router, the changes to its prefix cache),
-                          Answer (to a Query), Fatal (the worker cannot go on; it exits after it)
+                          Answer (to a Query), Heartbeat (while it has nothing to step: the
+                          front end's watchdog counts it as progress), Fatal (the worker cannot
+                          go on; it exits after it)
 """
 
 from __future__ import annotations
@@ -58,6 +60,17 @@ class Add(msgspec.Struct, tag=True):
 
 
 class Abort(msgspec.Struct, tag=True):
+    request_ids: list[str]
+
+
+class Pause(msgspec.Struct, tag=True):
+    """Stop stepping these requests (their consumers have too much unread: engine.backlog); they
+    keep their blocks, and may be preempted like any other request."""
+
+    request_ids: list[str]
+
+
+class Resume(msgspec.Struct, tag=True):
     request_ids: list[str]
 
 
@@ -123,6 +136,10 @@ class Outputs(msgspec.Struct, tag=True):
     cache: CacheChanges | None = None
 
 
+class Heartbeat(msgspec.Struct, tag=True):
+    """The worker waits for messages with nothing to step: it is alive (engine.watchdog)."""
+
+
 class Answer(msgspec.Struct, tag=True):
     query_id: int
     value: Any = None
@@ -154,8 +171,8 @@ class WorkerSettings(msgspec.Struct):
     report_cache_changes: bool = False  # send CacheChanges with each Outputs (a data-parallel router)
 
 
-ToWorker = Add | Abort | Query | Shutdown
-FromWorker = Ready | Outputs | Answer | Fatal
+ToWorker = Add | Abort | Pause | Resume | Query | Shutdown
+FromWorker = Ready | Outputs | Answer | Heartbeat | Fatal
 
 _encoder = msgspec.msgpack.Encoder()
 to_worker = msgspec.msgpack.Decoder(ToWorker)

@@ -186,8 +186,8 @@ class EngineRouter:
         workers = []
         for index, client in enumerate(self.clients):
             stats = client.latest_stats
-            workers.append({"worker": index, "status": client.status, "worker_pid": client.worker_pid,
-                            "worker_restarts": client.worker_restarts, "requests_running": self.running[index],
+            workers.append({"worker": index, "status": client.status, **client.health(),
+                            "requests_running": self.running[index],
                             "requests_routed": self.routed[index],
                             "routed_cached_tokens": self.cached_tokens_routed[index],
                             "cached_blocks": len(client.cached_blocks),

@@ -14,6 +14,10 @@ priority, the least important first, when that makes the room; the victims wait 
 resume from what they had (their tokens are kept and their prompt blocks usually come back from
 the prefix cache).
 
+A paused request (its stream's reader is behind: engine.backlog) is skipped while running: it
+keeps its blocks and takes no budget, and under memory pressure it is preempted like any other.
+Preempted, it waits in the queue as usual and is admitted again, then skipped.
+
 A chunk never ends inside a request's bidirectional span (one image's tokens on Gemma 3;
 Request.computable): it ends before the span, or covers it whole, past the budget if need be,
 its KV blocks allocated for all of it. A prefix-cache hit that ends inside a span (its cached
@@ -84,6 +88,7 @@ class Scheduler:
         self.kv_cache = kv_cache
         self.requests: dict[str, Request] = {}  # every unfinished request
         self.running: list[Request] = []
+        self.paused: set[str] = set()  # ids of unfinished requests steps skip
         self._attention_cost_tokens: int | None = None  # this step's K: the config's while a request decodes
         self.waiting = WaitingQueue(config.background_wait_steps)
         self.num_steps = 0  # schedule() calls so far
@@ -100,8 +105,22 @@ class Scheduler:
     def num_waiting(self) -> int:
         return len(self.requests) - len(self.running)
 
+    @property
+    def num_paused(self) -> int:
+        return len(self.paused)
+
     def has_unfinished(self) -> bool:
         return bool(self.requests)
+
+    def has_schedulable(self) -> bool:
+        return len(self.requests) > len(self.paused)  # paused is a subset of requests
+
+    def pause(self, request_ids: Iterable[str]) -> None:
+        """Skip these requests' steps until resumed (unknown or finished ids are ignored)."""
+        self.paused.update(request_id for request_id in request_ids if request_id in self.requests)
+
+    def resume(self, request_ids: Iterable[str]) -> None:
+        self.paused.difference_update(request_ids)
 
     def get_request(self, request_id: str) -> Request | None:
         return self.requests.get(request_id)
@@ -118,7 +137,8 @@ class Scheduler:
         self.waiting.promote_due(self.num_steps)
         scheduled: list[ScheduledRequest] = []
         preempted: list[Request] = []
-        decoding = any(r.num_tokens - r.num_computed_tokens == 1 for r in self.running)
+        decoding = any(r.num_tokens - r.num_computed_tokens == 1 and r.request_id not in self.paused
+                       for r in self.running)
         self._attention_cost_tokens = self.config.attention_cost_tokens if decoding else None
         # Decodes first (a long prompt never holds back the next token of a request that is already
         # streaming), then foreground prompts still prefilling, then waiting foreground requests,
@@ -143,8 +163,8 @@ class Scheduler:
     def _schedule_running(self, budget: float, requests: list[Request], scheduled: list[ScheduledRequest],
                           preempted: list[Request]) -> float:
         for request in requests:
-            if request.status is not RequestStatus.RUNNING:
-                continue  # preempted earlier in this step
+            if request.status is not RequestStatus.RUNNING or request.request_id in self.paused:
+                continue  # preempted earlier in this step, or paused
             start = request.num_computed_tokens
             owed = request.num_tokens - start
             if budget <= 0 and owed > 1:
@@ -296,6 +316,7 @@ class Scheduler:
         request.finish_reason = status.finish_reason
         self.kv_cache.free(request)
         del self.requests[request.request_id]
+        self.paused.discard(request.request_id)
 
     def _preempt(self, request: Request, scheduled: list[ScheduledRequest]) -> float:
         """Send a running request back to wait, its KV dropped; returns the budget it was paid this step."""

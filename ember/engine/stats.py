@@ -60,6 +60,7 @@ class EngineStats:
     spec_rounds: int
     spec_proposed_tokens: int
     spec_accepted_tokens: int
+    num_paused: int = 0  # unfinished requests that steps skip: their streams' readers are behind (engine.backlog)
     # the tiers behind the pool that are on, by name ("host", "disk"): CacheTiers.stats()
     cache_tiers: dict[str, dict] = field(default_factory=dict)
 

@@ -6,7 +6,8 @@ WorkerSettings and reads what the worker sends while it loads (Ready or Fatal). 
 handed to the front end (`on_ready`), which reads its messages from then on; the thread then only
 waits for the process to end (a crash, SIGKILL, running out of memory, a fatal step), has the front
 end take the dead worker's last messages (`retire`), and starts the next one, on fresh sockets so
-nothing queued for the dead one reaches it. Three deaths within a minute of starting is a fault
+nothing queued for the dead one reaches it. A worker the front end's watchdog found stalled
+(engine.watchdog) is killed there and comes back through this same path. Three deaths within a minute of starting is a fault
 loop: the supervisor then gives up (`on_lost(reason, gave_up=True)`) instead of restarting forever.
 
 The front end's callbacks run on its event loop once one is attached, and on this thread before
@@ -61,7 +62,18 @@ class Worker:
     pull: zmq.Socket
     ready: Ready | None = None
     fatal: Fatal | None = None  # its last word, if it reported a fault
+    stalled: str | None = None  # why the front end killed it for making no progress
     watched: bool = False  # the event loop has a reader on `pull`
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerExit:
+    """Why a worker stopped. `cause`: "crashed" (a signal or an exit status, named in `reason`),
+    "fault" (it reported one: a step raised), "stalled" (killed for making no progress), or
+    "load" (a restarted worker failed to load)."""
+
+    cause: str
+    reason: str
 
 
 class _LoadFailed(Exception):
@@ -131,18 +143,20 @@ class LoopBridge:
 class WorkerSupervisor:
     """Starts and restarts one engine worker. The front end's callbacks (run through `bridge`):
     `on_ready(worker)` when a worker serves, `retire(worker)` to take a dead one's last messages
-    and close its output socket (returning the fault it reported, if any), and
-    `on_lost(reason, gave_up)` when it is gone."""
+    and close its output socket (returning why it stopped, when the front end knows: a fault it
+    reported, a stall), and `on_lost(reason, gave_up)` when it is gone."""
 
     def __init__(self, settings: WorkerSettings, env: dict[str, str] | None, bridge: LoopBridge,
                  closing: threading.Event, *, on_ready: Callable[[Worker], None],
-                 retire: Callable[[Worker], str | None], on_lost: Callable[[str, bool], None]) -> None:
+                 retire: Callable[[Worker], WorkerExit | None], on_lost: Callable[[str, bool], None]) -> None:
         self.settings = settings
         self.env = env  # the worker process's environment (None: this one's)
         self.bridge = bridge
         self.closing = closing
         self.worker: Worker | None = None  # the live (or last) worker
         self.restarts = 0
+        self.last_exit: WorkerExit | None = None
+        self.exits: dict[str, int] = {}  # workers stopped, by cause
         self.context = zmq.Context()
         self._on_ready, self._retire, self._on_lost = on_ready, retire, on_lost
         self._addresses = IpcAddresses()
@@ -184,7 +198,7 @@ class WorkerSupervisor:
                     self._first.set_exception(ModelLoadError(str(exc), param=fatal.param if fatal else None,
                                                              code=fatal.code if fatal else None))
                     return
-                if self.closing.is_set() or self._record_death(str(exc), lived=0.0):
+                if self.closing.is_set() or self._record_death(WorkerExit("load", str(exc)), lived=0.0):
                     return
                 continue
             self.worker = worker
@@ -197,18 +211,22 @@ class WorkerSupervisor:
             if self.closing.is_set():
                 return
             self.closing.wait(_LAST_WORDS_S)
-            reason = self.bridge.run(self._retire, worker) or _describe_exit(worker.process.returncode)
+            ended = self.bridge.run(self._retire, worker) or WorkerExit("crashed",
+                                                                        _describe_exit(worker.process.returncode))
             if self.closing.is_set():
                 return
-            logger.error("the engine worker (pid %d) stopped: %s", worker.process.pid, reason)
-            if self._record_death(reason, lived=time.monotonic() - ready_at):
+            logger.error("the engine worker (pid %d) stopped: %s", worker.process.pid, ended.reason)
+            if self._record_death(ended, lived=time.monotonic() - ready_at):
                 return
             self.restarts += 1
             logger.warning("starting the engine worker again (restart %d)", self.restarts)
 
-    def _record_death(self, reason: str, lived: float) -> bool:
+    def _record_death(self, ended: WorkerExit, lived: float) -> bool:
         """Note a death after `lived` seconds of serving; True when it completes a fault loop
         (the supervisor then gives up)."""
+        self.last_exit = ended
+        self.exits[ended.cause] = self.exits.get(ended.cause, 0) + 1
+        reason = ended.reason
         count, window = _FAULT_LOOP
         self._quick_deaths = self._quick_deaths + 1 if lived < window else 1
         gave_up = self._quick_deaths >= count

@@ -3,7 +3,8 @@
 Started by ember.engine.client as `python -m ember.engine.worker IN OUT`: it connects a PULL socket
 to IN and a PUSH socket to OUT (the front end binds both), reads its WorkerSettings, loads the
 model, says Ready, then runs: take every waiting message, run one step when work is live, send
-the step's outputs with the engine's statistics. A fault in a step is Fatal: the worker reports it
+the step's outputs with the engine's statistics. While it waits with nothing to step it sends a
+Heartbeat every half second, so the front end's watchdog (engine.watchdog) knows it is alive. A fault in a step is Fatal: the worker reports it
 and exits, and the front end starts a fresh one (a device in an unknown state is not reused).
 The worker exits with its parent, never orphaned.
 """
@@ -21,13 +22,14 @@ import zmq
 from ember.engine import messages
 from ember.engine.parent_death import die_with_parent
 from ember.engine.driver import EngineDriver
-from ember.engine.messages import CacheChanges, Fatal, Outputs, Query, Ready, Shutdown, WorkerSettings
+from ember.engine.messages import CacheChanges, Fatal, Heartbeat, Outputs, Query, Ready, Shutdown, WorkerSettings
 from ember.errors import EmberError
 from ember.types import SamplingParams, StepOutput
 
 logger = logging.getLogger("ember.worker")
+_HEARTBEAT = messages.encode(Heartbeat())
 
-_IDLE_POLL_MS = 500  # how often an idle worker checks that its parent is alive
+_IDLE_POLL_MS = 500  # how often an idle worker checks that its parent is alive and sends a heartbeat
 
 
 def load_engine(settings: WorkerSettings) -> EngineDriver:
@@ -78,12 +80,13 @@ class Worker:
     def serve(self) -> None:
         core, driver = self.core, self.driver
         while True:
-            if not core.has_unfinished():
+            if not core.has_schedulable():
                 while not self.inbox.poll(_IDLE_POLL_MS):
                     if os.getppid() != self.parent:
                         return  # the front end is gone
                     if core.group is not None:
                         core.group.heartbeat()  # raises when a rank is gone: the group restarts
+                    self.outbox.send(_HEARTBEAT)
             outputs: list[StepOutput] = []
             while True:
                 try:
@@ -97,7 +100,7 @@ class Worker:
                     self.outbox.send(messages.encode(driver.answer(message)))
                 else:
                     outputs += driver.handle(message)
-            if core.has_unfinished():
+            if core.has_schedulable():
                 self.num_model_steps += 1
                 if self.fault is not None:
                     self.fault.at_step(self.num_model_steps)

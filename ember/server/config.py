@@ -6,6 +6,7 @@ import ipaddress
 from dataclasses import dataclass, field
 
 from ember.config import EngineConfig
+from ember.engine.watchdog import DEFAULT_STALL_TIMEOUT_S
 from ember.media.limits import MediaLimits
 from ember.media.sources import ImageFetching
 from ember.protocols.neutral import DEFAULT_MAX_MESSAGES, DEFAULT_MAX_TOTAL_INPUT_TOKENS
@@ -57,6 +58,8 @@ class ServerConfig:
     engine_worker: bool = True  # the engine in a supervised worker process; False: a thread of this one
     drain_timeout: float = 30.0  # seconds running requests may finish after SIGTERM / Ctrl-C
     stalled_client_timeout: float = 30.0  # seconds a stream may wait for its client to read; 0: no limit
+    # seconds an engine worker holding work may send nothing before it is killed and restarted; 0: never
+    worker_stall_timeout: float = DEFAULT_STALL_TIMEOUT_S
     inject_fault: str | None = None  # tests only: ember.engine.faults (from EMBER_INJECT_FAULT)
     data_parallel_size: int = 1  # engine workers behind a prefix-aware router (ember.engine.router)
     media_limits: MediaLimits = field(default_factory=MediaLimits)  # what a request's images may take
@@ -96,6 +99,8 @@ class ServerConfig:
         if self.stalled_client_timeout < 0:
             raise ValueError(f"--stalled-client-timeout must be 0 (off) or more seconds, got "
                              f"{self.stalled_client_timeout}")
+        if self.worker_stall_timeout < 0:
+            raise ValueError(f"--worker-stall-timeout must be 0 (off) or more seconds, got {self.worker_stall_timeout}")
         if self.max_images_encoding < 1:
             raise ValueError(f"--max-images-encoding must be at least 1, got {self.max_images_encoding}")
         if self.log_stats_interval < 0:

@@ -16,6 +16,7 @@ import os
 from ember.config import (KV_DTYPES, MAX_DRAFT_TOKENS, MAX_TUNED_DRAFT_TOKENS, SPECULATION_MODES, EngineConfig,
                           SpeculativeConfig)
 from ember.engine.faults import ENV_VAR as FAULT_ENV_VAR, FaultPlan
+from ember.engine.watchdog import DEFAULT_STALL_TIMEOUT_S
 from ember.media.limits import (DEFAULT_MAX_IMAGE_MB, DEFAULT_MAX_IMAGE_SIDE, DEFAULT_MAX_IMAGES, DEFAULT_MEDIA_BUDGET_MB,
                                 MediaLimits)
 from ember.media.sources import DEFAULT_FETCH_TIMEOUT_S, ImageFetching
@@ -247,6 +248,11 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     engine.add_argument("--stalled-client-timeout", type=float, default=30.0, metavar="SECONDS",
                         help="end a stream whose client has read nothing for this long, freeing its batch slot "
                              "and KV blocks (default 30; 0: never)")
+    engine.add_argument("--worker-stall-timeout", type=float, default=DEFAULT_STALL_TIMEOUT_S, metavar="SECONDS",
+                        help="kill and restart an engine worker that holds work and has finished no step for this "
+                             "long (a stuck kernel, a stopped process, a deadlocked collective); its requests are "
+                             "retried or ended as after a crash (default "
+                             f"{DEFAULT_STALL_TIMEOUT_S:g}, far above a long prefill chunk on a slow CPU; 0: never)")
     images = p.add_argument_group("images (vision models: SmolVLM / Idefics3, Gemma 3)")
     images.add_argument("--no-vision", action="store_true",
                         help="serve a vision model as text only: its vision tower is not loaded and image parts get "
@@ -374,7 +380,8 @@ def build_config(args: argparse.Namespace, environ=os.environ) -> ServerConfig:
         no_thinking=args.no_thinking, reasoning_effort=args.reasoning_effort, preserve_thinking=args.preserve_thinking,
         sampling_flags=sampling_flags, override_generation_config=args.override_generation_config,
         strict_fields=args.strict_fields, engine_worker=not args.no_engine_worker, drain_timeout=args.drain_timeout,
-        stalled_client_timeout=args.stalled_client_timeout, inject_fault=fault,
+        stalled_client_timeout=args.stalled_client_timeout, worker_stall_timeout=args.worker_stall_timeout,
+        inject_fault=fault,
         data_parallel_size=args.data_parallel_size, media_limits=media_limits(args),
         image_fetching=ImageFetching(args.image_urls, args.image_fetch_timeout),
         max_images_encoding=args.max_images_encoding, engine=engine)

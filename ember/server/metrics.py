@@ -31,6 +31,7 @@ _ROUTE_LABELS = {"/health": "health", "/v1/health": "health", "/healthz": "healt
 ENGINE_GAUGES = {
     "ember:num_sequences_running": ("num_running", "Sequences the engine is running (a request with n choices runs n)"),
     "ember:num_sequences_waiting": ("num_waiting", "Sequences waiting inside the engine"),
+    "ember:num_sequences_paused": ("num_paused", "Sequences the engine skips until their stream's reader catches up"),
     "ember:kv_cache_blocks_total": ("kv_blocks_total", "KV cache blocks in the pool"),
     "ember:kv_cache_blocks_used": ("kv_blocks_used", "KV cache blocks held by live sequences"),
     "ember:kv_cache_blocks_cached": ("kv_blocks_cached", "KV cache blocks no sequence holds that keep reusable prefixes"),
@@ -102,6 +103,7 @@ class LiveCollector:
         if "worker_restarts" in self.worker:
             yield CounterMetricFamily("ember:engine_worker_restarts", "Times the engine worker was started again "
                                       "after a fault", value=self.worker["worker_restarts"])
+            yield _exit_metric([((), self.worker["worker_exits"])], ())
         if self.engine_stats:
             yield from _engine_metrics([((), self.engine_stats)], ())
 
@@ -145,6 +147,18 @@ def _tier_metrics(snapshots: list[tuple[tuple[str, ...], dict[str, Any]]], label
         yield family(CounterMetricFamily, name, text, key)
 
 
+def _exit_metric(exits: list[tuple[tuple[str, ...], dict[str, int]]], labels: tuple[str, ...]) -> Metric:
+    """Engine workers stopped, by cause (engine.supervisor.WorkerExit), one sample per (label values, cause)."""
+    metric = CounterMetricFamily("ember:engine_worker_exits", "Engine workers that stopped, by cause: crashed (a "
+                                 "signal or exit status), fault (a step raised), stalled (no progress for "
+                                 "--worker-stall-timeout: killed), load (a restart failed to load)",
+                                 labels=labels + ("cause",))
+    for label_values, by_cause in exits:
+        for cause, count in sorted(by_cause.items()):
+            metric.add_metric(label_values + (cause,), count)
+    return metric
+
+
 def _worker_metrics(workers: list[dict[str, Any]]) -> Iterator[Metric]:
     """Under data parallelism (engine.router): each worker's process, routing and engine metrics,
     labelled worker="0", "1", ..."""
@@ -158,6 +172,7 @@ def _worker_metrics(workers: list[dict[str, Any]]) -> Iterator[Metric]:
     yield family(GaugeMetricFamily, "ember:engine_worker_pid", "Process id of the engine worker", "worker_pid")
     yield family(CounterMetricFamily, "ember:engine_worker_restarts",
                  "Times the engine worker was started again after a fault", "worker_restarts")
+    yield _exit_metric([((str(worker["worker"]),), worker["worker_exits"]) for worker in workers], ("worker",))
     up = GaugeMetricFamily("ember:engine_worker_up", "1 while the engine worker serves, else 0", labels=("worker",))
     for worker in workers:
         up.add_metric((str(worker["worker"]),), 1 if worker["status"] == "ok" else 0)

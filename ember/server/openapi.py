@@ -207,6 +207,10 @@ HEALTH = {
                                   "null while it starts again."},
                    "worker_restarts": {**_INTEGER, "description": "Times the engine worker was started again "
                                        "(summed over the workers under data parallelism)."},
+                   "last_worker_exit": {"type": ["object", "null"], "description": "Why the last engine worker "
+                                        "stopped: cause (crashed, fault, stalled, load) and reason; null before "
+                                        "any did."},
+                   "worker_exits": {"type": "object", "description": "Engine workers that stopped, by cause."},
                    "workers": {"type": "array", "items": {"type": "object"}, "description": "Data parallelism only: "
                                "each worker's status, process, restarts, routing counts and engine numbers."},
                    "streams": {"type": "object", "description": "Engine sequences decoding and prefilling, and the "

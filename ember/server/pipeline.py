@@ -39,6 +39,9 @@ class ChoiceRun:
     Choice 0 starts first; when the choices share one prompt, the others start once it has produced
     a token, when its prompt is in the prefix cache for them to share (a batch starts them all). `stop` ends the run from outside (server shutdown).
     With `report_progress`, choice 0 also yields prefill progress outputs (no tokens) first.
+    The choices run at most one output each ahead of the consumer: the rest wait in the engine's
+    stream, where a consumer that stops (a client that reads nothing) has its request paused
+    (engine.backlog).
     """
 
     def __init__(self, engine, prompts: list[list[int]], params: list[SamplingParams], request_id: str,
@@ -56,6 +59,7 @@ class ChoiceRun:
         self.shared_prompt = all(p is prompts[0] for p in prompts)
         self.delivered = False  # some of the reply reached the client: it can no longer run again
         self._queue: asyncio.Queue = asyncio.Queue()
+        self._room = asyncio.Semaphore(len(params))  # outputs queued ahead of the consumer
         self._tasks: list[asyncio.Task] = []
 
     async def _pump(self, index: int) -> None:
@@ -70,6 +74,7 @@ class ChoiceRun:
         try:
             async for output in self.engine.generate(self.prompts[index], self.params[index], request_id=request_id,
                                                      may_retry=self.may_retry, **extra):
+                await self._room.acquire()
                 self._queue.put_nowait((index, output, None))
         except Exception as exc:
             self._queue.put_nowait((index, None, exc))
@@ -92,6 +97,8 @@ class ChoiceRun:
         unfinished = len(self.params)
         while unfinished:
             index, output, error = await self._queue.get()
+            if output is not None:
+                self._room.release()
             if self.on_first_output is not None:
                 self.on_first_output()
                 self.on_first_output = None

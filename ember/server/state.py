@@ -106,10 +106,10 @@ def _make_engine(config: ServerConfig, source) -> Engine:
                               config.chat_template, config.engine, logging.getLogger().getEffectiveLevel(),
                               config.inject_fault)
     if config.data_parallel_size == 1:
-        return EngineClient(settings, source.tokenizer)
+        return EngineClient(settings, source.tokenizer, stall_timeout=config.worker_stall_timeout)
     from ember.engine.router import EngineRouter, replica_launches
 
-    return EngineRouter([EngineClient(replica, source.tokenizer, env)
+    return EngineRouter([EngineClient(replica, source.tokenizer, env, config.worker_stall_timeout)
                          for replica, env in replica_launches(settings, config.data_parallel_size)])
 
 

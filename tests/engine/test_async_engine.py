@@ -6,6 +6,7 @@ import threading
 import pytest
 
 from ember import SamplingParams
+from ember.engine.backlog import MAX_UNREAD_TOKENS
 from ember.engine.engine import AsyncEngine
 from ember.errors import ContextLengthExceeded
 
@@ -100,3 +101,34 @@ def test_published_statistics_are_current_after_each_step_and_readable_while_the
     before, during = asyncio.run(main())
     assert during.generation_tokens == before + 12
     assert during.num_running == 0 and during.kv_blocks_used == 0
+
+
+def test_a_consumer_that_stops_reading_has_its_request_paused_until_it_reads_again(llm):
+    prompt = llm.tokenizer.encode("Count to a thousand:")
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_UNREAD_TOKENS + 64, ignore_eos=True)
+    expected = llm.generate([prompt], params)[0].token_ids
+    generated_before = llm.engine.stats().generation_tokens
+
+    async def main():
+        engine = AsyncEngine(llm.engine, llm.tokenizer)
+        engine.start()
+        stream = engine.generate(prompt, params)
+        tokens = list((await stream.__anext__()).new_token_ids)  # then it reads nothing for a while
+        for _ in range(30000):  # a liveness bound, not a timing
+            paused = await engine.call(lambda core: core.stats())
+            if paused.num_paused:
+                break
+            await asyncio.sleep(0.01)
+        again = await engine.call(lambda core: core.stats())  # a later look, between other steps
+        async for out in stream:
+            tokens += out.new_token_ids
+        after = await engine.call(lambda core: core.stats())
+        engine.shutdown()
+        return paused, again, tokens, out, after
+
+    paused, again, tokens, last, after = asyncio.run(main())
+    assert paused.num_paused == 1 and paused.kv_blocks_used > 0  # paused, its blocks kept
+    assert again.generation_tokens == paused.generation_tokens  # no step of it meanwhile
+    assert paused.generation_tokens - generated_before < params.max_tokens
+    assert tokens == expected and last.finished  # resumed where it stopped: the same reply
+    assert after.num_paused == 0 and after.kv_blocks_used == 0

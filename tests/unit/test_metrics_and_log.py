@@ -105,7 +105,7 @@ def test_sampling_summary_counts_stop_strings_without_showing_them():
 
 def _stats(**values):
     base = dict(prompt_tokens=0, generation_tokens=0, prefix_cache_queries=0, prefix_cache_hits=0, num_preemptions=0,
-                prefill_seconds=0.0, decode_seconds=0.0, num_running=0, num_waiting=0, kv_blocks_used=0,
+                prefill_seconds=0.0, decode_seconds=0.0, num_running=0, num_waiting=0, num_paused=0, kv_blocks_used=0,
                 kv_blocks_total=100, spec_rounds=0, spec_proposed_tokens=0, spec_accepted_tokens=0, cache_tiers={})
     return {**base, **values}
 
@@ -183,13 +183,16 @@ def test_metrics_expose_each_cache_tier_by_label():
 
 def test_metrics_label_each_workers_tiers_under_data_parallelism():
     worker = {"status": "ok", "worker_pid": 10, "worker_restarts": 0, "requests_running": 0, "requests_routed": 1,
-              "routed_cached_tokens": 0, "cached_blocks": 0}
+              "routed_cached_tokens": 0, "cached_blocks": 0, "worker_exits": {}}
     workers = [{**worker, "worker": 0, "stats": _engine_stats({"host": _tier_stats(bytes=100)})},
-               {**worker, "worker": 1, "stats": _engine_stats({"host": _tier_stats(bytes=200)})}]
+               {**worker, "worker": 1, "stats": _engine_stats({"host": _tier_stats(bytes=200)}),
+                "worker_restarts": 1, "worker_exits": {"stalled": 1}}]
     text = Metrics().render(SimpleNamespace(num_running=0, num_waiting=0), None, {"workers": workers}).decode()
     samples = metric_samples(text)
     assert samples[("ember:kv_cache_tier_bytes", (("tier", "host"), ("worker", "0")))] == 100
     assert samples[("ember:kv_cache_tier_bytes", (("tier", "host"), ("worker", "1")))] == 200
+    assert samples[("ember:engine_worker_exits_total", (("cause", "stalled"), ("worker", "1")))] == 1
+    assert not any(name == "ember:engine_worker_exits_total" and ("worker", "0") in labels for name, labels in samples)
 
 
 def test_health_names_the_tiers_fields_with_zeros_for_those_off():

@@ -396,3 +396,61 @@ def test_a_long_context_chunk_is_cut_to_its_cost_and_decodes_go_first(make_sched
     output, _ = step(scheduler)  # no stream left to protect: the prompt goes on in full-budget chunks
     assert [c[0] for c in chunks(output)] == ["long"] and chunks(output)[0][2] == 32
     scheduler.finish_requests(["long"], RequestStatus.FINISHED_ABORTED)
+
+
+def test_a_paused_request_keeps_its_blocks_and_takes_no_step_until_resumed(make_scheduler):
+    scheduler = make_scheduler()
+    reader = make_request("reader", range(5), max_tokens=8)
+    stalled = make_request("stalled", range(100, 105), max_tokens=8)
+    scheduler.add_request(reader)
+    scheduler.add_request(stalled)
+    step(scheduler)
+    held = list(stalled.block_ids)
+
+    scheduler.pause(["stalled", "nobody"])  # an unknown id is ignored
+    assert scheduler.paused == {"stalled"} and scheduler.num_paused == 1 and scheduler.has_schedulable()
+    for _ in range(3):
+        output, _ = step(scheduler)
+        assert chunks(output) == [("reader", reader.num_computed_tokens - 1, 1)]
+    assert stalled.num_output_tokens == 1 and stalled.block_ids == held and stalled.status is RequestStatus.RUNNING
+    assert reader.num_output_tokens == 4
+
+    scheduler.resume(["stalled"])
+    output, _ = step(scheduler)
+    assert sorted(chunks(output)) == [("reader", 8, 1), ("stalled", 5, 1)]
+    assert stalled.num_output_tokens == 2 and not scheduler.paused
+
+
+def test_only_paused_requests_left_means_nothing_to_schedule(make_scheduler):
+    scheduler = make_scheduler()
+    scheduler.add_request(make_request("a", range(5)))
+    step(scheduler)
+    scheduler.pause(["a"])
+    assert scheduler.has_unfinished() and not scheduler.has_schedulable()
+    assert step(scheduler)[0].scheduled == []
+
+
+def test_a_paused_request_that_is_aborted_frees_its_blocks_and_leaves_the_paused_set(make_scheduler):
+    scheduler = make_scheduler()
+    scheduler.add_request(make_request("a", range(9)))
+    step(scheduler)
+    scheduler.pause(["a"])
+    assert scheduler.kv_cache.num_used_blocks == 3
+    scheduler.finish_requests(["a"], RequestStatus.FINISHED_ABORTED)
+    assert scheduler.kv_cache.num_used_blocks == 0 and not scheduler.paused and not scheduler.has_schedulable()
+    scheduler.pause(["a"])  # finished: ignored
+    assert not scheduler.paused
+
+
+def test_a_paused_request_is_preempted_like_any_other_when_memory_runs_short(make_scheduler):
+    scheduler = make_scheduler(num_blocks=5)  # blocks 1..4
+    first = make_request("first", range(7), max_tokens=4)
+    paused = make_request("paused", range(100, 107), max_tokens=4)
+    scheduler.add_request(first)
+    scheduler.add_request(paused)
+    step(scheduler)
+    scheduler.pause(["paused"])
+    step(scheduler)  # first reaches 8 tokens; paused stays at 7
+    output, _ = step(scheduler)  # first's 9th token needs a third block: the later arrival gives way
+    assert output.preempted == [paused] and paused.block_ids == [] and paused.status is RequestStatus.PREEMPTED
+    assert scheduler.paused == {"paused"}  # still paused while it waits
