@@ -1,6 +1,11 @@
 """Embedding throughput: ember's engine against sentence-transformers on the same model, in one run.
 
-    python bench/embeddings.py [--passages 1000] [--tokens 128] [--dtype float32|bfloat16] [--model FOLDER]
+    python bench/embeddings.py [--passages 1000] [--tokens 128] [--dtype float32|bfloat16]
+        [--ember-dtype float32|bfloat16] [--quantization none|int8] [--model FOLDER]
+
+`--dtype` is sentence-transformers' (its default is float32); ember runs `--ember-dtype` (default:
+the same) with `--quantization` (default none), so that both the like-for-like figure and ember's
+served default (`ember serve --embeddings` on a folder: bfloat16) can be taken.
 
 Without --model, a random model of Qwen3-Embedding-0.6B's shape (28 layers, hidden 1024, 16 query
 and 8 KV heads, last-token pooling, normalised) is built locally and saved with
@@ -52,6 +57,8 @@ def main() -> None:
     parser.add_argument("--passages", type=int, default=1000)
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--ember-dtype", default=None, choices=["float32", "bfloat16"])
+    parser.add_argument("--quantization", default="none", choices=["none", "int8"])
     parser.add_argument("--batch-size", type=int, default=32, help="sentence-transformers' batch size")
     parser.add_argument("--model", default=None, help="a sentence-transformers folder (default: a random model)")
     args = parser.parse_args()
@@ -72,7 +79,8 @@ def main() -> None:
         st_seconds = time.perf_counter() - began
         del st
 
-        llm = LLM(str(folder), dtype=args.dtype, quantization="none", max_model_len=max(256, 2 * args.tokens),
+        ember_dtype = args.ember_dtype or args.dtype
+        llm = LLM(str(folder), dtype=ember_dtype, quantization=args.quantization, max_model_len=max(256, 2 * args.tokens),
                   max_num_batched_tokens=8192, max_num_seqs=256)
         prompts = [llm.tokenizer.encode(text, add_special_tokens=True) for text in words]
         params = SamplingParams(max_tokens=0, pooling="last")
@@ -82,7 +90,8 @@ def main() -> None:
         ember_seconds = time.perf_counter() - began
 
     cosines = torch.nn.functional.cosine_similarity(ours, theirs, dim=-1)
-    print(f"{args.passages} passages of {args.tokens} tokens, {args.dtype}")
+    print(f"{args.passages} passages of {args.tokens} tokens; sentence-transformers {args.dtype}, "
+          f"ember {ember_dtype} (quantization {args.quantization})")
     print(f"{'':24}{'passages/s':>12}")
     print(f"{'sentence-transformers':24}{args.passages / st_seconds:12.1f}")
     print(f"{'ember':24}{args.passages / ember_seconds:12.1f}")
