@@ -292,7 +292,7 @@ async def _flood(c: Clients, burst: int, result: SoakResult) -> None:
         status = getattr(reply, "status_code", None)
         result.statuses[("flood", status)] += 1
         if status not in (200, 429):
-            result.unexpected.append(f"flood: {reply if status is None else f'HTTP {status}'}")
+            result.unexpected.append(f"flood: {f'HTTP {status}' if status else f'{type(reply).__name__}: {reply}'}")
 
 
 # ---- what the server holds --------------------------------------------------------------------
@@ -403,12 +403,27 @@ class SoakReport:
         }
 
 
+async def _sweep_pool(url: str, key: str, model: str, health: dict[str, Any], timeout: float) -> None:
+    """Distinct prompts that fill the window, until they have passed through every block of the KV
+    pool: the pool's memory is taken page by page as blocks are first written (engine.attention),
+    so a pool not yet swept would look like a leak as the prefix cache spreads over it."""
+    length = health["max_model_len"] - 2
+    count = -(-health["kv_cache_tokens"] // length) + 2
+    rng = random.Random(1)
+    async with httpx.AsyncClient(base_url=url, timeout=timeout, headers={"Authorization": f"Bearer {key}"}) as http:
+        for start in range(0, count, 4):
+            bodies = [{"model": model, "prompt": [rng.randrange(1000, 20000) for _ in range(length)], "max_tokens": 1}
+                      for _ in range(min(4, count - start))]
+            for reply in await asyncio.gather(*(http.post("/v1/completions", json=body) for body in bodies)):
+                reply.raise_for_status()
+
+
 def run_soak(url: str, server_pid: int, key: str, flood_key: str | None, model: str, num_requests: int, *,
              concurrency: int = 16, warm_up: int = 160, seed: int = 0, max_tokens: int = 8,
              timeout: float = 300) -> SoakReport:
-    """Warm up (the same mix), take the server's holdings, run a quarter of `num_requests` from well-behaved clients
-    alone (the latency baseline) and the rest with the misbehaving ones, then check that the server
-    let go of everything."""
+    """Warm up (the same mix, and every block of the KV pool written once), take the server's
+    holdings, run a quarter of `num_requests` from well-behaved clients alone (the latency baseline)
+    and the rest with the misbehaving ones, then check that the server let go of everything."""
     probe = ServerProbe(url, server_pid, key)
 
     async def phase(count: int, mix: Mix, phase_seed: int) -> SoakResult:
@@ -419,6 +434,7 @@ def run_soak(url: str, server_pid: int, key: str, flood_key: str | None, model: 
             await clients.close()
 
     asyncio.run(phase(warm_up, Mix(), seed - 1))  # every kind of request, so every buffer has its size
+    asyncio.run(_sweep_pool(url, key, model, probe.health(), timeout))
     probe.wait_idle()
     before = probe.holdings()
     clean = asyncio.run(phase(num_requests // 4, Mix.clean(), seed))

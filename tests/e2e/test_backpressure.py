@@ -1,5 +1,6 @@
-"""Backpressure under a real `ember serve`: a stream whose client stops reading (a raw socket with a
-4 KiB receive buffer that takes a few bytes now and then) fills the connection's buffers, and then
+"""Backpressure under a real `ember serve`: a stream whose client reads far slower than the server
+writes (a raw socket with a 4 KiB receive buffer, emptied twice a second) fills the connection's
+buffers, and then
 its request is paused in the engine: it keeps its blocks, takes no step, and generates nothing
 while a reading client's stream runs to its end. When the stalled client leaves, its blocks return.
 Counts are asserted, never speeds."""
@@ -21,8 +22,10 @@ STALLED = {"messages": [{"role": "user", "content": "Tell me a very long story."
 
 
 class StalledReader:
-    """A streaming request on a socket whose owner reads a few bytes every second: the window stays
-    almost shut (the peer is alive, so the connection lives) and the server's writes block."""
+    """A streaming request on a socket whose owner takes 4 KiB twice a second: the server's writes
+    block once its buffers are full, while the window keeps opening (a reader that took nothing at
+    all would meet the server's 15 s TCP_USER_TIMEOUT, which ends a connection whose window stays
+    shut, before a slow machine had filled the buffers)."""
 
     def __init__(self, url: str, model: str) -> None:
         parsed = urlparse(url)
@@ -37,9 +40,9 @@ class StalledReader:
         self.thread.start()
 
     def _trickle(self) -> None:
-        while not self.stop.wait(1.0):
+        while not self.stop.wait(0.5):
             try:
-                self.sock.recv(64)
+                self.sock.recv(4096)
             except OSError:
                 return
 
