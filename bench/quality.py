@@ -85,7 +85,7 @@ def cached_perplexity(llm: LLM, ids: list[int]) -> float:
         item = StepItem(tokens, start, blocks[:-(-(start + len(tokens)) // block_size)], True,
                         num_drafted=len(tokens) - 1)  # every row sampled: each position's logits
         targets = torch.tensor(ids[start + 1:start + len(tokens) + 1])
-        logits = engine.runner.forward([item])[:len(targets)].float()
+        logits = engine.runner.forward([item])[0][:len(targets)].float()
         nll -= torch.log_softmax(logits, dim=-1).gather(1, targets[:, None]).sum().item()
     engine.kv_manager.reset_prefix_cache()  # the blocks were written outside the prefix cache's books
     return math.exp(nll / (len(ids) - 1))

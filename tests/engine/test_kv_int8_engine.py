@@ -107,7 +107,7 @@ def _teacher_forced_logprobs(engine, prompt: list[int]) -> torch.Tensor:
     prefill chunk through the engine's paged cache (its idle pool's first blocks)."""
     engine.kv_manager.reset_prefix_cache()
     blocks = list(range(1, -(-len(prompt) // engine.config.block_size) + 1))
-    logits = engine.runner.forward([StepItem(prompt, 0, blocks, True, num_drafted=len(prompt) - 1)])
+    logits, _ = engine.runner.forward([StepItem(prompt, 0, blocks, True, num_drafted=len(prompt) - 1)])
     engine.kv_manager.reset_prefix_cache()  # the blocks were written outside the prefix cache's books
     return torch.log_softmax(logits.float(), dim=-1)
 
