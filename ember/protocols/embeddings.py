@@ -20,15 +20,14 @@ import struct
 from dataclasses import dataclass
 from typing import Any
 
-from ember.errors import EmberError, InvalidRequest
+from ember.errors import InvalidRequest
 from ember.loaders.serving_task import EMBED, ServingTask
 from ember.protocols.errors import OPENAI_ERRORS, GenerationFailed
 from ember.protocols.fields import Fields, json_type
-from ember.protocols.neutral import (ChoiceResult, Dialect, GenerationRequest, ModelInfo, PromptRun, ResponseMeta,
-                                     RunResult, TextPrompt, TokenPrompt)
+from ember.protocols.neutral import (ChoiceResult, Dialect, GenerationRequest, ModelInfo, NeverStreamed, PromptRun,
+                                     ResponseMeta, RunResult, TextPrompt, TokenPrompt)
 from ember.protocols.openai_common import check_model
-from ember.protocols.sse import ServerEvent
-from ember.types import GenerationOutput, SamplingParams
+from ember.types import SamplingParams
 
 MAX_INPUTS = 2048
 _FIELDS = ("input", "model", "encoding_format", "dimensions", "user", "truncate_prompt_tokens", "prompt_name")
@@ -149,22 +148,6 @@ def encode_vector(vector: list[float], encoding_format: str) -> list[float] | st
     if encoding_format == "base64":
         return base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode("ascii")
     return vector
-
-
-class NeverStreamed:
-    """A renderer's stream methods for routes that answer only whole."""
-
-    def stream_start(self) -> list[ServerEvent]:
-        return []
-
-    def stream_output(self, choice: ChoiceResult, output: GenerationOutput) -> list[ServerEvent]:
-        return []
-
-    def stream_end(self) -> list[ServerEvent]:
-        return []
-
-    def stream_error(self, error: EmberError) -> list[ServerEvent]:
-        return []
 
 
 class EmbeddingsRenderer(NeverStreamed):

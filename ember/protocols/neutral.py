@@ -554,6 +554,22 @@ class Renderer(Protocol):
     def response(self) -> Any: ...  # a JSON value, or bytes of JSON the dialect wrote itself
 
 
+class NeverStreamed:
+    """A renderer's stream methods, for the routes that only ever answer whole."""
+
+    def stream_start(self) -> list[ServerEvent]:
+        return []
+
+    def stream_output(self, choice: ChoiceResult, output: GenerationOutput) -> list[ServerEvent]:
+        return []
+
+    def stream_end(self) -> list[ServerEvent]:
+        return []
+
+    def stream_error(self, error: EmberError) -> list[ServerEvent]:
+        return []
+
+
 @dataclass(frozen=True, slots=True)
 class Dialect:
     """One API dialect: how to validate its requests and render its results and errors."""

@@ -17,9 +17,9 @@ from typing import Any
 
 from ember.errors import InvalidRequest
 from ember.loaders.serving_task import EMBED
-from ember.protocols.embeddings import NeverStreamed, VectorShape, pooling_run, read_dimensions, vector_of
+from ember.protocols.embeddings import VectorShape, pooling_run, read_dimensions, vector_of
 from ember.protocols.fields import Fields, json_type
-from ember.protocols.neutral import Dialect, GenerationRequest, ModelInfo, ResponseMeta, RunResult
+from ember.protocols.neutral import Dialect, GenerationRequest, ModelInfo, NeverStreamed, ResponseMeta, RunResult
 from ember.protocols.ollama_common import OLLAMA_ERRORS, durations, read_keep_alive, read_model
 from ember.protocols.stream_format import NDJSON
 from ember.protocols.unknown_fields import note_ignored, reads_fields

@@ -20,10 +20,10 @@ from typing import Any
 
 from ember.errors import InvalidRequest
 from ember.loaders.serving_task import EMBED, RERANK, ServingTask
-from ember.protocols.embeddings import NeverStreamed, pooling_run, vector_of
+from ember.protocols.embeddings import pooling_run, vector_of
 from ember.protocols.errors import OPENAI_ERRORS, GenerationFailed
 from ember.protocols.fields import Fields, json_type
-from ember.protocols.neutral import (ChoiceResult, Dialect, GenerationRequest, ModelInfo, PromptRun, ResponseMeta,
+from ember.protocols.neutral import (ChoiceResult, Dialect, GenerationRequest, NeverStreamed, ModelInfo, PromptRun, ResponseMeta,
                                      RunResult, TextPrompt)
 from ember.protocols.openai_common import check_model
 from ember.protocols.systemone import label_probabilities

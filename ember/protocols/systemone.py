@@ -15,16 +15,15 @@ import string
 from dataclasses import dataclass
 from typing import Any
 
-from ember.errors import EmberError, InvalidRequest
+from ember.errors import InvalidRequest
 from ember.protocols.errors import OPENAI_ERRORS, GenerationFailed, unsupported
 from ember.protocols.fields import Fields, join_path, json_type
 from ember.protocols.json_body import parse_body
 from ember.protocols.neutral import (
-    ChatPrompt, ChoiceResult, Dialect, GenerationRequest, ModelInfo, PromptRun, ResponseMeta, RunResult,
+    ChatPrompt, ChoiceResult, Dialect, GenerationRequest, ModelInfo, NeverStreamed, PromptRun, ResponseMeta, RunResult,
 )
 from ember.protocols.openai_common import check_model
-from ember.protocols.sse import ServerEvent
-from ember.types import GenerationOutput, SamplingParams
+from ember.types import SamplingParams
 
 MAX_QUESTIONS = 64
 MAX_OPTIONS = 26
@@ -290,7 +289,7 @@ def answer(question: Question, probabilities: list[float]) -> dict[str, Any]:
             "confidence": score_confidence(probabilities)}
 
 
-class SystemOneRenderer:
+class SystemOneRenderer(NeverStreamed):
     def __init__(self, request: GenerationRequest, result: RunResult, meta: ResponseMeta) -> None:
         self.questions: list[Question] = request.dialect_options
         self.result = result
@@ -306,19 +305,6 @@ class SystemOneRenderer:
         body = {"model": self.meta.model, "answers": answers,
                 "usage": {"input_tokens": self.result.num_prompt_tokens, "output_tokens": 0}}
         return dump_json(body).encode()
-
-    # never streamed
-    def stream_start(self) -> list[ServerEvent]:
-        return []
-
-    def stream_output(self, choice: ChoiceResult, output: GenerationOutput) -> list[ServerEvent]:
-        return []
-
-    def stream_end(self) -> list[ServerEvent]:
-        return []
-
-    def stream_error(self, error: EmberError) -> list[ServerEvent]:
-        return []
 
 
 SYSTEMONE = Dialect(name="systemone", id_prefix="so-", parse=parse_systemone, renderer=SystemOneRenderer,
