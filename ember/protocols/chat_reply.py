@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ember.errors import InvalidRequest
+from ember.protocols.errors import unsupported
 from ember.protocols.fields import Fields, json_type
 from ember.constraint_spec import ConstraintSpec, SteeringSpec
 from ember.parsers.constraint import ForcedCall
@@ -54,6 +55,29 @@ def tool_items(f: Fields) -> list:
     if len(items) > MAX_TOOLS:
         raise InvalidRequest(f"tools holds {len(items)} tools; at most {MAX_TOOLS} are allowed", param="tools")
     return items
+
+
+def function_tool(tool: Fields) -> Fields:
+    """A `{type: "function", function: {...}}` tools entry's `function` (OpenAI's and Ollama's shape)."""
+    kind = tool.string("type", "function")
+    if kind != "function":
+        raise unsupported(tool.path_of("type"), f"{tool.path_of('type')} is '{kind}'; only function tools can be "
+                                                "called on this server")
+    function = tool.object("function")
+    if function is None:
+        raise InvalidRequest(f"{tool.path_of('function')} is required", param=tool.path_of("function"))
+    return function
+
+
+def called_function(call: Fields) -> tuple[Fields, str]:
+    """A history tool call's `function` and its name (`{function: {name, arguments}}`, OpenAI's and Ollama's shape)."""
+    function = call.object("function")
+    if function is None:
+        raise InvalidRequest(f"{call.path_of('function')} is required", param=call.path_of("function"))
+    name = function.string("name", non_empty=True)
+    if name is None:
+        raise InvalidRequest(f"{function.path_of('name')} is required", param=function.path_of("name"))
+    return function, name
 
 
 # One reader of a tool declaration's name and schema for every dialect; `tool` is the object that

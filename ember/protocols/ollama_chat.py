@@ -17,8 +17,10 @@ from typing import Any
 
 from ember.errors import InvalidRequest
 from ember.parsers.events import ToolSpec
-from ember.protocols.chat_reply import AUTO, NONE, ChatOptions, declare_tool, template_tools, tool_items, tool_name, \
-    tool_schema
+from ember.protocols.chat_reply import (
+    AUTO, NONE, ChatOptions, called_function, declare_tool, function_tool, template_tools, tool_items, tool_name,
+    tool_schema,
+)
 from ember.protocols.errors import unsupported
 from ember.protocols.fields import Fields, as_string, json_type
 from ember.protocols.image_parts import misplaced_image
@@ -105,12 +107,7 @@ def read_tool_calls(m: Fields) -> list[dict[str, Any]]:
     calls = []
     for k, raw in enumerate(m.array("tool_calls") or []):
         call = Fields(raw, m.path_of("tool_calls") + f"[{k}]")
-        function = call.object("function")
-        if function is None:
-            raise InvalidRequest(f"{call.path_of('function')} is required", param=call.path_of("function"))
-        name = function.string("name", non_empty=True)
-        if name is None:
-            raise InvalidRequest(f"{function.path_of('name')} is required", param=function.path_of("name"))
+        function, name = called_function(call)
         arguments = function.raw("arguments", {})
         if not isinstance(arguments, dict):
             raise InvalidRequest(f"{function.path_of('arguments')} must be an object, not {json_type(arguments)}",
@@ -127,14 +124,7 @@ def read_tool_calls(m: Fields) -> list[dict[str, Any]]:
 def read_tools(f: Fields) -> list[ToolSpec]:
     specs: list[ToolSpec] = []
     for i, raw in enumerate(tool_items(f)):
-        tool = Fields(raw, f"tools[{i}]")
-        kind = tool.string("type", "function")
-        if kind != "function":
-            raise unsupported(tool.path_of("type"), f"{tool.path_of('type')} is '{kind}'; only function tools can be "
-                                                    "called on this server")
-        function = tool.object("function")
-        if function is None:
-            raise InvalidRequest(f"{tool.path_of('function')} is required", param=tool.path_of("function"))
+        function = function_tool(Fields(raw, f"tools[{i}]"))
         spec = ToolSpec(tool_name(function), tool_schema(function, "parameters", {}), function.string("description"))
         declare_tool(specs, spec, function)
     return specs

@@ -12,7 +12,7 @@ from ember.protocols.cache_hints import (
 )
 from ember.protocols.fields import Fields, as_string, json_type
 from ember.protocols.image_parts import misplaced_image, read_chat_image
-from ember.protocols.chat_reply import read_template_kwargs, template_tools
+from ember.protocols.chat_reply import called_function, read_template_kwargs, template_tools
 from ember.protocols.neutral import ChatPrompt, ChoiceResult, Dialect, GenerationRequest, ModelInfo, weight_versions
 from ember.protocols.openai_chat_options import read_chat_options
 from ember.protocols.output_hints import read_chat_verbosity, refuse_chat_store, refuse_other_prompt_field
@@ -152,12 +152,7 @@ def read_tool_calls(m: Fields) -> list[dict[str, Any]]:
     result = []
     for k, raw in enumerate(calls):
         call = Fields(raw, m.path_of("tool_calls") + f"[{k}]")
-        function = call.object("function")
-        if function is None:
-            raise InvalidRequest(f"{call.path_of('function')} is required", param=call.path_of("function"))
-        name = function.string("name", non_empty=True)
-        if name is None:
-            raise InvalidRequest(f"{function.path_of('name')} is required", param=function.path_of("name"))
+        function, name = called_function(call)
         arguments = function.raw("arguments", "{}")
         if isinstance(arguments, str):
             try:

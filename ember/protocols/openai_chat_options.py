@@ -16,7 +16,8 @@ from typing import Any
 from ember.errors import InvalidRequest
 from ember.parsers.events import ToolSpec
 from ember.protocols.chat_reply import (
-    AUTO, FUNCTION, NONE, REQUIRED, REASONING_EFFORTS, ChatFeatures, ChatOptions, declare_tool, read_thinking_budget,
+    AUTO, FUNCTION, NONE, REQUIRED, REASONING_EFFORTS, ChatFeatures, ChatOptions, declare_tool, function_tool,
+    read_thinking_budget,
     tool_items, tool_name, tool_schema,
 )
 from ember.protocols.errors import unsupported
@@ -44,14 +45,7 @@ def read_tools(f: Fields) -> list[ToolSpec]:
     items = tool_items(f)
     specs: list[ToolSpec] = []
     for i, raw in enumerate(items):
-        tool = Fields(raw, f"tools[{i}]")
-        kind = tool.string("type", "function")
-        if kind != "function":
-            raise unsupported(tool.path_of("type"), f"{tool.path_of('type')} is '{kind}'; only function tools can be "
-                                               "called on this server")
-        function = tool.object("function")
-        if function is None:
-            raise InvalidRequest(f"{tool.path_of('function')} is required", param=tool.path_of("function"))
+        function = function_tool(Fields(raw, f"tools[{i}]"))
         name = tool_name(function)
         strict = function.boolean("strict", False)
         parameters = tool_schema(function, "parameters", {})
