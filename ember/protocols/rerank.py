@@ -183,12 +183,14 @@ def pair_scores(scoring: Pairs, choices: list[ChoiceResult]) -> list[float]:
     return [cosine(queries[q], documents[d]) for q, d in scoring.pairs]
 
 
-class RerankRenderer(NeverStreamed):
+class _PairsRenderer(NeverStreamed):
     def __init__(self, request: GenerationRequest, result: RunResult, meta: ResponseMeta) -> None:
         self.scoring: Pairs = request.dialect_options
         self.result = result
         self.meta = meta
 
+
+class RerankRenderer(_PairsRenderer):
     def response(self) -> dict[str, Any]:
         scores = pair_scores(self.scoring, self.result.choices)
         order = sorted(range(len(scores)), key=lambda d: -scores[d])[:self.scoring.top_n]
@@ -203,12 +205,7 @@ class RerankRenderer(NeverStreamed):
                 "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
 
 
-class ScoreRenderer(NeverStreamed):
-    def __init__(self, request: GenerationRequest, result: RunResult, meta: ResponseMeta) -> None:
-        self.scoring: Pairs = request.dialect_options
-        self.result = result
-        self.meta = meta
-
+class ScoreRenderer(_PairsRenderer):
     def response(self) -> dict[str, Any]:
         scores = pair_scores(self.scoring, self.result.choices)
         tokens = self.result.num_prompt_tokens
