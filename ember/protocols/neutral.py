@@ -167,6 +167,7 @@ class GenerationRequest:
     # a batch of inputs capped together (ModelInfo.check_total_input_tokens): the field that holds them
     total_tokens_param: str | None = None
     session: str | None = None  # the client's session key (prompt_cache_key), as sent
+    keep_alive: float | None = None  # seconds the model stays loaded once idle (negative: for good); None: the server's
 
     def prompt_runs(self) -> list[PromptRun]:
         return self.batch if self.batch is not None else [PromptRun(self.prompt, self.params, self.prompt_param)]
@@ -382,6 +383,7 @@ class RunResult:
         self.fit = fit  # how max_tokens was fitted to the context window
         self.received = received if received is not None else time.time()
         self.dispatched = time.time()  # made once the request is admitted, as it goes to the engine
+        self.load_seconds = 0.0  # how long the request waited for its model to load
         self.plan = plan
         self.choices = [ChoiceResult(i, parser=plan.parser() if plan else None) for i in range(num_choices)]
         self.num_finished = 0

@@ -8,8 +8,7 @@ from typing import Any
 from ember.errors import InvalidRequest
 from ember.protocols.errors import Forbidden
 from ember.protocols.fields import Fields
-from ember.protocols.neutral import ModelInfo
-from ember.protocols.ollama_common import read_keep_alive, read_model, read_stream, timestamp
+from ember.protocols.ollama_common import read_keep_alive, read_stream, timestamp
 from ember.protocols.unknown_fields import reads_fields
 
 
@@ -19,18 +18,19 @@ def is_load_request(body: Any, prompt_field: str) -> bool:
 
 
 @reads_fields
-def load_reply(body: Any, model: ModelInfo, *, chat: bool) -> dict[str, Any]:
-    """The answer to a load request: the model is loaded already (done_reason load). A keep_alive of
-    0 cannot unload it while ember serves one model: it is listed as ignored (read_keep_alive)."""
+def load_request(body: Any, *, chat: bool) -> tuple[dict[str, Any], float | None]:
+    """A load request's reply and its keep_alive (None: not given). A keep_alive of 0 asks for an
+    unload (done_reason unload); anything else for a load (done_reason load). The caller has
+    routed `model` to a model of the server."""
     f = Fields(body)
-    label = read_model(f, model)
-    read_keep_alive(f)
+    label = model_field(f)
+    keep_alive = read_keep_alive(f)
     read_stream(f)
     for name in ("messages", "prompt", "options", "format", "think", "tools", "system", "raw"):
         f.raw(name)  # nothing to run: what they would change does not arise
     reply: dict[str, Any] = {"model": label, "created_at": timestamp()}
     reply.update({"message": {"role": "assistant", "content": ""}} if chat else {"response": ""})
-    return {**reply, "done": True, "done_reason": "load"}
+    return {**reply, "done": True, "done_reason": "unload" if keep_alive == 0 else "load"}, keep_alive
 
 
 def model_field(f: Fields) -> str:
@@ -42,11 +42,12 @@ def model_field(f: Fields) -> str:
 
 
 @reads_fields
-def parse_show(body: Any, model: ModelInfo) -> str:
+def parse_show(body: Any) -> str:
+    """The name to show (the caller routes it)."""
     f = Fields(body)
     f.boolean("verbose")
     f.raw("system")
-    return read_model(Fields({"model": model_field(f)}), model)
+    return model_field(f)
 
 
 @reads_fields

@@ -55,11 +55,11 @@ def parse_chat(body: Any, model: ModelInfo) -> GenerationRequest:
                           thinking_budget_param="think")
     params = read_options(f, model, thinking)
     refuse_logprobs(f)
-    read_keep_alive(f)
+    keep_alive = read_keep_alive(f)
     prompt = ChatPrompt(messages, template_kwargs, template_tools(tools) if tools else None,
                         preserve_thinking=model.chat.preserve_thinking)
     return GenerationRequest(prompt, params, stream=read_stream(f), prompt_param="messages", chat=options,
-                             grammar=grammar, dialect_options=OllamaReply(label))
+                             grammar=grammar, dialect_options=OllamaReply(label), keep_alive=keep_alive)
 
 
 def read_messages(f: Fields, model: ModelInfo) -> list[dict[str, Any]]:

@@ -16,7 +16,6 @@ from ember.protocols.errors import ErrorShape, ModelNotFound
 from ember.protocols.fields import Fields
 from ember.protocols.neutral import ModelInfo, RunResult
 from ember.protocols.sse import ServerEvent
-from ember.protocols.unknown_fields import note_ignored
 from ember.types import FinishReason
 
 LATEST = ":latest"
@@ -54,19 +53,15 @@ def read_model(f: Fields, model: ModelInfo) -> str:
 
 
 def read_keep_alive(f: Fields) -> float | None:
-    """`keep_alive` in seconds (negative: for good), None when absent. Numbers are seconds; strings
-    are Go durations ("5m", "1h30m", "0"). While ember serves one model it is never unloaded, so a
-    keep_alive that asks for an unload is listed in x-ember-ignored-fields."""
+    """`keep_alive` in seconds (negative: for good), None when absent: how long the model stays
+    loaded once idle (server.model_pool). Numbers are seconds; strings are Go durations ("5m",
+    "1h30m", "0")."""
     raw = f.raw("keep_alive")
     if raw is None:
         return None
     if isinstance(raw, str):
-        seconds = parse_duration(raw)
-    else:
-        seconds = f.number("keep_alive")
-    if seconds >= 0:
-        note_ignored("keep_alive")
-    return seconds
+        return parse_duration(raw)
+    return f.number("keep_alive")
 
 
 def parse_duration(text: str) -> float:
@@ -98,11 +93,11 @@ def done_reason(finish: FinishReason | None) -> str:
 
 def durations(result: RunResult) -> dict[str, int]:
     """Ollama's closing numbers: the prompt's tokens and the time to its first output token, the
-    reply's tokens and the time after it; every duration in nanoseconds, load_duration 0 (the
-    model was loaded before the request came)."""
+    reply's tokens and the time after it, and the wait for its model to load; every duration in
+    nanoseconds."""
     timings = result.timings()
     total_s = max(_finished(result) - result.received, 0.0)
-    return {"total_duration": int(total_s * NS), "load_duration": 0,
+    return {"total_duration": int(total_s * NS), "load_duration": int(result.load_seconds * NS),
             "prompt_eval_count": result.num_prompt_tokens,
             "prompt_eval_duration": int(timings["prompt_ms"] * 1e6),
             "eval_count": result.num_completion_tokens,

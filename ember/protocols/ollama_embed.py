@@ -75,12 +75,12 @@ def _request(f: Fields, model: ModelInfo, texts: list[str], param: str | None, k
     options = f.object("options")
     if options is not None:
         note_ignored(*(f"options.{name}" for name in options.obj))
-    read_keep_alive(f)
+    keep_alive = read_keep_alive(f)
     task = model.task
     runs = [pooling_run(text, task, param or f"input[{i}]", prompt=task.pooling.default_prompt,
                         max_length=keep_first) for i, text in enumerate(texts)]
     return GenerationRequest(runs[0].prompt, runs[0].params, prompt_param=runs[0].prompt_param, batch=runs,
-                             dialect_options=reply)
+                             dialect_options=reply, keep_alive=keep_alive)
 
 
 class EmbedRenderer(NeverStreamed):

@@ -69,9 +69,9 @@ def parse_generate(body: Any, model: ModelInfo) -> GenerationRequest:
         prompt = ChatPrompt(messages, template_kwargs, preserve_thinking=model.chat.preserve_thinking)
     params = read_options(f, model, thinking)
     refuse_logprobs(f)
-    read_keep_alive(f)
+    keep_alive = read_keep_alive(f)
     return GenerationRequest(prompt, params, stream=read_stream(f), prompt_param="prompt", chat=chat,
-                             grammar=grammar, dialect_options=OllamaReply(label))
+                             grammar=grammar, dialect_options=OllamaReply(label), keep_alive=keep_alive)
 
 
 GENERATE = Dialect(name="ollama_generate", id_prefix="ollama-", parse=parse_generate, renderer=GenerateRenderer,

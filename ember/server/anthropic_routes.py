@@ -15,7 +15,6 @@ from fastapi.responses import Response
 from ember.protocols.anthropic_errors import ANTHROPIC_ERRORS
 from ember.protocols.anthropic_messages import MESSAGES, parse_count_tokens
 from ember.server.pipeline import serve_generation, tokenize_only
-from ember.server.state import ServerState
 
 ANTHROPIC_PATHS = {"/v1/messages": ANTHROPIC_ERRORS}
 
@@ -85,7 +84,7 @@ ANTHROPIC_SCHEMAS = {
 }
 
 
-def add_anthropic_routes(app: FastAPI, state: ServerState) -> None:
+def add_anthropic_routes(app: FastAPI) -> None:
     @app.post("/v1/messages", summary="Create a message (Anthropic Messages)",
               **_docs("MessagesRequest", {200: "The message, or with stream: true its server-sent events.",
                                           **_REFUSALS, 500: "Generation failed (api_error).",
@@ -96,5 +95,4 @@ def add_anthropic_routes(app: FastAPI, state: ServerState) -> None:
     @app.post("/v1/messages/count_tokens", summary="The prompt tokens a Messages request would have",
               **_docs("CountTokensRequest", {200: "{\"input_tokens\": N}", **_REFUSALS}))
     async def count_tokens(request: Request) -> dict:
-        _, prompt_token_ids = await tokenize_only(request, parse_count_tokens)
-        return {"input_tokens": len(prompt_token_ids)}
+        return await tokenize_only(request, parse_count_tokens, lambda _, ids, __: {"input_tokens": len(ids)})

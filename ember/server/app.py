@@ -1,4 +1,4 @@
-"""The FastAPI application: routes, error rendering and middleware, around one ServerState."""
+"""The FastAPI application: routes, error rendering and middleware, around the server's ModelPool."""
 
 from __future__ import annotations
 
@@ -30,7 +30,8 @@ from ember.server.anthropic_routes import ANTHROPIC_PATHS, add_anthropic_routes
 from ember.server.embedding_routes import add_embedding_routes
 from ember.server.native_routes import add_native_routes
 from ember.server.ollama_routes import OLLAMA_PATHS, add_ollama_routes
-from ember.server.state import LoadedModel, ServerState, load_model
+from ember.server.model_pool import STATES, ModelPool, PoolPolicy
+from ember.server.state import LoadedModel, ModelState, load_model
 from ember.server.stats_logger import ThroughputReporter
 from ember.server.ui_routes import add_ui_routes
 
@@ -38,68 +39,74 @@ logger = logging.getLogger("ember.server")
 
 
 def create_app(config: ServerConfig, loader: Callable[[ServerConfig], LoadedModel] = load_model, *,
-               request_log: RequestLog | None = None, argv: list[str] | None = None) -> FastAPI:
-    """The app. `request_log`: the opened --request-log file (opened here from the config when not
-    given); `argv`: the command line, its API key already redacted (cli.redact_argv), for the log's
-    server_start event."""
-    state = ServerState(config, loader)
+               request_log: RequestLog | None = None, argv: list[str] | None = None,
+               models: list[ServerConfig] | None = None, policy: PoolPolicy = PoolPolicy()) -> FastAPI:
+    """The app. `models`: every model's settings, the first one's server-wide fields in force
+    (default: `config` alone); `policy`: when models are unloaded. `request_log`: the opened
+    --request-log file (opened here from the config when not given); `argv`: the command line, its
+    API key already redacted (cli.redact_argv), for the log's server_start event."""
+    pool = ModelPool(models or [config], loader, policy)
+    config = pool.config
     metrics = Metrics()
     if request_log is None and config.request_log:
         request_log = RequestLog.open(config.request_log)
-    observability = Observability(state, metrics, request_log, argv)
+    observability = Observability(pool, metrics, request_log, argv)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
-        state.start_loading()
+        pool.start()
         reporter = None
         if config.log_stats_interval > 0:
             reporter = asyncio.get_running_loop().create_task(
-                ThroughputReporter(state, config.log_stats_interval, request_log).run())
+                ThroughputReporter(pool, config.log_stats_interval, request_log).run())
         yield
         if reporter is not None:
             reporter.cancel()
-        await state.shutdown()
+        await pool.shutdown()
         app.state.responses.close()
         observability.close()
 
     app = FastAPI(title="ember", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
-    app.state.ember = state
+    app.state.pool = pool
     app.state.metrics = metrics
     app.state.observability = observability
-    _add_routes(app, state, observability)
-    add_responses_routes(app, state)
-    add_anthropic_routes(app, state)
-    add_native_routes(app, state)
+    _add_routes(app, pool, observability)
+    add_responses_routes(app, config)
+    add_anthropic_routes(app)
+    add_native_routes(app, pool)
     add_embedding_routes(app)
-    add_ollama_routes(app, state)
+    add_ollama_routes(app, pool)
     _add_error_handlers(app)
-    app.add_middleware(GuardMiddleware, keys=state.keys, max_body_bytes=config.max_request_bytes)
+    app.add_middleware(GuardMiddleware, keys=pool.keys, max_body_bytes=config.max_request_bytes)
     if config.cors_origins:
         app.add_middleware(CORSMiddleware, allow_origins=config.cors_origins, allow_methods=["GET", "POST", "OPTIONS"],
                            allow_headers=["*"], expose_headers=["x-request-id", "request-id"], max_age=600)
     app.add_middleware(OriginGuardMiddleware, listen_host=config.host, allowed_hosts=config.allowed_hosts,
                        cors_origins=config.cors_origins)
-    app.add_middleware(RequestContextMiddleware, state=state, observer=observability,
+    app.add_middleware(RequestContextMiddleware, state=pool, observer=observability,
                        error_shapes={**ANTHROPIC_PATHS, **OLLAMA_PATHS})
     return app
 
 
-def _add_routes(app: FastAPI, state: ServerState, observability: Observability) -> None:
+def _add_routes(app: FastAPI, pool: ModelPool, observability: Observability) -> None:
     health_docs = {"responses": {200: {"description": "Ready.", "content": {"application/json": {
         "schema": {"$ref": "#/components/schemas/Health"}}}}, 503: {"description": "Loading or unavailable."}}}
 
     async def health() -> JSONResponse:
-        status_code, status = state.health()
+        status_code, status = pool.health()
+        state = pool.default
         body: dict = {"status": status}
         if state.loaded is not None:
             body.update(state.loaded.engine.health())  # worker_pid, worker_restarts; workers under data parallelism
             for worker in body.get("workers", ()):
                 if worker["stats"] is not None:
                     worker.update(cache_tier_fields(worker["stats"]["cache_tiers"]))
-        if status == "ok":
+        if state.status == "ok":
             body.update(health_counters(state, observability, await state.engine_stats()))
-        elif state.failure:
+        elif state.failure and not pool.several:
             body["reason"] = state.failure
+        if pool.several or status == "ok":
+            body["models"] = pool.model_states()
         return JSONResponse(body, status_code=status_code)
 
     app.add_api_route("/health", health, methods=["GET"], summary="Readiness and counters", **health_docs)
@@ -107,20 +114,27 @@ def _add_routes(app: FastAPI, state: ServerState, observability: Observability) 
                       include_in_schema=False)
     app.add_api_route("/healthz", health, methods=["GET"], summary="Readiness (same as /health)",
                       include_in_schema=False)
-    add_ui_routes(app, state.config.ui, health)
+    add_ui_routes(app, pool.config.ui, health)
 
-    @app.get("/v1/models", summary="The served model")
+    def cards(state: ModelState) -> list[dict]:
+        status = STATES.get(state.status, state.status)
+        return [model_card(state, name, status) for name in (state.names or [pool.label(state)])]
+
+    @app.get("/v1/models", summary="The served models, each under its id and aliases, with its state")
     async def list_models() -> dict:
-        state.require_ready()
-        return {"object": "list", "data": [model_card(state, name) for name in (state.model.name, *state.model.aliases)]}
+        if not pool.several:
+            pool.default.require_ready()
+        return {"object": "list", "data": [card for state in pool.states for card in cards(state)]}
 
     @app.get("/v1/models/{model_id:path}", summary="One model, by id",
              responses={404: {"description": "Another id (model_not_found)."}})
     async def get_model(model_id: str) -> dict:
-        state.require_ready()
-        if not state.model.accepts(model_id):
-            raise ModelNotFound(model_id, state.model.name)
-        return model_card(state, model_id)
+        state = pool.resolve(model_id)
+        if not pool.several:
+            state.require_ready()
+            if not state.model.accepts(model_id):
+                raise ModelNotFound(model_id, state.model.name)
+        return model_card(state, model_id, STATES.get(state.status, state.status))
 
     @app.post("/v1/chat/completions", summary="Chat completion", **generation_route_docs("ChatCompletionRequest"))
     async def chat_completions(request: Request) -> Response:
@@ -138,8 +152,10 @@ def _add_routes(app: FastAPI, state: ServerState, observability: Observability) 
 
     @app.get("/metrics", summary="Prometheus metrics", response_class=Response)
     async def prometheus() -> Response:
+        state = pool.default  # the engine's numbers are the first model's; every model's state is a gauge
         worker = state.loaded.engine.health() if state.loaded is not None else {}
-        body = observability.metrics.render(state.admission, await state.engine_stats(), worker)
+        body = observability.metrics.render(state.admission, await state.engine_stats(), worker,
+                                            pool.model_states())
         return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.get("/debug/requests", summary="The last 100 generation requests in numbers (no text)")
@@ -147,7 +163,7 @@ def _add_routes(app: FastAPI, state: ServerState, observability: Observability) 
         return {"object": "list", "data": list(observability.recent)}
 
 
-def health_counters(state: ServerState, observability: Observability, stats: dict[str, Any] | None) -> dict:
+def health_counters(state: ModelState, observability: Observability, stats: dict[str, Any] | None) -> dict:
     """/health's numbers. The *_total fields only grow: a poller turns two samples into rates."""
     info = state.loaded.engine.info
     body: dict[str, Any] = {

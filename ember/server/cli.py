@@ -11,18 +11,20 @@ import os
 import signal
 import socket
 import sys
-import time
 
-from ember.server.flags import add_serve_parser, build_config, parallel_flags, redact_argv
+from ember.server.flags import add_serve_parser, parallel_flags, redact_argv
 
 
 def run_serve(args: argparse.Namespace) -> int:
     _setup_logging(args.log_level)
+    from ember.server.model_catalog import model_configs
+
     try:
-        config = build_config(args)
+        models, policy = model_configs(args)
     except ValueError as exc:
         print(f"ember serve: {exc}", file=sys.stderr)
         return 2
+    config = models[0]
     parallel = parallel_flags(args)
     if parallel["node_rank"] > 0:  # ranks only: no HTTP, no model of its own (rank 0 sends the settings)
         from ember.engine.ranks import run_node
@@ -49,27 +51,33 @@ def run_serve(args: argparse.Namespace) -> int:
 
     host, port = sock.getsockname()[:2]
     url = f"http://{'[' + host + ']' if ':' in host else host}:{port}"
-    app = create_app(config, request_log=request_log, argv=redact_argv(sys.argv, config.api_key))
-    state = app.state.ember
+    app = create_app(config, request_log=request_log, argv=redact_argv(sys.argv, config.api_key), models=models,
+                     policy=policy)
+    pool = app.state.pool
     if config.api_key_file and hasattr(signal, "SIGHUP"):
-        signal.signal(signal.SIGHUP, lambda *_: _reload_keys(state.keys))
+        signal.signal(signal.SIGHUP, lambda *_: _reload_keys(pool.keys))
     page = f", chat page at {url}/" if config.ui else ""
-    began = time.monotonic()
-    state.ready_hooks.append(lambda loaded: print(
-        f"ember: model {loaded.name} loaded in {time.monotonic() - began:.1f} s; serving it as "
+    pool.ready_hooks.append(lambda state: print(
+        f"ember: model {state.loaded.name} loaded in {state.load_seconds:.1f} s; serving it as "
         f"'{state.model.name}' at {url}/v1{page} (Ctrl-C stops)", file=sys.stderr, flush=True))
+    pool.unload_hooks.append(lambda state, reason: print(
+        f"ember: model '{pool.label(state)}' unloaded ({reason})", file=sys.stderr, flush=True))
+    if pool.several:
+        print(f"ember: serving {len(models)} models: {', '.join(pool.public_names())}; requests without a "
+              f"model go to '{pool.public_names()[0]}'", file=sys.stderr, flush=True)
     print(f"ember: listening on {url}; loading {config.model or 'the default model'} ...", file=sys.stderr, flush=True)
     if len(sockets) > 1:
         print(f"ember: Ollama's clients may also use port {sockets[1].getsockname()[1]}", file=sys.stderr, flush=True)
     server = _make_server(uvicorn.Config(app, log_config=None, access_log=False, lifespan="on",
-                                         timeout_graceful_shutdown=config.drain_timeout + 5), state)
+                                         timeout_graceful_shutdown=config.drain_timeout + 5), pool)
     load_failure: list[str] = []
 
     def stop_on_load_failure(reason: str) -> None:  # a server that can never serve must not look alive
         load_failure.append(reason)
         server.should_exit = True
 
-    state.load_failed_hooks.append(stop_on_load_failure)
+    if not pool.several:  # with several, the others keep serving; the failed one answers 503
+        pool.load_failed_hooks.append(stop_on_load_failure)
     # uvicorn handles SIGTERM (a drain) and sends it again once it has stopped; by then the work is
     # done, so the second one ends the process normally instead of killing it.
     signal.signal(signal.SIGTERM, lambda *_: None)
@@ -82,7 +90,7 @@ def run_serve(args: argparse.Namespace) -> int:
               file=sys.stderr, flush=True)
         return 1
     print("ember: stopped", file=sys.stderr, flush=True)
-    if state.status == "loading":  # stopped mid-load: do not wait for (or trip over) the loading thread
+    if any(state.status == "loading" for state in pool.states):  # do not wait for (or trip over) a loading thread
         os._exit(0)
     return 0
 

@@ -46,7 +46,24 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                     "The server listens at once, answers /health with 503 while the model loads, and prints "
                     "its URL when ready; a model that cannot be found or loaded ends it with exit status 1. Ctrl-C "
                     "stops it: running requests are cancelled.")
-    p.add_argument("model", nargs="?", default=None, help=MODEL_HELP)
+    p.add_argument("model", nargs="*", default=[], help=MODEL_HELP + ". Several: one server serves them all, "
+                   "each loaded on its first request (the first at start) and routed to by its `model` field")
+    models = p.add_argument_group("several models (docs: ember/server/README.md, 'Several models')")
+    models.add_argument("--models-dir", default=None, metavar="DIR",
+                        help="also serve every .gguf file and every model folder (one with config.json) in DIR, "
+                             "each under its file or folder name")
+    models.add_argument("--models-config", default=None, metavar="FILE",
+                        help="a TOML or YAML file of models: [models.NAME] tables with `model`, optional `aliases` "
+                             "and per-model flags by name (max_model_len, quantization, speculate, kv_cache_mib ...)")
+    models.add_argument("--max-loaded-models", type=int, default=None, metavar="N",
+                        help="the most models loaded at once; loading one more unloads the least recently used idle "
+                             "one first (default: no cap)")
+    models.add_argument("--models-memory-mib", type=float, default=None, metavar="MIB",
+                        help="the resident memory the loaded models' worker processes may take together; loading "
+                             "past it unloads the least recently used idle ones first (default: no budget)")
+    models.add_argument("--idle-unload-seconds", type=float, default=None, metavar="SECONDS",
+                        help="unload a model no request has used for this long (a request's Ollama keep_alive wins "
+                             "for its model; default: keep models loaded)")
     net = p.add_argument_group("network")
     net.add_argument("--host", default="127.0.0.1",
                      help="address to listen on (default 127.0.0.1). Any other than loopback needs --api-key, "
@@ -311,8 +328,14 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     return p
 
 
+def serve_parser() -> argparse.ArgumentParser:
+    """`ember serve`'s parser on its own (a models file's per-model flags are read with it)."""
+    return add_serve_parser(argparse.ArgumentParser(prog="ember").add_subparsers())
+
+
 def build_config(args: argparse.Namespace, environ=os.environ) -> ServerConfig:
-    """Settings from the flags; raises ValueError with a message for the user."""
+    """Settings from the flags (of `args.model`, one name or None); raises ValueError with a message
+    for the user."""
     api_key = args.api_key or environ.get("EMBER_API_KEY") or None
     if not is_loopback(args.host) and not api_key and not args.api_key_file and not args.allow_no_api_key:
         raise ValueError(f"refusing to listen on {args.host} without an API key: anyone who can reach it could "
@@ -363,7 +386,7 @@ def build_config(args: argparse.Namespace, environ=os.environ) -> ServerConfig:
         from ember.protocols.reasoning_seal import ReasoningSeal
         ReasoningSeal.from_key_file(args.reasoning_key_file)  # refused at start, with the reason
     return ServerConfig(
-        model=args.model, cache_dir=environ.get("EMBER_CACHE_DIR") or None, revision=args.revision,
+        model=one_model(args.model), cache_dir=environ.get("EMBER_CACHE_DIR") or None, revision=args.revision,
         ollama_models=environ.get("OLLAMA_MODELS") or None, host=args.host, port=args.port,
         ollama_port=args.ollama_port,
         served_model_names=_split(args.served_model_name), api_key=api_key, api_key_file=args.api_key_file,
@@ -385,6 +408,15 @@ def build_config(args: argparse.Namespace, environ=os.environ) -> ServerConfig:
         data_parallel_size=args.data_parallel_size, media_limits=media_limits(args),
         image_fetching=ImageFetching(args.image_urls, args.image_fetch_timeout),
         max_images_encoding=args.max_images_encoding, engine=engine)
+
+
+def one_model(model: str | list[str] | None) -> str | None:
+    """The model flag of one server model: a name, or a list of at most one (the positional)."""
+    if not isinstance(model, list):
+        return model
+    if len(model) > 1:
+        raise ValueError("several models are served through ember.server.model_catalog.model_configs")
+    return model[0] if model else None
 
 
 def media_limits(args: argparse.Namespace) -> MediaLimits:

@@ -83,11 +83,18 @@ class LiveCollector:
         self.admission: Any = None
         self.engine_stats: dict[str, Any] | None = None
         self.worker: dict[str, Any] = {}  # the engine worker's pid and restarts (none in process)
+        self.models: list[dict[str, Any]] = []  # every model's state (server.model_pool.ModelPool.model_states)
 
     def describe(self) -> list[Metric]:
         return []  # the names depend on whether the engine answered; skip the registry's name check
 
     def collect(self) -> Iterator[Metric]:
+        if self.models:
+            states = GaugeMetricFamily("ember:model_state", "1 for each model's present state (unloaded, loading, "
+                                       "ready, unloading, failed)", labels=("model", "state"))
+            for entry in self.models:
+                states.add_metric((entry["model"], entry["state"]), 1)
+            yield states
         if self.admission is not None:
             yield GaugeMetricFamily("ember:num_requests_running", "HTTP requests admitted and running",
                                     value=self.admission.num_running)
@@ -197,6 +204,9 @@ class Metrics:
         self.info = Info("ember:model", "The served model and the engine's settings", registry=r)
         self.http_requests = Counter("ember:http_requests", "HTTP requests answered", ["route", "status"],
                                      registry=r)
+        # models are the configured ones, a bounded set
+        self.model_requests = Counter("ember:model_requests", "HTTP requests routed to a model, by its public id",
+                                      ["model", "route", "status"], registry=r)
         self.tenant_requests = Counter("ember:tenant_requests", "HTTP requests answered, by the tenant of their key",
                                        ["tenant", "route", "status"], registry=r)
         # Sessions are unbounded in number, so they are counted, never a label (the request log names each)
@@ -224,6 +234,8 @@ class Metrics:
     def observe(self, record: RequestRecord) -> None:
         route = record.route or route_label(record.path)
         self.http_requests.labels(route, str(record.status or 0)).inc()
+        if record.model is not None:
+            self.model_requests.labels(record.model, route, str(record.status or 0)).inc()
         if record.tenant is not None:
             self.tenant_requests.labels(record.tenant, route, str(record.status or 0)).inc()
         if record.admitted is None:  # not a generation request, or refused before it ran
@@ -257,9 +269,11 @@ class Metrics:
         if len(self._recent_sessions) > _REMEMBERED_SESSIONS:
             self._recent_sessions.popitem(last=False)
 
-    def render(self, admission, engine_stats: dict[str, Any] | None, worker: dict[str, Any] | None = None) -> bytes:
+    def render(self, admission, engine_stats: dict[str, Any] | None, worker: dict[str, Any] | None = None,
+               models: list[dict[str, Any]] | None = None) -> bytes:
         """The text exposition, with the gauges and engine counters as of now."""
         self.live.admission, self.live.engine_stats, self.live.worker = admission, engine_stats, worker or {}
+        self.live.models = models or []
         try:
             return generate_latest(self.registry)
         finally:

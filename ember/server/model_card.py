@@ -12,18 +12,26 @@ import ember
 GB = 10**9
 
 
-def model_card(state, name: str) -> dict[str, Any]:
-    """The card of the served model under `name`, its public id or an alias (`root`: the public id)."""
+def model_card(state, name: str, status: str = "ready") -> dict[str, Any]:
+    """The card of a model under `name`, its public id or an alias (`root`: the public id), in its
+    pool state (server.model_pool.STATES). A model not loaded now shows what it was when last
+    loaded; one never loaded, only its name."""
     model, loaded = state.model, state.loaded
-    info = loaded.engine.info
+    card: dict[str, Any] = {"id": name, "object": "model", "created": state.started, "owned_by": "ember",
+                            "state": status}
+    if model is None:
+        names = state.names
+        return {**card, "root": names[0] if names else name, "aliases": names[1:], "max_model_len": None}
     chat = model.chat
-    card = {"id": name, "object": "model", "created": state.started, "owned_by": "ember", "root": model.name,
-            "aliases": list(model.aliases), "max_model_len": model.max_model_len,
-            "kv_cache_tokens": model.kv_capacity_tokens, "cache_ram_mib": info.cache_ram_bytes // 2**20,
-            **weight_fields(loaded), "prefix_cache": state.config.engine.enable_prefix_caching,
-            "slots": state.config.engine.max_num_seqs,
-            "capabilities": {"reasoning": chat.think is not None, "tool_calls": chat.tool_format is not None}}
-    if loaded.vision is not None:  # the limits a client (the chat page) can check before sending
+    card.update({"root": model.name, "aliases": list(model.aliases), "max_model_len": model.max_model_len,
+                 "kv_cache_tokens": model.kv_capacity_tokens, "prefix_cache": state.config.engine.enable_prefix_caching,
+                 "slots": state.config.engine.max_num_seqs,
+                 "input_modalities": ["text", "image"] if model.image_marker is not None else ["text"],
+                 "task": model.task.kind,
+                 "capabilities": {"reasoning": chat.think is not None, "tool_calls": chat.tool_format is not None}})
+    if loaded is not None:
+        card.update(cache_ram_mib=loaded.engine.info.cache_ram_bytes // 2**20, **weight_fields(loaded))
+    if model.image_marker is not None:  # the limits a client (the chat page) can check before sending
         limits = state.config.media_limits
         card["capabilities"]["vision"] = True
         card["max_images"], card["max_image_bytes"] = limits.max_images, limits.max_image_bytes

@@ -18,8 +18,8 @@ from ember.protocols.native_generate import GENERATE
 from ember.protocols.native_tokens import parse_detokenize, parse_tokenize, render_detokenize, render_tokenize
 from ember.protocols.systemone import SYSTEMONE
 from ember.server.openapi import generation_route_docs
-from ember.server.pipeline import serve_generation, tokenize_only
-from ember.server.state import ServerState
+from ember.server.model_pool import ModelPool
+from ember.server.pipeline import requested_model, serve_generation, tokenize_only
 
 DECIDER_CONFIG = "decider_config.json"
 
@@ -36,8 +36,7 @@ def decider_config_of(model: str | None) -> Path | None:
     return path if path.exists() else None
 
 
-def add_native_routes(app: FastAPI, state: ServerState) -> None:
-    decider = decider_config_of(state.config.model)
+def add_native_routes(app: FastAPI, pool: ModelPool) -> None:
 
     @app.post("/generate", summary="Generate (SGLang's native route)", **generation_route_docs("GenerateRequest"))
     async def generate(request: Request) -> Response:
@@ -49,6 +48,7 @@ def add_native_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.post("/v1/systemone", summary="Typed decisions read from next-token probabilities", **systemone_docs)
     async def systemone(request: Request) -> Response:
+        decider = decider_config_of(pool.resolve(requested_model(parse_body(await request.body()))).config.model)
         if decider is not None:
             raise InvalidRequest(f"this model folder holds {DECIDER_CONFIG} (a trained decider); ember reads "
                                  f"/v1/systemone zero-shot only and does not implement the decider reading",
@@ -58,11 +58,14 @@ def add_native_routes(app: FastAPI, state: ServerState) -> None:
     @app.post("/tokenize", summary="The token ids of a prompt or of messages (vLLM's shape)",
               **_body_docs("TokenizeRequest"))
     async def tokenize(request: Request) -> dict:
-        job, token_ids = await tokenize_only(request, parse_tokenize)
-        strs = state.loaded.tokenizer.convert_ids_to_tokens(token_ids) if job.return_token_strs else []
-        return render_tokenize(job, token_ids, state.model, list(strs))
+        def answer(job, token_ids: list[int], state) -> dict:
+            strs = state.loaded.tokenizer.convert_ids_to_tokens(token_ids) if job.return_token_strs else []
+            return render_tokenize(job, token_ids, state.model, list(strs))
+
+        return await tokenize_only(request, parse_tokenize, answer)
 
     @app.post("/detokenize", summary="The text of token ids (vLLM's shape)", **_body_docs("DetokenizeRequest"))
     async def detokenize(request: Request) -> dict:
-        state.require_ready()
-        return render_detokenize(state.decode(parse_detokenize(parse_body(await request.body()), state.model)))
+        raw = parse_body(await request.body())
+        async with pool.using(requested_model(raw)) as state:
+            return render_detokenize(state.decode(parse_detokenize(raw, state.model)))

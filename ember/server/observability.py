@@ -23,18 +23,20 @@ RECENT_REQUESTS = 100
 
 
 class Observability:
-    def __init__(self, state, metrics: Metrics, request_log: RequestLog | None = None,
+    def __init__(self, pool, metrics: Metrics, request_log: RequestLog | None = None,
                  argv: list[str] | None = None) -> None:
-        self.state = state
+        self.pool = pool
         self.metrics = metrics
         self.request_log = request_log
         self.argv = list(argv or [])
         self.recent: deque[dict[str, Any]] = deque(maxlen=RECENT_REQUESTS)
         self.requests_finished = 0  # generation requests that ran and ended, whatever the outcome
+        self.started = False  # server_start is written once, when the first model is ready
         if request_log is not None:
-            self._hide(state.keys.texts())
-            state.keys.listeners.append(self._hide)
-        state.ready_hooks.append(self.server_ready)
+            self._hide(pool.keys.texts())
+            pool.keys.listeners.append(self._hide)
+        pool.ready_hooks.append(self.model_ready)
+        pool.unload_hooks.append(self.model_unloaded)
 
     def _hide(self, keys: list[str]) -> None:
         for key in keys:
@@ -42,22 +44,37 @@ class Observability:
 
     # ---- server -------------------------------------------------------------------------------
 
-    def server_ready(self, loaded) -> None:
-        identity = model_identity(self.state, loaded)
-        engine = engine_settings(self.state.config.engine, loaded)
-        self.metrics.set_info({**identity, **engine, "batch_invariant": loaded.batch_invariance.get("holds")})
+    def model_ready(self, state) -> None:
+        """The first model ready: server_start (and the ember:model info metric, of the first model
+        only); any later load of a model: model_loaded."""
+        loaded = state.loaded
+        identity = model_identity(state, loaded)
+        engine = engine_settings(state.config.engine, loaded)
+        if state is self.pool.default:
+            self.metrics.set_info({**identity, **engine, "batch_invariant": loaded.batch_invariance.get("holds")})
+        if self.request_log is None:
+            return
+        config = state.config
+        details = dict(model=identity, engine=engine, memory=memory_budget(loaded),
+                       batch_invariance=loaded.batch_invariance, sampling_defaults=sampling_settings(config, loaded),
+                       thinking_defaults=thinking_settings(loaded))
+        if self.started:
+            self.request_log.write("model_loaded", load_seconds=round(state.load_seconds, 3), **details)
+            return
+        self.started = True
+        self.request_log.write(
+            "server_start", ember_version=ember.__version__, **details,
+            models=[self.pool.label(other) for other in self.pool.states],
+            server={
+                "host": config.host, "port": config.port, "api_key_required": self.pool.keys.required,
+                "max_pending": config.max_pending, "pending_timeout_seconds": config.pending_timeout,
+                "max_request_bytes": config.max_request_bytes, "default_max_tokens": config.default_max_tokens,
+                "log_stats_interval_seconds": config.log_stats_interval},
+            argv=self.argv)
+
+    def model_unloaded(self, state, reason: str) -> None:
         if self.request_log is not None:
-            config = self.state.config
-            self.request_log.write(
-                "server_start", ember_version=ember.__version__, model=identity, engine=engine,
-                memory=memory_budget(loaded), batch_invariance=loaded.batch_invariance,
-                sampling_defaults=sampling_settings(config, loaded), thinking_defaults=thinking_settings(loaded),
-                server={
-                    "host": config.host, "port": config.port, "api_key_required": self.state.keys.required,
-                    "max_pending": config.max_pending, "pending_timeout_seconds": config.pending_timeout,
-                    "max_request_bytes": config.max_request_bytes, "default_max_tokens": config.default_max_tokens,
-                    "log_stats_interval_seconds": config.log_stats_interval},
-                argv=self.argv)
+            self.request_log.write("model_unloaded", model=self.pool.label(state), reason=reason)
 
     def close(self) -> None:
         if self.request_log is not None:

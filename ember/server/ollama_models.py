@@ -1,16 +1,18 @@
-"""The served model as Ollama's /api/tags, /api/show and /api/ps describe it, from what was loaded:
+"""The server's models as Ollama's /api/tags, /api/show and /api/ps describe them, from what was loaded:
 its file (size, date, a GGUF file's metadata) and the engine's numbers. Read once, off the loop."""
 
 from __future__ import annotations
 
 import json
 import pathlib
+import time
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone
 from typing import Any
 
 from ember.loaders.gguf_choice import quant_tag
 from ember.protocols.ollama_common import FOREVER, timestamp
+from ember.server.model_pool import file_bytes
 
 # Ollama's Modelfile parameter -> ember's sampling default of the same meaning.
 PARAMETERS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
@@ -87,19 +89,32 @@ def _json(path: pathlib.Path) -> dict[str, Any]:
         return {}
 
 
-def tag_entry(name: str, facts: ModelFacts, digest: str) -> dict[str, Any]:
-    """One model of /api/tags."""
-    return {"name": name, "model": name, "modified_at": facts.modified_at, "size": facts.size, "digest": digest,
-            "details": facts.details()}
+def tag_entry(name: str, facts: ModelFacts | None, state) -> dict[str, Any]:
+    """One model of /api/tags; one not loaded since the server started shows its name, and its
+    file's size and date when it is a local file or folder."""
+    if facts is None:
+        path = pathlib.Path(state.config.model or "")
+        stamp = datetime.fromtimestamp(path.stat().st_mtime, timezone.utc) if path.exists() and str(path) != "." \
+            else datetime.now(timezone.utc)
+        fmt = "gguf" if path.suffix.lower() == ".gguf" else ("safetensors" if path.is_dir() else "")
+        facts = ModelFacts(fmt, "", file_bytes(state.config.model), timestamp(stamp), "", "")
+    return {"name": name, "model": name, "modified_at": facts.modified_at, "size": facts.size,
+            "digest": state.component_set_sha, "details": facts.details()}
 
 
-def running_entry(name: str, facts: ModelFacts, digest: str, loaded) -> dict[str, Any]:
-    """One model of /api/ps: in memory its weights and KV cache (on the GPU, size_vram), kept loaded for
-    good while the server serves one model."""
+def running_entry(name: str, facts: ModelFacts, state, idle_unload_s: float | None) -> dict[str, Any]:
+    """One model of /api/ps: in memory its weights and KV cache (on the GPU, size_vram), and when it
+    will be unloaded if it stays idle (Go's largest time when it is kept for good)."""
+    loaded = state.loaded
     info = loaded.engine.info
     size = info.weight_bytes * info.tensor_parallel_size + info.kv_cache_bytes
-    expires = datetime.now(timezone.utc) + FOREVER
-    return {"name": name, "model": name, "size": size, "digest": digest, "details": facts.details(),
+    keep = state.keep_alive if state.keep_alive is not None else idle_unload_s
+    now = datetime.now(timezone.utc)
+    if keep is None or keep < 0:
+        expires = now + FOREVER
+    else:
+        expires = now + timedelta(seconds=max(0.0, keep - (time.monotonic() - state.last_used)))
+    return {"name": name, "model": name, "size": size, "digest": state.component_set_sha, "details": facts.details(),
             "expires_at": timestamp(expires), "size_vram": size if info.device.startswith("cuda") else 0,
             "context_length": loaded.max_model_len}
 

@@ -1,5 +1,6 @@
 """Ollama's API on ember's server: /api/chat and /api/generate through the one generation pipeline
-(NDJSON streams), /api/tags, /api/show, /api/ps and /api/version from the served model, /api/pull
+(NDJSON streams; an empty one loads or, with keep_alive 0, unloads its model), /api/tags, /api/show,
+/api/ps and /api/version from the server's models, /api/pull
 through `ember pull`, /api/delete refused, /api/embed and /api/embeddings on an embedding model.
 Every refusal on /api paths is Ollama's `{"error"}` (OLLAMA_PATHS, registered with the
 request-context middleware).
@@ -17,7 +18,7 @@ import ember
 from ember.errors import EmberError
 from ember.protocols.json_body import parse_body
 from ember.protocols.neutral import Dialect
-from ember.protocols.ollama_admin import is_load_request, load_reply, parse_pull, parse_show, refuse_delete
+from ember.protocols.ollama_admin import is_load_request, load_request, parse_pull, parse_show, refuse_delete
 from ember.protocols.ollama_chat import CHAT
 from ember.protocols.ollama_embed import EMBED_DIALECT, LEGACY_EMBEDDINGS
 from ember.protocols.ollama_common import OLLAMA_ERRORS, error_line, line, served_name
@@ -25,40 +26,53 @@ from ember.protocols.ollama_generate import GENERATE
 from ember.protocols.stream_format import NDJSON
 from ember.server.event_stream import EventStreamResponse
 from ember.server.ollama_models import ModelFacts, read_facts, running_entry, show_body, tag_entry
+from ember.server.model_pool import ModelPool
 from ember.server.pipeline import serve_generation
-from ember.server.state import ServerState
+from ember.server.state import ModelState
 from ember.store_cli import check_pullable, pull_model
 
 OLLAMA_PATHS = {"/api": OLLAMA_ERRORS}
 
 
 class OllamaCatalog:
-    """The served model's facts, read from its files once, on the first request that needs them."""
+    """Each model's facts, read from its files once, when it is first loaded for a request that needs them."""
 
-    def __init__(self, state: ServerState) -> None:
-        self.state = state
-        self._facts: ModelFacts | None = None
+    def __init__(self, pool: ModelPool) -> None:
+        self.pool = pool
+        self._facts: dict[int, ModelFacts] = {}
 
-    async def facts(self) -> ModelFacts:
-        self.state.require_ready()
-        if self._facts is None:
-            self._facts = await asyncio.to_thread(read_facts, self.state.loaded)
-        return self._facts
+    async def facts(self, state: ModelState) -> ModelFacts:
+        facts = self._facts.get(id(state))
+        if facts is None:
+            facts = self._facts[id(state)] = await asyncio.to_thread(read_facts, state.loaded)
+        return facts
 
-    def names(self) -> list[str]:
-        model = self.state.model
-        return [model.name, *model.aliases]
+    def known(self, state: ModelState) -> ModelFacts | None:
+        return self._facts.get(id(state))
 
 
-def add_ollama_routes(app: FastAPI, state: ServerState) -> None:
-    catalog = OllamaCatalog(state)
+def add_ollama_routes(app: FastAPI, pool: ModelPool) -> None:
+    catalog = OllamaCatalog(pool)
 
     async def generation(request: Request, dialect: Dialect, prompt_field: str) -> Response:
         body = parse_body(await request.body())
-        if is_load_request(body, prompt_field):
-            state.require_ready()
-            return JSONResponse(load_reply(body, state.model, chat=dialect is CHAT))
-        return await serve_generation(request, dialect)
+        if not is_load_request(body, prompt_field):
+            return await serve_generation(request, dialect)
+        reply, keep_alive = load_request(body, chat=dialect is CHAT)
+        state = routed(reply["model"])
+        if keep_alive == 0:  # an unload: it waits for the model's running requests
+            pool.request_unload(state, "a request's keep_alive of 0")
+            return JSONResponse(reply)
+        async with pool.using(reply["model"]) as state:
+            check_name(reply["model"], state)
+            pool.set_keep_alive(state, keep_alive)
+        return JSONResponse(reply)
+
+    def routed(name: str) -> ModelState:
+        state = pool.resolve(name)
+        if state.model is not None:
+            check_name(name, state)
+        return state
 
     @app.post("/api/chat", summary="Chat (Ollama)")
     async def chat(request: Request) -> Response:
@@ -76,22 +90,34 @@ def add_ollama_routes(app: FastAPI, state: ServerState) -> None:
     async def embeddings(request: Request) -> Response:
         return await serve_generation(request, LEGACY_EMBEDDINGS)
 
-    @app.get("/api/tags", summary="The served model (Ollama)")
+    @app.get("/api/tags", summary="The served models (Ollama)")
     async def tags() -> dict:
-        facts = await catalog.facts()
-        return {"models": [tag_entry(name, facts, state.component_set_sha) for name in catalog.names()]}
+        if not pool.several:
+            async with pool.using(None) as state:
+                await catalog.facts(state)
+        entries = []
+        for state in pool.states:
+            facts = catalog.known(state)
+            names = state.names or [pool.label(state)]
+            entries += [tag_entry(name, facts, state) for name in names]
+        return {"models": entries}
 
-    @app.get("/api/ps", summary="The loaded model (Ollama)")
+    @app.get("/api/ps", summary="The loaded models (Ollama)")
     async def running() -> dict:
-        facts = await catalog.facts()
-        return {"models": [running_entry(name, facts, state.component_set_sha, state.loaded)
-                           for name in catalog.names()]}
+        entries = []
+        for state in pool.states:
+            if state.status in ("ok", "unloading") and state.loaded is not None:
+                facts = await catalog.facts(state)
+                entries += [running_entry(name, facts, state, pool.policy.idle_unload_s) for name in state.names]
+        return {"models": entries}
 
-    @app.post("/api/show", summary="The served model's details (Ollama)")
+    @app.post("/api/show", summary="A model's details (Ollama)")
     async def show(request: Request) -> dict:
-        facts = await catalog.facts()
-        parse_show(parse_body(await request.body()), state.model)
-        return show_body(facts, state.loaded, state.model.chat)
+        name = parse_show(parse_body(await request.body()))
+        async with pool.using(name) as state:
+            check_name(name, state)
+            facts = await catalog.facts(state)
+            return show_body(facts, state.loaded, state.model.chat)
 
     @app.get("/api/version", summary="ember's version (Ollama)")
     async def version() -> dict:
@@ -100,34 +126,41 @@ def add_ollama_routes(app: FastAPI, state: ServerState) -> None:
     @app.post("/api/pull", summary="Fetch a Hugging Face repo id into the cache (Ollama)")
     async def pull(request: Request) -> Response:
         name, stream = parse_pull(parse_body(await request.body()))
-        work = None  # nothing to fetch for the served model
-        if state.model is None or not _is_served(name, state):
+        work = None  # nothing to fetch for a served model
+        if not _is_served(name, pool):
             check_pullable(name, None)
-            work = _fetch(name, state)
+            work = _fetch(name, pool.config)
         if not stream:
             if work is not None:
                 await work
             return JSONResponse({"status": "success"})
-        return EventStreamResponse(_pull_lines(work), lambda: None, state.config.sse_keepalive,
-                                   state.config.stalled_client_timeout, NDJSON)
+        return EventStreamResponse(_pull_lines(work), lambda: None, pool.config.sse_keepalive,
+                                   pool.config.stalled_client_timeout, NDJSON)
 
     @app.delete("/api/delete", summary="Refused: ember deletes no model (Ollama)")
     async def delete(request: Request) -> Response:
         refuse_delete(parse_body(await request.body()))
 
 
-def _is_served(name: str, state: ServerState) -> bool:
+def check_name(name: str, state: ModelState) -> None:
+    """404 unless `name` is one of the loaded model's names (`:latest` allowed)."""
+    served_name(name, state.model)
+
+
+def _is_served(name: str, pool: ModelPool) -> bool:
     try:
-        served_name(name, state.model)
+        state = pool.resolve(name)
+        if state.model is not None:
+            check_name(name, state)
     except EmberError:
         return False
-    return True
+    return bool(state.names)
 
 
-async def _fetch(name: str, state: ServerState) -> None:
+async def _fetch(name: str, config) -> None:
     """`ember pull NAME`, off the loop; a failure (the hub unreachable, no such repo) is a 502 naming it."""
     try:
-        await asyncio.to_thread(pull_model, name, None, state.config.ollama_models)
+        await asyncio.to_thread(pull_model, name, None, config.ollama_models)
     except EmberError:
         raise
     except Exception as exc:

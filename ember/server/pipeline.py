@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from typing import Any, AsyncIterator, Callable
 
 from starlette.requests import Request
@@ -28,7 +29,7 @@ from ember.server.event_stream import EventStreamResponse, wait_for_disconnect
 from ember.server.keys import DEFAULT_TENANT
 from ember.server.middleware import ClientGone
 from ember.server.request_record import RequestRecord, session_tag
-from ember.server.state import ServerState
+from ember.server.state import ModelState
 from ember.types import FinishReason, GenerationOutput, SamplingParams
 
 logger = logging.getLogger("ember.server")
@@ -123,16 +124,33 @@ class ChoiceRun:
 
 
 async def serve_generation(request: Request, dialect: Dialect) -> Response:
-    state: ServerState = request.app.state.ember
     record: RequestRecord = request.scope["ember.record"]
     record.route, record.errors = dialect.name, dialect.errors
-    await state.require_engine()
-    check_serves(state.model.task, dialect.tasks)
     body = await request.body()
-    job = dialect.parse(dialect.read_body(body) if dialect.read_body else parse_body(body), state.model)
+    raw = dialect.read_body(body) if dialect.read_body else parse_body(body)
+    pool, name, began = request.app.state.pool, requested_model(raw), time.monotonic()
+    was_ready = pool.resolve(name).status == "ok"
+    async with pool.using(name) as state:
+        record.model = state.names[0]
+        load_seconds = 0.0 if was_ready else time.monotonic() - began  # the wait for its model to load
+        return await _serve(request, dialect, state, record, raw, load_seconds)
+
+
+def requested_model(body: Any) -> str | None:
+    """The model a request body names, for routing (the dialect checks the field itself)."""
+    name = body.get("model") if isinstance(body, dict) else None
+    return name if isinstance(name, str) else None
+
+
+async def _serve(request: Request, dialect: Dialect, state: ModelState, record: RequestRecord, raw: Any,
+                 load_seconds: float) -> Response:
+    check_serves(state.model.task, dialect.tasks)
+    job = dialect.parse(raw, state.model)
     record.job, record.phase = job, "prepare"
     if job.session:  # the body's prompt_cache_key names the session more precisely than a header
         record.session = session_tag(job.session)
+    if job.keep_alive is not None:
+        state.keep_alive = job.keep_alive
     runs = job.prompt_runs()
     prompts = [await state.encode(run.prompt) for run in runs]
     prompt_token_ids = prompts[0]
@@ -154,6 +172,7 @@ async def serve_generation(request: Request, dialect: Dialect) -> Response:
         request.app.state.observability.request_started(record, job, params)
         batch_prompt_ids = prompts if job.batch is not None else None
         result = RunResult(num_sequences, prompt_token_ids, record.received, plan, fit, batch_prompt_ids)
+        result.load_seconds = load_seconds
         record.result = result
         meta = ResponseMeta(f"{dialect.id_prefix}{record.internal_id}", int(record.received), state.model.name,
                             state.fingerprint, state.decode, record.request_id)
@@ -196,17 +215,19 @@ def media_spans(prompt) -> list[MediaSpan]:
             for item in getattr(prompt, "media", ())]
 
 
-async def tokenize_only(request: Request, parse: Callable[[Any, Any], Any]) -> tuple[Any, list[int]]:
-    """A counting route's request (parsed by `parse`) and its prompt's token ids; nothing runs."""
-    state: ServerState = request.app.state.ember
-    state.require_ready()
-    job = parse(parse_body(await request.body()), state.model)
-    prompt_token_ids = await state.encode(job.prompt)
-    request.scope["ember.record"].prompt_tokens = len(prompt_token_ids)
-    return job, prompt_token_ids
+async def tokenize_only(request: Request, parse: Callable[[Any, Any], Any],
+                        answer: Callable[[Any, list[int], ModelState], Any]) -> Any:
+    """A counting route's answer: `answer(job, prompt token ids, the model)` for its request (parsed
+    by `parse`) while the model is held; nothing runs."""
+    raw = parse_body(await request.body())
+    async with request.app.state.pool.using(requested_model(raw)) as state:
+        job = parse(raw, state.model)
+        prompt_token_ids = await state.encode(job.prompt)
+        request.scope["ember.record"].prompt_tokens = len(prompt_token_ids)
+        return answer(job, prompt_token_ids, state)
 
 
-async def collect_unless_gone(request: Request, run: ChoiceRun, result: RunResult, state: ServerState) -> None:
+async def collect_unless_gone(request: Request, run: ChoiceRun, result: RunResult, state: ModelState) -> None:
     """Gather every output; if the client disconnects first, abort the run and raise ClientGone."""
 
     async def collect() -> None:
@@ -229,7 +250,7 @@ async def collect_unless_gone(request: Request, run: ChoiceRun, result: RunResul
         await run.close()
 
 
-async def stream_frames(renderer, result: RunResult, run: ChoiceRun, state: ServerState,
+async def stream_frames(renderer, result: RunResult, run: ChoiceRun, state: ModelState,
                         record: RequestRecord, framing: StreamFormat = SSE) -> AsyncIterator[bytes]:
     """The stream of one request, framed: opening chunks, deltas, closing chunks; errors become events."""
     _frames = framing.frames

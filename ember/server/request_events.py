@@ -65,6 +65,7 @@ def start_event(record: RequestRecord) -> dict[str, Any]:
     return {
         "request_id": record.request_id,
         "protocol": record.route,
+        "model": record.model,
         "tenant": record.tenant,
         "session": record.session,
         "prompt_tokens": record.prompt_tokens,
@@ -89,6 +90,7 @@ def telemetry(record: RequestRecord) -> dict[str, Any]:
     entry: dict[str, Any] = {
         "request_id": record.request_id,
         "protocol": record.route,
+        "model": record.model,
         "tenant": record.tenant,
         "session": record.session,
         "status": record.status,

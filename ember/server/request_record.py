@@ -36,6 +36,7 @@ class RequestRecord:
     started: float = field(default_factory=time.perf_counter)
     status: int | None = None
     route: str | None = None  # the dialect, for generation routes
+    model: str | None = None  # the public id of the model it was routed to
     errors: ErrorShape = OPENAI_ERRORS  # how refusals on this route are answered
     error_type: str | None = None
     error_code: str | None = None

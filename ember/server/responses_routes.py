@@ -19,7 +19,7 @@ from ember.server.openapi import generation_route_docs
 from ember.server.pipeline import serve_generation, tokenize_only
 from ember.server.response_store import MemoryResponseStore, ResponseStore, StoredResponse, record_size
 from ember.server.sqlite_response_store import SqliteResponseStore
-from ember.server.state import ServerState
+from ember.server.config import ServerConfig
 from ember.server.state_dir import state_dir
 
 MAX_LIST_LIMIT = 100
@@ -64,8 +64,7 @@ def make_context(store: ResponseStore, seal: ReasoningSeal | None = None,
     return ResponsesContext(seal or ReasoningSeal(), history_of, save, check_size, preserve_thinking_of)
 
 
-def add_responses_routes(app: FastAPI, state: ServerState) -> None:
-    config = state.config
+def add_responses_routes(app: FastAPI, config: ServerConfig) -> None:
     store = open_response_store(config)
     # one seal for the server's life: what one request sealed, the next one opens
     seal = ReasoningSeal.from_key_file(config.reasoning_key_file) if config.reasoning_key_file else ReasoningSeal()
@@ -82,8 +81,8 @@ def add_responses_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.post("/v1/responses/input_tokens", summary="The prompt tokens a create request would have")
     async def count_input_tokens(request: Request) -> dict:
-        _, prompt_token_ids = await tokenize_only(request, dialect_of(request).parse)
-        return {"object": "response.input_tokens", "input_tokens": len(prompt_token_ids)}
+        return await tokenize_only(request, dialect_of(request).parse,
+                                   lambda _, ids, __: {"object": "response.input_tokens", "input_tokens": len(ids)})
 
     @app.post("/v1/responses/compact", summary="Refused: ember does not compact conversations")
     async def compact() -> Response:

@@ -1,4 +1,5 @@
-"""What one server process holds: the model (once loaded), the engine, admission, live runs."""
+"""What one configured model holds: its settings and, once loaded, its engine, admission and live
+runs (server.model_pool keeps one for each model a server serves and moves it between states)."""
 
 from __future__ import annotations
 
@@ -144,35 +145,62 @@ class ImagesEncoding:
         return give_back
 
 
-class ServerState:
-    def __init__(self, config: ServerConfig, loader: Callable[[ServerConfig], LoadedModel] = load_model) -> None:
+class ModelState:
+    """One model of the server. `status`: unloaded -> loading -> ok -> unloading -> unloaded, or
+    unavailable (a failed load, or an engine that stopped after a fault; `failure` says why)."""
+
+    def __init__(self, config: ServerConfig, loader: Callable[[ServerConfig], LoadedModel] = load_model, *,
+                 keys: KeyRing | None = None, images_encoding: ImagesEncoding | None = None,
+                 ready_hooks: list | None = None, load_failed_hooks: list | None = None) -> None:
         self.config = config
         self.loader = loader
-        self.status = "loading"  # loading -> ok; or unavailable (a load failure, an engine fault)
+        self.status = "unloaded"
         self.failure: str | None = None
+        self.failed_at = 0.0  # time.monotonic() of the last failed load
         self.loaded: LoadedModel | None = None
-        self.model: ModelInfo | None = None
+        self.model: ModelInfo | None = None  # kept after an unload: what the model was when last loaded
         self.fingerprint = ""
         self.component_set_sha = ""  # server.model_card.component_set_sha, once loaded
         self.started = int(time.time())
         self.admission = Admission(config.max_running, config.max_pending, config.pending_timeout,
                                    config.max_pending_per_tenant)
-        self.keys = KeyRing(config.api_key, config.api_key_file)
-        self.images_encoding = ImagesEncoding(config.max_images_encoding)
+        self.keys = keys if keys is not None else KeyRing(config.api_key, config.api_key_file)
+        self.images_encoding = images_encoding or ImagesEncoding(config.max_images_encoding)
         self.runs: set = set()  # live ChoiceRuns, stopped when the server stops
-        self.ready_hooks: list[Callable[[LoadedModel], None]] = []  # observers of the model becoming ready
-        self.load_failed_hooks: list[Callable[[str], None]] = []  # observers of a failed load, given the reason
+        # observers of the model becoming ready (given this state) and of a failed load (given the reason)
+        self.ready_hooks: list[Callable[[ModelState], None]] = ready_hooks if ready_hooks is not None else []
+        self.load_failed_hooks: list[Callable[[str], None]] = load_failed_hooks if load_failed_hooks is not None else []
+        self.users = 0  # requests between routing and admission (server.model_pool.ModelPool.using)
+        self.last_used = time.monotonic()
+        self.keep_alive: float | None = None  # seconds to stay loaded when idle, as the last request asked
+        self.load_seconds = 0.0  # how long the last load took
+        self.last_resident = 0  # bytes its processes held when it was last unloaded
         self._prompt_pool = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="ember-prompt")
         self._load_task: asyncio.Task | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
 
+    @property
+    def names(self) -> list[str]:
+        """The public id and aliases: as configured, else (once loaded) the model's own name."""
+        if self.config.served_model_names:
+            return list(self.config.served_model_names)
+        return [self.model.name, *self.model.aliases] if self.model is not None else []
+
+    @property
+    def busy(self) -> bool:
+        """Whether a request is routed to it, waits for a seat or runs (it is not unloaded then)."""
+        return bool(self.users or self.admission.num_running or self.admission.num_waiting)
+
     # ---- lifecycle ---------------------------------------------------------------------------
 
-    def start_loading(self) -> None:
+    def start_loading(self) -> asyncio.Task:
         self.loop = asyncio.get_running_loop()
+        self.status, self.failure = "loading", None
         self._load_task = self.loop.create_task(self._load())
+        return self._load_task
 
     async def _load(self) -> None:
+        began = time.monotonic()
         future: concurrent.futures.Future = concurrent.futures.Future()
 
         def work() -> None:  # a daemon thread: Ctrl-C during loading does not wait for it
@@ -188,9 +216,11 @@ class ServerState:
             # An EmberError's message says what is wrong; anything else is a fault worth its traceback.
             logger.error("loading the model failed: %s", exc, exc_info=not isinstance(exc, EmberError))
             self.status, self.failure = "unavailable", f"the model failed to load: {exc}"
+            self.failed_at = time.monotonic()
             for hook in self.load_failed_hooks:
                 hook(str(exc))
             return
+        self.load_seconds = time.monotonic() - began
         self._install(loaded)
 
     def _install(self, loaded: LoadedModel) -> None:
@@ -211,16 +241,12 @@ class ServerState:
         self.component_set_sha = component_set_sha(loaded, self.config)
         loaded.engine.start()
         self.status = "ok"
+        self.last_used = time.monotonic()
         for hook in self.ready_hooks:
             try:
-                hook(loaded)
+                hook(self)
             except Exception:  # an observer's fault must not stop serving
                 logger.exception("a ready hook failed")
-
-    def begin_drain(self, timeout: float) -> None:
-        """Stop admitting; the running requests are cancelled only if they outlast `timeout`."""
-        self.admission.close(ServerUnavailable("the server is shutting down"))
-        self.loop.call_later(timeout, self.begin_shutdown)
 
     def begin_shutdown(self) -> None:
         """Stop taking requests and end the running ones (their KV blocks go back to the pool)."""
@@ -228,6 +254,13 @@ class ServerState:
         self.admission.close(stopping)
         for run in list(self.runs):
             run.stop(stopping)
+
+    async def unload(self) -> None:
+        """Stop the engine and let go of what it held; the settings stay for a later load."""
+        self.status = "unloading"
+        if self.loaded is not None:
+            await asyncio.to_thread(self.loaded.engine.shutdown)
+        self.loaded, self.status, self.keep_alive = None, "unloaded", None
 
     async def shutdown(self) -> None:
         self.begin_shutdown()
@@ -241,20 +274,20 @@ class ServerState:
 
     def health(self) -> tuple[int, str]:
         """(status code, status): loading while the model loads or its engine worker starts again."""
-        if self.status == "ok":
+        if self.status in ("ok", "unloading") and self.loaded is not None:
             engine = self.loaded.engine
             if engine.status == "unavailable":
                 self.status, self.failure = "unavailable", f"the engine stopped after a fault: {engine.failed}"
             elif engine.status == "loading":
                 return 503, "loading"
-        return (200 if self.status == "ok" else 503), self.status
+        return (200 if self.status in ("ok", "unloading") else 503), self.status
 
     def require_ready(self) -> None:
         """Raise unless the model is loaded here (routes that only tokenize need no more)."""
         self.health()
-        if self.status == "loading":
+        if self.status in ("loading", "unloaded"):
             raise ModelLoading()
-        if self.status != "ok":
+        if self.status not in ("ok", "unloading"):
             raise ServerUnavailable(self.failure or "the engine is not running")
 
     async def require_engine(self) -> None:
@@ -309,6 +342,6 @@ class ServerState:
 
     async def engine_stats(self) -> dict[str, Any] | None:
         """The engine's counters as of its last step: answered at once, even while a step runs."""
-        if self.status != "ok" or self.engine.latest_stats is None:
+        if self.status not in ("ok", "unloading") or self.engine.latest_stats is None:
             return None
         return asdict(self.engine.latest_stats)

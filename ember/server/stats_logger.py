@@ -13,29 +13,32 @@ logger = logging.getLogger("ember.stats")
 
 
 class ThroughputReporter:
-    def __init__(self, state, interval: float, request_log=None) -> None:
-        self.state = state
+    """One line per loaded model and interval (naming the model when the server has several)."""
+
+    def __init__(self, pool, interval: float, request_log=None) -> None:
+        self.pool = pool
         self.interval = interval
         self.request_log = request_log
-        self._last: dict[str, Any] | None = None
-        self._last_at = 0.0
+        self._last: dict[int, tuple[dict[str, Any], float]] = {}  # id(state) -> its last snapshot and when
 
     async def run(self) -> None:
         while True:
             await asyncio.sleep(self.interval)
-            if self.state.status != "ok":
-                continue
-            stats = await self.state.engine_stats()
-            if stats is None:
-                continue
-            now = time.monotonic()
-            if self._last is not None:
-                self.report(self._last, stats, now - self._last_at)
-            self._last, self._last_at = stats, now
+            for state in self.pool.states:
+                stats = await state.engine_stats()
+                if stats is None:
+                    self._last.pop(id(state), None)
+                    continue
+                now = time.monotonic()
+                last = self._last.get(id(state))
+                if last is not None:
+                    model = self.pool.label(state) if self.pool.several else None
+                    self.report(last[0], stats, now - last[1], state.admission, model)
+                self._last[id(state)] = stats, now
 
-    def report(self, before: dict[str, Any], after: dict[str, Any], seconds: float) -> dict[str, Any] | None:
+    def report(self, before: dict[str, Any], after: dict[str, Any], seconds: float, admission,
+               model: str | None = None) -> dict[str, Any] | None:
         """Log the interval between two engine snapshots; returns what was reported, or None when idle."""
-        admission = self.state.admission
         delta = {name: after[name] - before[name] for name in (
             "prompt_tokens", "generation_tokens", "prefix_cache_queries", "prefix_cache_hits", "num_preemptions",
             "prefill_seconds", "decode_seconds")}
@@ -55,9 +58,11 @@ class ThroughputReporter:
             "kv_cache_usage": kv_usage, "prefix_cache_hit_rate": hit_rate,
             **{f"{name}_delta": value for name, value in delta.items()},
         }
+        if model is not None:
+            summary["model"] = model
         logger.info(
-            "throughput: prompt %.1f tok/s, generation %.1f tok/s; running %d, waiting %d; KV cache %.1f%% used; "
-            "prefix cache hits %s", summary["prompt_tokens_per_second"], summary["generation_tokens_per_second"],
+            "%sthroughput: prompt %.1f tok/s, generation %.1f tok/s; running %d, waiting %d; KV cache %.1f%% used; "
+            "prefix cache hits %s", f"{model}: " if model is not None else "", summary["prompt_tokens_per_second"], summary["generation_tokens_per_second"],
             admission.num_running, admission.num_waiting, 100.0 * kv_usage,
             "-" if hit_rate is None else f"{100.0 * hit_rate:.1f}%")
         if self.request_log is not None:

@@ -146,6 +146,49 @@ def one_slot_server():
     process.stop()
 
 
+POOL_MODELS = ("smol", "tiny", "tiny-llama", "broken")  # pool_server's models, the first the default
+
+
+@pytest.fixture(scope="session")
+def pool_server(tmp_path_factory):
+    """Several models behind one server (--models-config): the default GGUF as `smol` (alias
+    `default`), tiny random Qwen3 (`tiny`, alias `small`) and Llama (`tiny-llama`) folders, and
+    `broken`, a folder that cannot load; at most two loaded at once, with the chat page. Tests
+    that share it must not count on which models are loaded when they start."""
+    from ember.loaders.default_model import default_model_path
+    from model_stores import tiny_hf_folder
+
+    folder = tmp_path_factory.mktemp("pool")
+    tiny_qwen = tiny_hf_folder(folder, "qwen3")[1]
+    tiny_llama = tiny_hf_folder(folder, "llama")[1]
+    broken = folder / "broken"
+    broken.mkdir()
+    (broken / "config.json").write_text('{"model_type": "no-such-architecture"}')
+    config = folder / "models.toml"
+    config.write_text(f"""
+[models.smol]
+model = "{default_model_path()}"
+aliases = ["default"]
+
+[models.tiny]
+model = "{tiny_qwen}"
+aliases = ["small"]
+max_model_len = 256
+quantization = "none"
+
+[models.tiny-llama]
+model = "{tiny_llama}"
+max_model_len = 256
+
+[models.broken]
+model = "{broken}"
+""")
+    process = ServerProcess("--models-config", str(config), "--max-loaded-models", "2", "--max-model-len", "1024",
+                            "--max-num-seqs", "8", "--ui", "--log-level", "info").start()
+    yield process
+    process.stop()
+
+
 @pytest.fixture(scope="session")
 def client(server) -> openai.OpenAI:
     return openai.OpenAI(base_url=server.url + "/v1", api_key="not-checked", max_retries=0, timeout=120)

@@ -111,12 +111,13 @@ def _stats(**values):
 
 
 def test_the_throughput_line_is_quiet_when_idle(caplog):
-    state = SimpleNamespace(admission=SimpleNamespace(num_running=0, num_waiting=0))
-    reporter = ThroughputReporter(state, 10.0)
+    admission = SimpleNamespace(num_running=0, num_waiting=0)
+    reporter = ThroughputReporter(SimpleNamespace(states=[]), 10.0)
     with caplog.at_level(logging.INFO, logger="ember.stats"):
-        assert reporter.report(_stats(), _stats(), 10.0) is None
+        assert reporter.report(_stats(), _stats(), 10.0, admission) is None
         summary = reporter.report(_stats(), _stats(prompt_tokens=200, generation_tokens=50, prefix_cache_queries=80,
-                                                   prefix_cache_hits=20, kv_blocks_used=25, num_running=1), 10.0)
+                                                   prefix_cache_hits=20, kv_blocks_used=25, num_running=1), 10.0,
+                                  admission)
     assert summary["prompt_tokens_per_second"] == 20.0 and summary["generation_tokens_per_second"] == 5.0
     assert summary["prefix_cache_hit_rate"] == 0.25 and summary["kv_cache_usage"] == 0.25
     assert [r.getMessage() for r in caplog.records] == [

@@ -15,7 +15,7 @@ from ember.parsers.hermes import HERMES
 from ember.protocols.chat_reply import ChatFeatures
 from ember.protocols.errors import Forbidden, ModelNotFound
 from ember.protocols.neutral import ChatPrompt, ResponseMeta, RunResult, TextPrompt, ModelInfo
-from ember.protocols.ollama_admin import is_load_request, load_reply, parse_pull, refuse_delete
+from ember.protocols.ollama_admin import is_load_request, load_request, parse_pull, refuse_delete
 from ember.protocols.ollama_chat import CHAT, parse_chat
 from ember.protocols.ollama_common import OLLAMA_ERRORS, parse_duration, served_name
 from ember.protocols.ollama_generate import parse_generate
@@ -162,11 +162,11 @@ def test_a_keep_alive_that_is_no_duration_is_refused(value):
     assert refusal(chat, keep_alive=value).param == "keep_alive"
 
 
-def test_a_keep_alive_that_asks_for_an_unload_is_listed_as_ignored():
-    for value, listed in ((0, ["keep_alive"]), ("5m", ["keep_alive"]), (-1, []), ("-1m", [])):
+def test_keep_alive_travels_with_the_request_in_seconds():
+    for value, seconds in ((0, 0), ("5m", 300), (-1, -1), ("-1m", -60), (None, None)):
         with watch_fields(strict=False) as report:
-            chat(keep_alive=value)
-        assert report.ignored == listed, value
+            job = chat(keep_alive=value) if value is not None else chat()
+        assert job.keep_alive == seconds and report.ignored == [], value
 
 
 # ---- generate ---------------------------------------------------------------------------------------
@@ -249,11 +249,13 @@ def test_a_request_with_nothing_to_answer_loads_the_model():
     assert is_load_request({"model": "served"}, "prompt")
     assert not is_load_request({"model": "served", "prompt": "", "images": ["aGk="]}, "prompt")
     with watch_fields(strict=False) as report:
-        reply = load_reply({"model": "served:latest", "messages": [], "keep_alive": 0}, MODEL, chat=True)
-    assert reply["done"] is True and reply["done_reason"] == "load" and reply["model"] == "served:latest"
-    assert reply["message"] == {"role": "assistant", "content": ""} and report.ignored == ["keep_alive"]
-    with pytest.raises(ModelNotFound):
-        load_reply({"model": "other"}, MODEL, chat=False)
+        reply, keep_alive = load_request({"model": "served:latest", "messages": [], "keep_alive": 0}, chat=True)
+    assert reply["done"] is True and reply["done_reason"] == "unload" and reply["model"] == "served:latest"
+    assert reply["message"] == {"role": "assistant", "content": ""} and keep_alive == 0 and report.ignored == []
+    reply, keep_alive = load_request({"model": "served", "keep_alive": "10m"}, chat=False)
+    assert reply["done_reason"] == "load" and reply["response"] == "" and keep_alive == 600
+    with pytest.raises(InvalidRequest):
+        load_request({"messages": []}, chat=True)
 
 
 def test_pull_and_delete_bodies():
