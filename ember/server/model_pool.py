@@ -82,16 +82,14 @@ class ModelPool:
 
     def resolve(self, name: str | None) -> ModelState:
         """The model `name` stands for (an id or alias; Ollama's `:latest` tag allowed); None or ''
-        the first. A single model whose name is not known before its first load takes any name
-        until then (the dialect's own check answers 404 once it is loaded)."""
-        if not name:
+        the first. A server of one model routes every name to it: the dialect's own check answers
+        404 once the model is ready (so a request while it loads or restarts is told to wait)."""
+        if not name or not self.several:
             return self.default
         for candidate in (name, name.removesuffix(LATEST)):
             for state in self.states:
                 if candidate in state.names:
                     return state
-        if not self.several and not self.default.names:
-            return self.default
         raise ModelNotFound(name, "', '".join(self.public_names()))
 
     def public_names(self) -> list[str]:
@@ -156,7 +154,10 @@ class ModelPool:
             state.keep_alive = seconds
 
     def request_unload(self, state: ModelState, reason: str) -> asyncio.Task | None:
-        """Unload `state` once nothing runs on it (None: it is not loaded)."""
+        """Unload `state` once nothing runs on it (None: it is not loaded; one loading now is
+        unloaded once it is loaded and idle)."""
+        if state.status == "loading":
+            state.keep_alive = 0.0
         if state.status != "ok":
             return self._unloads.get(id(state))
         task = self._unloads.get(id(state))

@@ -115,12 +115,13 @@ def test_list_show_ps_and_version_describe_the_served_model(olla, model_id, http
     assert http.get("/api/version").json()["version"]
 
 
-def test_a_load_request_answers_at_once_and_an_unload_is_reported_as_ignored(http, model_id):
-    reply = http.post("/api/chat", json={"model": model_id, "messages": [], "keep_alive": 0})
+def test_a_load_request_of_the_loaded_model_answers_at_once(http, model_id):
+    reply = http.post("/api/chat", json={"model": model_id, "messages": []})
     assert reply.status_code == 200 and reply.json()["done_reason"] == "load"
-    assert reply.headers["x-ember-ignored-fields"] == "keep_alive"
+    assert reply.json()["message"] == {"role": "assistant", "content": ""}
     reply = http.post("/api/generate", json={"model": model_id, "keep_alive": -1})
     assert reply.json()["response"] == "" and "x-ember-ignored-fields" not in reply.headers
+    assert http.post("/api/generate", json={"model": "other-model"}).status_code == 404
 
 
 def test_unknown_and_runner_options_are_listed_and_unmatched_samplers_refused(http, model_id):
