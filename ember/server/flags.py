@@ -42,7 +42,7 @@ _ENGINE_DEFAULTS = EngineConfig()
 def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
         "serve", help="serve a model over HTTP (OpenAI Chat Completions, Completions, Responses; Anthropic Messages)",
-        description="Serve one model over HTTP. Clients use http://HOST:PORT/v1 as their OpenAI base URL. "
+        description="Serve one model, or several, over HTTP. Clients use http://HOST:PORT/v1 as their OpenAI base URL. "
                     "The server listens at once, answers /health with 503 while the model loads, and prints "
                     "its URL when ready; a model that cannot be found or loaded ends it with exit status 1. Ctrl-C "
                     "stops it: running requests are cancelled.")

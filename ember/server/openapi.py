@@ -14,7 +14,7 @@ import ember
 from ember.server.native_schemas import NATIVE_SCHEMAS
 
 DESCRIPTION = (
-    "ember serves one model in the OpenAI Chat Completions, Completions and Responses dialects and "
+    "ember serves one model or several in the OpenAI Chat Completions, Completions and Responses dialects and "
     "as Anthropic Messages. With --api-key, "
     "every route except /health needs 'Authorization: Bearer KEY' or 'x-api-key: KEY'. POST bodies are "
     "JSON (415 otherwise) and at most --max-request-mb (413). An unknown top-level field is ignored and "
@@ -31,7 +31,7 @@ _STOP = {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "stri
          "description": "Text that ends the output (not included in it)."}
 
 SAMPLING_FIELDS: dict[str, Any] = {
-    "model": {"type": "string", "description": "The served model id or an alias; omit it for the served model."},
+    "model": {"type": "string", "description": "The model's id or an alias; omit it for the server's first model."},
     "max_tokens": {**_INTEGER, "minimum": 1, "description": "Most tokens to generate; capped to the room the "
                    "context window leaves. Omitted: to the end of the window (or --default-max-tokens)."},
     "max_completion_tokens": {**_INTEGER, "minimum": 1, "description": "Same as max_tokens; wins when both are set."},
