@@ -126,7 +126,7 @@ class ModelPool:
             if state.status == "unloaded":
                 await self._make_room(state, deadline)
                 state.start_loading()
-            load = state._load_task
+            load = state.load_task
         if state.status == "loading" and load is not None:
             remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
             try:
@@ -201,11 +201,13 @@ class ModelPool:
                     if other is not state and other.status == "ok" and not other.busy]
             if idle:
                 victim = min(idle, key=lambda other: other.last_used)
-                await self.request_unload(victim, f"making room for {self.label(state)}")
-                continue
-            if any(id(other) in self._unloads for other in self.states):
-                await asyncio.sleep(_POLL_S)
-                continue
+                unload = self.request_unload(victim, f"making room for {self.label(state)}")
+                try:
+                    await asyncio.shield(unload)
+                except asyncio.CancelledError:
+                    if not unload.cancelled():  # this request itself was cancelled
+                        raise
+                continue  # done, or called off by a request for it: look again
             if deadline is not None and time.monotonic() >= deadline:
                 raise ServerUnavailable(f"the model '{self.label(state)}' cannot be loaded: the models loaded "
                                         f"now are all busy ({self._limits_text()})")

@@ -176,7 +176,7 @@ class ModelState:
         self.load_seconds = 0.0  # how long the last load took
         self.last_resident = 0  # bytes its processes held when it was last unloaded
         self._prompt_pool = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="ember-prompt")
-        self._load_task: asyncio.Task | None = None
+        self.load_task: asyncio.Task | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
 
     @property
@@ -193,11 +193,10 @@ class ModelState:
 
     # ---- lifecycle ---------------------------------------------------------------------------
 
-    def start_loading(self) -> asyncio.Task:
+    def start_loading(self) -> None:
         self.loop = asyncio.get_running_loop()
         self.status, self.failure = "loading", None
-        self._load_task = self.loop.create_task(self._load())
-        return self._load_task
+        self.load_task = self.loop.create_task(self._load())
 
     async def _load(self) -> None:
         began = time.monotonic()
@@ -264,8 +263,8 @@ class ModelState:
 
     async def shutdown(self) -> None:
         self.begin_shutdown()
-        if self._load_task is not None and not self._load_task.done():
-            self._load_task.cancel()
+        if self.load_task is not None and not self.load_task.done():
+            self.load_task.cancel()
         if self.loaded is not None:
             await asyncio.to_thread(self.loaded.engine.shutdown)
         self._prompt_pool.shutdown(wait=False, cancel_futures=True)
