@@ -58,13 +58,22 @@ async function refusal(response) {
   return new ApiError(kind, message, { status, param, retryAfter });
 }
 
-export async function fetchModel() {
+// The server's models, each once under its public id (a card whose id is its `root`; the cards of
+// its aliases are left out), in the server's order: the first is its default.
+export async function fetchModels() {
   const body = await (await request("/v1/models")).json();
-  const card = body.data?.[0];
-  if (!card) throw new ApiError("refused", "The server lists no model.");
+  const models = (body.data ?? []).filter((card) => card.id === card.root).map(modelOf);
+  if (!models.length) throw new ApiError("refused", "The server lists no model.");
+  return models;
+}
+
+// A card as the page uses it. A model never loaded has only its name and state: the rest is null
+// or false until its first request loads it.
+function modelOf(card) {
   return {
-    id: card.id, contextLength: card.max_model_len ?? null, reasoning: !!card.capabilities?.reasoning,
-    vision: !!card.capabilities?.vision, maxImages: card.max_images ?? Infinity, maxImageBytes: card.max_image_bytes ?? null,
+    id: card.id, state: card.state, contextLength: card.max_model_len ?? null,
+    reasoning: !!card.capabilities?.reasoning, vision: !!card.capabilities?.vision,
+    maxImages: card.max_images ?? Infinity, maxImageBytes: card.max_image_bytes ?? null,
   };
 }
 

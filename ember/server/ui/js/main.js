@@ -1,11 +1,12 @@
-// The chat page: wires the store, the server, the settings, the sidebar, the composer's images and
-// the messages together.
+// The chat page: wires the store, the server and its models, the settings, the sidebar, the
+// composer's images and the messages together.
 
-import { ApiError, describe, fetchModel, streamChat } from "./api.js";
+import { ApiError, describe, fetchModels, streamChat } from "./api.js";
 import { Attachments } from "./attachments.js";
 import { clear, el, newId } from "./dom.js";
 import { ImageStore, isImageUrl } from "./images.js";
 import { MessageView } from "./messages.js";
+import { ModelPicker } from "./models.js";
 import { Settings } from "./settings.js";
 import { Sidebar } from "./sidebar.js";
 import { apiKey, exportFile, Store } from "./store.js";
@@ -30,7 +31,9 @@ class App {
       notify: (text) => this.notify(text, "error"),
       sentImages: () => imagesOf(this.store.current.messages).filter((i) => this.images.url(i.id) !== null).length,
     });
-    this.model = null;
+    this.picker = new ModelPicker(this.store, (model) => this.useModel(model));
+    this.model = null;  // the picked model (api.js modelOf) once the server has answered
+    this.refreshing = false;  // while the models' states are being asked again
     this.running = null;  // { controller, conversation, reply } while a reply streams
     this.views = new Map();  // message id -> MessageView, for the conversation on screen
     this.input = $("input");
@@ -72,13 +75,15 @@ class App {
       this.useKey($("key-input").value.trim());
     });
     $("key-dialog").addEventListener("cancel", (event) => event.preventDefault());  // a key is needed to go on
+    window.addEventListener("focus", () => this.refreshModels());
   }
 
   // ---- the server ------------------------------------------------------------------------
 
   async connect() {
+    let models;
     try {
-      this.model = await fetchModel();
+      models = await fetchModels();
     } catch (error) {
       if (error.kind === "auth") return this.askKey(apiKey.get() ? "That key was refused." : null);
       $("model-name").textContent = "not connected";
@@ -87,12 +92,31 @@ class App {
       setTimeout(() => this.connect(), RETRY_MODEL_MS);
       return;
     }
-    $("model-name").textContent = this.model.id;
-    $("model-context").textContent = this.model.contextLength ? `context ${this.model.contextLength} tokens` : "";
-    this.settings.showThinking(this.model.reasoning);
-    this.attachments.setModel(this.model);
+    this.useModel(this.picker.setModels(models));
     this.notify(null);
     if (!this.running) this.show();  // replies now carry the model's name
+  }
+
+  // What the page derives from the picked model's card.
+  useModel(model) {
+    this.model = model;
+    $("model-context").textContent = model.contextLength ? `context ${model.contextLength} tokens` : "";
+    this.settings.showThinking(model.reasoning);
+    this.attachments.setModel(model);
+  }
+
+  // The models' states again (on focus, after each reply): one request, nothing shown when it
+  // fails (the next message says why). Not before the first answer: connect() is still trying.
+  async refreshModels() {
+    if (!this.model || this.refreshing) return;
+    this.refreshing = true;
+    try {
+      this.useModel(this.picker.setModels(await fetchModels()));
+    } catch {
+      // kept as it was
+    } finally {
+      this.refreshing = false;
+    }
   }
 
   askKey(problem) {
@@ -107,7 +131,7 @@ class App {
     if (!key) return this.askKey("Enter the key the server was started with.");
     apiKey.set(key);
     try {
-      this.model = await fetchModel();
+      await fetchModels();
     } catch (error) {
       if (error.kind === "auth") {
         apiKey.clear();
@@ -209,17 +233,20 @@ class App {
       return this.refused(conversation, draft, error.message);
     }
     const history = conversation.messages.slice();
+    const model = this.model;
     const reply = { id: newId(), role: "assistant", content: "", reasoning: "", tool_calls: [], state: "streaming" };
+    if (model) reply.model = model.id;
     conversation.messages.push(reply);
     this.addView(reply);
     const controller = new AbortController();
     this.running = { controller, conversation, reply };
     this.setRunning(true);
+    if (model && model.state !== "ready") this.loading(model.id);
     let opened = false;
     try {
       await this.images.load(imagesOf(history).map((i) => i.id));  // those not read since the page opened
       const body = {
-        ...(this.model ? { model: this.model.id } : {}),
+        ...(model ? { model: model.id } : {}),
         messages: requestMessages(this.settings.systemPrompt, history, (id) => this.images.url(id)),
         stream: true, stream_options: { include_usage: true }, return_progress: true, timings_per_token: true,
         ...fields,
@@ -255,6 +282,7 @@ class App {
         this.setRunning(false);
       }
       this.progress(null);
+      this.refreshModels();
     }
     this.store.touch(conversation);
     this.views.get(reply.id)?.update();
@@ -310,6 +338,14 @@ class App {
     $("progress-bar").style.width = `${Math.round(share * 100)}%`;
     $("progress-text").textContent = `Reading the prompt: ${report.processed} of ${report.total} tokens`
       + (report.cache ? ` (${report.cache} cached)` : "");
+  }
+
+  // The server holds a request for a model that is not loaded until it is (or its load fails):
+  // said in the progress line, which the reply's first chunk takes over.
+  loading(id) {
+    $("progress").hidden = false;
+    $("progress-bar").style.width = "0";
+    $("progress-text").textContent = `Loading ${id}\u2026`;
   }
 
   edit(message, text, resend) {

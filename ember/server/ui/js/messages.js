@@ -11,8 +11,9 @@ const STATE_NOTES = {
 };
 
 export class MessageView {
-  // actions: { edit(message, text, resend), regenerate(message), busy() }; imageUrl(id): an
-  // attached image's data URL, null when it was not kept, undefined while it is being read.
+  // modelName: a reply's author where the message has no `model` (one stored by an older page);
+  // actions: { edit(message, text, resend), regenerate(message), busy() }; imageUrl(id):
+  // an attached image's data URL, null when it was not kept, undefined while it is being read.
   constructor(message, { modelName, actions, imageUrl }) {
     this.message = message;
     this.actions = actions;
@@ -25,7 +26,7 @@ export class MessageView {
     this.figures = el("div", { class: "figures" });
     this.note = el("div", { class: "note" });
     this.buttons = el("div", { class: "actions" });
-    const who = message.role === "user" ? "You" : modelName || "assistant";
+    const who = message.role === "user" ? "You" : message.model || modelName || "assistant";
     this.node = el("article", { class: `message ${message.role}`, dataset: { id: message.id, role: message.role } },
       el("div", { class: "who", text: who }), this.reasoning, this.images, this.content, this.tools, this.note, this.figures,
       this.buttons);

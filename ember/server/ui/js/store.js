@@ -12,8 +12,10 @@ export const UNTITLED = "New chat";
 const TITLE_CHARS = 48;
 const IMAGE_TITLE = "Image";
 
+// `model`: the picked model's id; null, the server's first.
 export const DEFAULT_SETTINGS = Object.freeze({
   system: "", temperature: 0.7, top_p: 0.95, max_tokens: null, thinking: true, thinking_budget: null, extra: "",
+  model: null,
 });
 
 function read(storage, key, fallback) {
