@@ -148,11 +148,6 @@ class ModelPool:
         self.default.start_loading()
         self._reaper = self.loop.create_task(self._reap_idle())
 
-    def set_keep_alive(self, state: ModelState, seconds: float | None) -> None:
-        """A request's keep_alive: how long its model stays loaded once idle (negative: for good)."""
-        if seconds is not None:
-            state.keep_alive = seconds
-
     def request_unload(self, state: ModelState, reason: str) -> asyncio.Task | None:
         """Unload `state` once nothing runs on it (None: it is not loaded; one loading now is
         unloaded once it is loaded and idle)."""
@@ -184,7 +179,8 @@ class ModelPool:
             raise
         finally:
             self._stopping.discard(key)
-            self._unloads.pop(key, None)
+            if self._unloads.get(key) is asyncio.current_task():
+                del self._unloads[key]
 
     def _call_off_unload(self, state: ModelState) -> None:
         task = self._unloads.get(id(state))

@@ -65,7 +65,8 @@ def add_ollama_routes(app: FastAPI, pool: ModelPool) -> None:
             return JSONResponse(reply)
         async with pool.using(reply["model"]) as state:
             check_name(reply["model"], state)
-            pool.set_keep_alive(state, keep_alive)
+            if keep_alive is not None:
+                state.keep_alive = keep_alive
         return JSONResponse(reply)
 
     def routed(name: str) -> ModelState:
