@@ -15,51 +15,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
 import httpx
 
+from ember.bench.serve_process import serving
 from ember.bench.soak import run_soak
 
 GOOD_KEY, FLOOD_KEY = "soak-good-key-0001", "soak-flood-key-0002"
-
-
-def start_server(args, key_file: Path) -> tuple[subprocess.Popen, str]:
-    command = [sys.executable, "-m", "ember.cli", "serve", *([args.model] if args.model else []), "--port", "0",
-               "--log-level", "warning", "--max-num-seqs", str(args.concurrency), "--max-model-len", "1024",
-               "--api-key-file", str(key_file), "--max-pending-per-tenant", str(args.concurrency),
-               *args.serve_arg]
-    proc = subprocess.Popen(command, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
-    found: dict = {}
-    ready = threading.Event()
-
-    def drain() -> None:
-        for line in proc.stderr:
-            match = re.search(r"listening on (http://\S+);", line)
-            if match:
-                found["url"] = match.group(1)
-                ready.set()
-        ready.set()
-
-    threading.Thread(target=drain, daemon=True).start()
-    ready.wait(300)
-    if "url" not in found:
-        raise SystemExit("the server did not start")
-    deadline = time.monotonic() + 600
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(found["url"] + "/health", timeout=5).status_code == 200:
-                return proc, found["url"]
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise SystemExit("the server never became healthy")
 
 
 def main() -> None:
@@ -74,16 +40,15 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as folder:
         key_file = Path(folder) / "keys"
         key_file.write_text(f"good: {GOOD_KEY}\nflood: {FLOOD_KEY}\n")
-        proc, url = start_server(args, key_file)
-        try:
+        flags = [*([args.model] if args.model else []), "--log-level", "warning", "--max-num-seqs",
+                 str(args.concurrency), "--max-model-len", "1024", "--api-key-file", str(key_file),
+                 "--max-pending-per-tenant", str(args.concurrency), *args.serve_arg]
+        with serving(flags) as (proc, url):
             model = httpx.get(url + "/v1/models", headers={"Authorization": f"Bearer {GOOD_KEY}"}).json()["data"][0]["id"]
             started = time.perf_counter()
             report = run_soak(url, proc.pid, GOOD_KEY, FLOOD_KEY, model, args.requests,
                               concurrency=args.concurrency, max_tokens=args.max_tokens)
             seconds = time.perf_counter() - started
-        finally:
-            proc.terminate()
-            proc.wait(60)
     summary = {**report.summary(), "seconds": round(seconds, 1)}
     print(json.dumps(summary, indent=2))
     if args.json:

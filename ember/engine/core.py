@@ -17,7 +17,6 @@ from ember.config import EngineConfig, ModelConfig
 from ember.context_window import ContextWindow, fit_output
 from ember.engine import invariance
 from ember.engine.cache_tiers import namespace
-from ember.engine.host_memory import release_freed_heap
 from ember.engine.weight_footprint import routed_experts, weight_footprint
 from ember.engine.images import ImageEncoder, check_spans, images_attend_both_ways
 from ember.engine.loading import load_model
@@ -28,6 +27,7 @@ from ember.engine.request import Request, RequestStatus
 from ember.engine.spec.speculator import Proposer, build_speculator
 from ember.engine.stats import EngineCounters, EngineStats
 from ember.errors import InvalidRequest
+from ember.freed_heap import release_freed_heap
 from ember.media.processing import ImageProcessing, source_image_processing
 from ember.types import CLASSIFY, FinishReason, SamplingParams, StepOutput, TokenConstraint
 

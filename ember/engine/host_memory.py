@@ -5,15 +5,13 @@
   neither, and the block-quantized linear kernels run faster (bench/huge_pages.py measures it).
   The region is an anonymous mapping advised MADV_HUGEPAGE, so it works where transparent huge
   pages are `always` or `madvise` (most distributions' default) and costs nothing under `never`.
-- Freed heap: loading frees far more than it keeps (the file's tensors, staged blocks, the
-  packed weights' first home), and glibc keeps freed heap pages mapped; handing them back once
-  the model is in place takes a few hundred MB off the resident size of the default model.
+
+Loading also frees far more than it keeps; the engine hands those pages back once the model is in
+place (ember.freed_heap), which takes a few hundred MB off the resident size of the default model.
 """
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import mmap
 import sys
 from collections.abc import Sequence
@@ -68,16 +66,3 @@ def move_to_huge_pages(owners: Sequence[Any], attribute: str) -> bool:
         offset += _aligned(size)
     return True
 
-
-def release_freed_heap() -> bool:
-    """Hand the C heap's free pages back to the system (glibc's malloc_trim); False where the C
-    library has no such call."""
-    name = ctypes.util.find_library("c")
-    try:
-        trim = ctypes.CDLL(name).malloc_trim if name else None
-    except (OSError, AttributeError):
-        trim = None
-    if trim is None:
-        return False
-    trim(0)
-    return True

@@ -6,17 +6,19 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import functools
+import gc
 import hashlib
 import logging
 import threading
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Callable
 
 import ember
 from ember.constraint_spec import ConstraintSpec
 from ember.engine.contract import Engine
 from ember.errors import EmberError
+from ember.freed_heap import release_freed_heap
 from ember.loaders.serving_task import GENERATE, ServingTask, resolve_serving_task
 from ember.media.processing import ImageProcessing, source_image_processing
 from ember.protocols.errors import ImagesBusy, ModelLoading, ServerUnavailable
@@ -112,6 +114,13 @@ def _make_engine(config: ServerConfig, source) -> Engine:
 
     return EngineRouter([EngineClient(replica, source.tokenizer, env, config.worker_stall_timeout)
                          for replica, env in replica_launches(settings, config.data_parallel_size)])
+
+
+def _release_unreachable() -> None:
+    """Free what an unloaded model left (its engine client sits in reference cycles, which only the
+    collector frees) and hand the pages back: the loading thread's arena would keep them resident."""
+    gc.collect()
+    release_freed_heap()
 
 
 def _single_token_id(tokenizer, vocab_size: int, text: str) -> int | None:
@@ -255,11 +264,16 @@ class ModelState:
             run.stop(stopping)
 
     async def unload(self) -> None:
-        """Stop the engine and let go of what it held; the settings stay for a later load."""
+        """Stop the engine and let go of what it held, its tokenizer included (what the model was,
+        `model`, stays for listings, less the tokenizer its single_token_id holds); the settings stay
+        for a later load."""
         self.status = "unloading"
         if self.loaded is not None:
             await asyncio.to_thread(self.loaded.engine.shutdown)
         self.loaded, self.status, self.keep_alive = None, "unloaded", None
+        if self.model is not None:
+            self.model = replace(self.model, single_token_id=lambda text: None)
+        await asyncio.to_thread(_release_unreachable)
 
     async def shutdown(self) -> None:
         self.begin_shutdown()

@@ -1,14 +1,11 @@
-"""CPU tensors moved onto huge pages keep their values, the engine's block weights live there, and
-the heap's freed pages go back to the system."""
+"""CPU tensors moved onto huge pages keep their values, and the engine's block weights live there."""
 
-import os
-import platform
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-from ember.engine.host_memory import HUGE_PAGE, huge_page_bytes, move_to_huge_pages, release_freed_heap
+from ember.engine.host_memory import HUGE_PAGE, huge_page_bytes, move_to_huge_pages
 
 advisable = pytest.mark.skipif(huge_page_bytes(64) is None, reason="huge pages are asked for on Linux, where granted")
 
@@ -75,18 +72,3 @@ def test_the_engine_reads_its_block_weights_from_one_huge_page_region():
     assert len(on_huge_pages) == 24
     llm.close()
 
-
-def _resident_bytes() -> int:
-    with open("/proc/self/statm") as statm:
-        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's heap")
-def test_freed_heap_pages_go_back_to_the_system():
-    pieces = [torch.ones(16384) for _ in range(3000)]  # 64 KiB each, from the heap: about 190 MiB
-    keep = torch.ones(16)  # a live block above them, so free() alone cannot shrink the heap
-    del pieces
-    before = _resident_bytes()
-    assert release_freed_heap()
-    assert before - _resident_bytes() > 100 * 2**20
-    assert keep.sum() == 16
