@@ -20,7 +20,8 @@ def test_an_unloaded_model_frees_its_engine_client_and_tokenizer(tmp_path):
 
     async def scenario() -> None:
         state = ModelState(config)
-        await state.start_loading()
+        state.start_loading()
+        await state.load_task
         assert state.status == "ok", state.failure
         engine, tokenizer = weakref.ref(state.loaded.engine), weakref.ref(state.loaded.tokenizer)
         worker = state.loaded.engine.worker_pid
