@@ -93,12 +93,9 @@ def add_ollama_routes(app: FastAPI, pool: ModelPool) -> None:
 
     @app.get("/api/tags", summary="The served models (Ollama)")
     async def tags() -> dict:
-        if not pool.several:
-            async with pool.using(None) as state:
-                await catalog.facts(state)
         entries = []
-        for state in pool.states:
-            facts = catalog.known(state)
+        for state in pool.states:  # none is loaded for this: one never loaded shows what its files say
+            facts = await catalog.facts(state) if state.loaded is not None else catalog.known(state)
             names = state.names or [pool.label(state)]
             entries += [tag_entry(name, facts, state) for name in names]
         return {"models": entries}
