@@ -1,7 +1,8 @@
 """The one template every generation endpoint follows:
 
-    JSON body -> dialect.parse (validate; 400 naming the field) -> prompt token ids (off the loop)
-    -> max_tokens fitted to the window -> admission (429 / 503) -> the engine -> a JSON body or SSE.
+    JSON body -> its model (server.model_pool: 404, or loaded and held) -> dialect.parse (validate;
+    400 naming the field) -> prompt token ids (off the loop) -> max_tokens fitted to the window
+    -> admission (429 / 503) -> the engine -> a JSON body or SSE.
 
 Nothing reaches the engine before it has passed every check. The stream opens only once the
 request is admitted, so every refusal is a plain HTTP status; after that, failures are events.
