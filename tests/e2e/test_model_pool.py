@@ -160,7 +160,7 @@ def test_a_running_request_outlives_an_unload_asked_of_its_model(pool, oai, pool
 
 
 def test_keep_alive_unloads_a_model_once_it_has_been_idle_that_long(pool):
-    reply = pool.post("/api/chat", json={"model": "tiny", "keep_alive": "3s",
+    reply = pool.post("/api/chat", json={"model": "tiny", "keep_alive": "5s",
                                          "messages": HI, "stream": False, "options": {"num_predict": 2}})
     assert reply.status_code == 200
     ps = ollama.Client(host=str(pool.base_url)).ps()
