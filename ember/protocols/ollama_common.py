@@ -35,8 +35,9 @@ OLLAMA_ERRORS = ErrorShape(body=ollama_error_body, status=lambda error: error.st
 
 
 def served_name(name: str, model: ModelInfo) -> str:
-    """The served model a request's `model` names (its id or an alias, `:latest` allowed); 404 otherwise.
-    The one lookup of Ollama's routes: a pool of models replaces it."""
+    """The name of `model` a request's `model` stands for (its id or an alias, `:latest` allowed);
+    404 otherwise. (Which model a name reaches is server.model_pool's; this checks the name against
+    the model it reached.)"""
     for candidate in (name, name.removesuffix(LATEST)):
         if model.accepts(candidate):
             return candidate

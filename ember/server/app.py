@@ -30,7 +30,7 @@ from ember.server.anthropic_routes import ANTHROPIC_PATHS, add_anthropic_routes
 from ember.server.embedding_routes import add_embedding_routes
 from ember.server.native_routes import add_native_routes
 from ember.server.ollama_routes import OLLAMA_PATHS, add_ollama_routes
-from ember.server.model_pool import STATES, ModelPool, PoolPolicy
+from ember.server.model_pool import ModelPool, PoolPolicy, public_state
 from ember.server.state import LoadedModel, ModelState, load_model
 from ember.server.stats_logger import ThroughputReporter
 from ember.server.ui_routes import add_ui_routes
@@ -117,8 +117,7 @@ def _add_routes(app: FastAPI, pool: ModelPool, observability: Observability) -> 
     add_ui_routes(app, pool.config.ui, health)
 
     def cards(state: ModelState) -> list[dict]:
-        status = STATES.get(state.status, state.status)
-        return [model_card(state, name, status) for name in (state.names or [pool.label(state)])]
+        return [model_card(state, name, public_state(state)) for name in (state.names or [pool.label(state)])]
 
     @app.get("/v1/models", summary="The served models, each under its id and aliases, with its state")
     async def list_models() -> dict:
@@ -134,7 +133,7 @@ def _add_routes(app: FastAPI, pool: ModelPool, observability: Observability) -> 
             state.require_ready()
             if not state.model.accepts(model_id):
                 raise ModelNotFound(model_id, state.model.name)
-        return model_card(state, model_id, STATES.get(state.status, state.status))
+        return model_card(state, model_id, public_state(state))
 
     @app.post("/v1/chat/completions", summary="Chat completion", **generation_route_docs("ChatCompletionRequest"))
     async def chat_completions(request: Request) -> Response:

@@ -14,7 +14,7 @@ GB = 10**9
 
 def model_card(state, name: str, status: str = "ready") -> dict[str, Any]:
     """The card of a model under `name`, its public id or an alias (`root`: the public id), in its
-    pool state (server.model_pool.STATES). A model not loaded now shows what it was when last
+    pool state (server.model_pool.public_state). A model not loaded now shows what it was when last
     loaded; one never loaded, only its name."""
     model, loaded = state.model, state.loaded
     card: dict[str, Any] = {"id": name, "object": "model", "created": state.started, "owned_by": "ember",

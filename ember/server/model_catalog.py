@@ -183,7 +183,8 @@ def _as_flags(action: argparse.Action, value: Any, where: str) -> list[str]:
         if not isinstance(value, bool):
             raise ValueError(f"{where} is a switch: true or false")
         return [flag] if value else []
-    if isinstance(value, bool) or value is None or isinstance(value, (list, dict)) and action.type is not None \
-            and action.type.__name__ != "_json_object":
+    if isinstance(value, dict):  # a JSON-object flag's value (the flag's own reading refuses it elsewhere)
+        return [flag, json.dumps(value)]
+    if isinstance(value, (bool, list)) or value is None:
         raise ValueError(f"{where}: {value!r} is not a value of {flag}")
-    return [flag, json.dumps(value) if isinstance(value, dict) else str(value)]
+    return [flag, str(value)]

@@ -20,18 +20,23 @@ from pathlib import Path
 from typing import AsyncIterator, Callable
 
 from ember.protocols.errors import ModelLoading, ModelNotFound, ServerUnavailable
+from ember.protocols.ollama_common import LATEST
 from ember.server.config import ServerConfig
 from ember.server.keys import KeyRing
 from ember.server.state import ImagesEncoding, LoadedModel, ModelState, load_model
 
 logger = logging.getLogger("ember.server")
 
-LATEST = ":latest"  # Ollama's default tag: NAME:latest names a served NAME
 RETRY_FAILED_AFTER_S = 30.0
 _POLL_S = 0.05  # how often an unload or a load waiting for room looks again
 # ModelState.status -> the state /health and /v1/models show
-STATES = {"unloaded": "unloaded", "loading": "loading", "ok": "ready", "unloading": "unloading",
-          "unavailable": "failed"}
+_STATES = {"unloaded": "unloaded", "loading": "loading", "ok": "ready", "unloading": "unloading",
+           "unavailable": "failed"}
+
+
+def public_state(state: ModelState) -> str:
+    """A model's state as the server shows it: unloaded, loading, ready, unloading or failed."""
+    return _STATES[state.status]
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,7 +126,7 @@ class ModelPool:
                 await asyncio.shield(task)
             if state.status == "unavailable" and state.loaded is None:
                 if time.monotonic() - state.failed_at < RETRY_FAILED_AFTER_S:
-                    raise ServerUnavailable(f"the model '{self.label(state)}' {_failure_text(state.failure)}")
+                    raise self._load_failed(state)
                 state.status = "unloaded"
             if state.status == "unloaded":
                 await self._make_room(state, deadline)
@@ -134,8 +139,12 @@ class ModelPool:
             except asyncio.TimeoutError:
                 raise ModelLoading() from None
         if state.status == "unavailable" and state.loaded is None:
-            raise ServerUnavailable(f"the model '{self.label(state)}' {_failure_text(state.failure)}")
+            raise self._load_failed(state)
         await state.require_engine()
+
+    def _load_failed(self, state: ModelState) -> ServerUnavailable:
+        failure = state.failure.removeprefix("the model ") if state.failure else "is not available"
+        return ServerUnavailable(f"the model '{self.label(state)}' {failure}")
 
     def label(self, state: ModelState) -> str:
         return state.names[0] if state.names else (state.config.model or "the default model")
@@ -155,11 +164,8 @@ class ModelPool:
             state.keep_alive = 0.0
         if state.status != "ok":
             return self._unloads.get(id(state))
-        task = self._unloads.get(id(state))
-        if task is None:
-            state.status = "unloading"
-            task = self.loop.create_task(self._unload(state, reason))
-            self._unloads[id(state)] = task
+        state.status = "unloading"
+        task = self._unloads[id(state)] = self.loop.create_task(self._unload(state, reason))
         return task
 
     async def _unload(self, state: ModelState, reason: str) -> None:
@@ -173,16 +179,13 @@ class ModelPool:
             await state.unload()
             for hook in self.unload_hooks:
                 hook(state, reason)
-        except asyncio.CancelledError:
-            if key not in self._stopping:  # called off before its engine stopped: it serves on
-                state.status = "ok"
-            raise
         finally:
             self._stopping.discard(key)
             if self._unloads.get(key) is asyncio.current_task():
                 del self._unloads[key]
 
     def _call_off_unload(self, state: ModelState) -> None:
+        """A request for a model whose unload still waits for its requests: it serves on."""
         task = self._unloads.get(id(state))
         if task is not None and id(state) not in self._stopping:
             task.cancel()
@@ -263,7 +266,7 @@ class ModelPool:
         """Each model's name, state and (failed) reason, for /health."""
         entries = []
         for state in self.states:
-            entry = {"model": self.label(state), "state": STATES.get(state.status, state.status),
+            entry = {"model": self.label(state), "state": public_state(state),
                      "aliases": state.names[1:]}
             if state.status == "unavailable" and state.failure:
                 entry["reason"] = state.failure
@@ -289,10 +292,6 @@ class ModelPool:
         for task in list(self._unloads.values()):
             task.cancel()
         await asyncio.gather(*(state.shutdown() for state in self.states), return_exceptions=True)
-
-    @property
-    def status(self) -> str:
-        return self.health()[1]
 
 
 def resident_bytes(state: ModelState) -> int:
@@ -334,7 +333,3 @@ def file_bytes(model: str | None) -> int:
     if path.is_file():
         return path.stat().st_size
     return sum(item.stat().st_size for item in path.iterdir() if item.suffix in (".safetensors", ".gguf", ".bin"))
-
-
-def _failure_text(failure: str | None) -> str:
-    return failure.removeprefix("the model ") if failure else "is not available"

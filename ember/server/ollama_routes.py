@@ -37,8 +37,7 @@ OLLAMA_PATHS = {"/api": OLLAMA_ERRORS}
 class OllamaCatalog:
     """Each model's facts, read from its files once, when it is first loaded for a request that needs them."""
 
-    def __init__(self, pool: ModelPool) -> None:
-        self.pool = pool
+    def __init__(self) -> None:
         self._facts: dict[int, ModelFacts] = {}
 
     async def facts(self, state: ModelState) -> ModelFacts:
@@ -52,14 +51,14 @@ class OllamaCatalog:
 
 
 def add_ollama_routes(app: FastAPI, pool: ModelPool) -> None:
-    catalog = OllamaCatalog(pool)
+    catalog = OllamaCatalog()
 
     async def generation(request: Request, dialect: Dialect, prompt_field: str) -> Response:
         body = parse_body(await request.body())
         if not is_load_request(body, prompt_field):
             return await serve_generation(request, dialect)
         reply, keep_alive = load_request(body, chat=dialect is CHAT)
-        state = routed(reply["model"])
+        state = routed(reply["model"], pool)
         if keep_alive == 0:  # an unload: it waits for the model's running requests
             pool.request_unload(state, "a request's keep_alive of 0")
             return JSONResponse(reply)
@@ -68,12 +67,6 @@ def add_ollama_routes(app: FastAPI, pool: ModelPool) -> None:
             if keep_alive is not None:
                 state.keep_alive = keep_alive
         return JSONResponse(reply)
-
-    def routed(name: str) -> ModelState:
-        state = pool.resolve(name)
-        if state.model is not None:
-            check_name(name, state)
-        return state
 
     @app.post("/api/chat", summary="Chat (Ollama)")
     async def chat(request: Request) -> Response:
@@ -104,7 +97,7 @@ def add_ollama_routes(app: FastAPI, pool: ModelPool) -> None:
     async def running() -> dict:
         entries = []
         for state in pool.states:
-            if state.status in ("ok", "unloading") and state.loaded is not None:
+            if state.loaded is not None:
                 facts = await catalog.facts(state)
                 entries += [running_entry(name, facts, state, pool.policy.idle_unload_s) for name in state.names]
         return {"models": entries}
@@ -145,14 +138,19 @@ def check_name(name: str, state: ModelState) -> None:
     served_name(name, state.model)
 
 
+def routed(name: str, pool: ModelPool) -> ModelState:
+    """The model `name` stands for, its name checked against it once it has been loaded (404 otherwise)."""
+    state = pool.resolve(name)
+    if state.model is not None:
+        check_name(name, state)
+    return state
+
+
 def _is_served(name: str, pool: ModelPool) -> bool:
     try:
-        state = pool.resolve(name)
-        if state.model is not None:
-            check_name(name, state)
+        return bool(routed(name, pool).names)
     except EmberError:
         return False
-    return bool(state.names)
 
 
 async def _fetch(name: str, config) -> None:

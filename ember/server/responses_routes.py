@@ -19,7 +19,6 @@ from ember.server.openapi import generation_route_docs
 from ember.server.pipeline import serve_generation, tokenize_only
 from ember.server.response_store import MemoryResponseStore, ResponseStore, StoredResponse, record_size
 from ember.server.sqlite_response_store import SqliteResponseStore
-from ember.server.config import ServerConfig
 from ember.server.state_dir import state_dir
 
 MAX_LIST_LIMIT = 100

@@ -222,7 +222,8 @@ class ModelState:
             loaded = await asyncio.wrap_future(future)
         except Exception as exc:
             # An EmberError's message says what is wrong; anything else is a fault worth its traceback.
-            logger.error("loading the model failed: %s", exc, exc_info=not isinstance(exc, EmberError))
+            logger.error("loading %s failed: %s", self.config.model or "the default model", exc,
+                         exc_info=not isinstance(exc, EmberError))
             self.status, self.failure = "unavailable", f"the model failed to load: {exc}"
             self.failed_at = time.monotonic()
             for hook in self.load_failed_hooks:

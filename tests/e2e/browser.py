@@ -52,6 +52,21 @@ class PageErrors:
         return [e for e in self.seen if "Failed to load resource" not in e]
 
 
+def watched_page(browser, **context):
+    """A page in a new browser context (desktop-sized unless `context` says otherwise), its errors
+    watched and every wait bounded by WAIT_MS; end it with close_page."""
+    page = browser.new_context(**{"viewport": {"width": 1280, "height": 800}, **context}).new_page()
+    page.errors = PageErrors(page)
+    page.set_default_timeout(WAIT_MS)
+    return page
+
+
+def close_page(page) -> None:
+    """Close a watched page's context, once it has seen no unexpected error."""
+    assert page.errors.unexpected == []
+    page.context.close()
+
+
 def wait_until(page, script: str, arg=None, timeout_ms: int = WAIT_MS):
     """Poll `script` (a function of `arg`) in the page until it returns something true, and return
     it. Playwright's own wait_for_function evaluates strings in the page, which the page's

@@ -9,7 +9,7 @@ import re
 import httpx
 import pytest
 
-from browser import WAIT_MS, PageErrors, browser, wait_until  # noqa: F401 (browser is a fixture)
+from browser import browser, close_page, wait_until, watched_page  # noqa: F401 (browser is a fixture)
 from conftest import ServerProcess, wait_idle
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -39,14 +39,10 @@ def http(ui_server):
 
 @pytest.fixture
 def page(browser, ui_server):  # noqa: F811
-    context = browser.new_context(viewport={"width": 1280, "height": 800}, accept_downloads=True)
-    page = context.new_page()
-    page.errors = PageErrors(page)
-    page.set_default_timeout(WAIT_MS)
+    page = watched_page(browser, accept_downloads=True)
     open_page(page, ui_server.url)
     yield page
-    assert page.errors.unexpected == []
-    context.close()
+    close_page(page)
 
 
 def open_page(page, url: str) -> None:

@@ -14,7 +14,7 @@ import re
 import httpx
 import pytest
 
-from browser import WAIT_MS, PageErrors, browser, wait_until  # noqa: F401 (browser is a fixture)
+from browser import browser, close_page, wait_until, watched_page  # noqa: F401 (browser is a fixture)
 from conftest import ServerProcess
 from vision_fixtures import add_random_weights, data_url, image_bytes, write_smolvlm_folder
 
@@ -56,10 +56,7 @@ def http(vision_server):
 
 
 def new_page(browser, url: str, model: str = MODEL, **context):  # noqa: F811
-    context = browser.new_context(**{"viewport": {"width": 1280, "height": 800}, **context})
-    page = context.new_page()
-    page.errors = PageErrors(page)
-    page.set_default_timeout(WAIT_MS)
+    page = watched_page(browser, **context)
     open_page(page, url, model)
     return page
 
@@ -69,16 +66,11 @@ def open_page(page, url: str, model: str = MODEL) -> None:
     wait_until(page, SHOWN, model)
 
 
-def close(page) -> None:
-    assert page.errors.unexpected == []
-    page.context.close()
-
-
 @pytest.fixture
 def page(browser, vision_server):  # noqa: F811
     page = new_page(browser, vision_server.url, accept_downloads=True)
     yield page
-    close(page)
+    close_page(page)
 
 
 def settings(page, **fields) -> None:
@@ -318,7 +310,7 @@ def test_a_text_model_offers_no_button_and_shows_the_servers_refusal(browser, on
     assert "is an image, and this server reads no images" in message and "Your message is kept." in message
     assert page.input_value("#input") == "And this?"
     assert page.locator("article.message").count() == 1
-    close(page)
+    close_page(page)
 
 
 # ---- the layout --------------------------------------------------------------------------------
@@ -339,4 +331,4 @@ def test_images_fit_a_phone_in_dark_colours(browser, vision_server):  # noqa: F8
     assert page.locator("#composer").bounding_box()["width"] <= 390
     colour = page.evaluate("getComputedStyle(document.querySelector('#attach')).backgroundColor")
     assert sum(int(v) for v in re.findall(r"\d+", colour)[:3]) < 150  # the button follows the dark scheme
-    close(page)
+    close_page(page)

@@ -10,7 +10,7 @@ import re
 import httpx
 import pytest
 
-from browser import WAIT_MS, PageErrors, browser, wait_until  # noqa: F401 (browser is a fixture)
+from browser import browser, close_page, wait_until, watched_page  # noqa: F401 (browser is a fixture)
 from conftest import POOL_MODELS
 
 STATE = r"\((not loaded|loading|ready|unloading|failed)\)"
@@ -26,14 +26,10 @@ def http(pool_server):
 
 @pytest.fixture
 def page(browser, pool_server):  # noqa: F811
-    context = browser.new_context(viewport={"width": 1280, "height": 800})
-    page = context.new_page()
-    page.errors = PageErrors(page)
-    page.set_default_timeout(WAIT_MS)
+    page = watched_page(browser)
     open_page(page, pool_server.url)
     yield page
-    assert page.errors.unexpected == []
-    context.close()
+    close_page(page)
 
 
 def open_page(page, url: str) -> None:
