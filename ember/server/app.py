@@ -83,7 +83,7 @@ def create_app(config: ServerConfig, loader: Callable[[ServerConfig], LoadedMode
                            allow_headers=["*"], expose_headers=["x-request-id", "request-id"], max_age=600)
     app.add_middleware(OriginGuardMiddleware, listen_host=config.host, allowed_hosts=config.allowed_hosts,
                        cors_origins=config.cors_origins)
-    app.add_middleware(RequestContextMiddleware, state=pool, observer=observability,
+    app.add_middleware(RequestContextMiddleware, server=pool, observer=observability,
                        error_shapes={**ANTHROPIC_PATHS, **OLLAMA_PATHS})
     return app
 

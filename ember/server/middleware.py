@@ -54,9 +54,9 @@ class RequestContextMiddleware:
     """`error_shapes` maps a path prefix to its dialect's ErrorShape (OpenAI's elsewhere), so even
     refusals made before routing (401, 413, 415) answer in the shape the client expects."""
 
-    def __init__(self, app, state, observer=None, error_shapes: dict[str, ErrorShape] | None = None) -> None:
+    def __init__(self, app, server, observer=None, error_shapes: dict[str, ErrorShape] | None = None) -> None:
         self.app = app
-        self.state = state
+        self.server = server  # has config (strict_fields) and health() (HEAD answers with its status)
         self.observer = observer  # has request_ended(record)
         self.error_shapes = error_shapes or {}
 
@@ -86,9 +86,9 @@ class RequestContextMiddleware:
             await send(message)
 
         try:
-            with watch_fields(self.state.config.strict_fields) as fields:
+            with watch_fields(self.server.config.strict_fields) as fields:
                 if scope["method"] == "HEAD":
-                    status, _ = self.state.health()
+                    status, _ = self.server.health()
                     await Response(status_code=status)(scope, receive, send_with_id)
                 else:
                     await self.app(scope, receive, send_with_id)

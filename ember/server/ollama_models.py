@@ -93,13 +93,18 @@ def tag_entry(name: str, facts: ModelFacts | None, state) -> dict[str, Any]:
     """One model of /api/tags; one not loaded since the server started shows its name, and its
     file's size and date when it is a local file or folder."""
     if facts is None:
-        path = pathlib.Path(state.config.model or "")
-        stamp = datetime.fromtimestamp(path.stat().st_mtime, timezone.utc) if path.exists() and str(path) != "." \
-            else datetime.now(timezone.utc)
-        fmt = "gguf" if path.suffix.lower() == ".gguf" else ("safetensors" if path.is_dir() else "")
-        facts = ModelFacts(fmt, "", file_bytes(state.config.model), timestamp(stamp), "", "")
+        facts = _facts_before_loading(state.config.model)
     return {"name": name, "model": name, "modified_at": facts.modified_at, "size": facts.size,
             "digest": state.component_set_sha, "details": facts.details()}
+
+
+def _facts_before_loading(model: str | None) -> ModelFacts:
+    """What a model's name tells before it is loaded: a local file's or folder's format, size and date."""
+    path = pathlib.Path(model) if model else None
+    if path is None or not path.exists():
+        return ModelFacts("", "", 0, timestamp(datetime.now(timezone.utc)), "", "")
+    stamp = datetime.fromtimestamp(path.stat().st_mtime, timezone.utc)
+    return ModelFacts("gguf" if path.is_file() else "safetensors", "", file_bytes(model), timestamp(stamp), "", "")
 
 
 def running_entry(name: str, facts: ModelFacts, state, idle_unload_s: float | None) -> dict[str, Any]:
