@@ -126,7 +126,8 @@ def test_a_cache_control_breakpoint_keeps_its_prefix_through_other_requests(clau
 
     first = ask(pinned, "When did the museum open?", marked=True)
     assert first.usage.cache_read_input_tokens == 0
-    assert first.usage.cache_creation_input_tokens >= 100  # the persona's whole blocks, written and pinned
+    # The persona's whole blocks, written and pinned: its random tag makes it 100 to 120 tokens long.
+    assert first.usage.cache_creation_input_tokens >= 80
     counted = claude.messages.count_tokens(model="m", system=[{"type": "text", "text": pinned}],
                                            messages=[{"role": "user", "content": "When did the museum open?"}])
     assert (first.usage.input_tokens + first.usage.cache_creation_input_tokens
