@@ -6,7 +6,10 @@ For each weight format (float32 and bfloat16 with the weights dequantized, then 
 4-bit blocks), on the default model unless --model names another:
 - greedy agreement with float32 over 20 chat prompts: how many replies are identical, and the
   mean and smallest index of the first token that differs;
-- perplexity of tests/data/lighthouse.txt (about 1,200 tokens), scored in one forward pass.
+- perplexity of tests/data/lighthouse.txt (about 1,200 tokens, after the model's BOS token where it
+  has one), scored in one forward pass, and over the same pass, how far each next-token
+  distribution lies from float32's: the mean KL divergence, and how often the likeliest token is
+  float32's.
 
 For each KV cache dtype (--kv-dtype: bfloat16, the reference, then int8), at a long context of
 --kv-context tokens of ember's own docs (docs/*.md in name order, as plain text):
@@ -62,13 +65,16 @@ class _DenseAttention:
 
 
 @torch.inference_mode()
-def perplexity(llm: LLM, ids: list[int]) -> float:
+def log_probs(llm: LLM, ids: list[int]) -> torch.Tensor:
+    """(len(ids), vocab) float32: each position's next-token log-probabilities, in one forward."""
     model = llm.engine.runner.model
-    tokens = torch.tensor(ids)
-    positions = torch.arange(len(ids))
-    logits = model.compute_logits(model(tokens, positions, _DenseAttention()))
-    nll = -torch.log_softmax(logits[:-1], dim=-1).gather(1, tokens[1:, None]).mean()
-    return math.exp(nll.item())
+    logits = model.compute_logits(model(torch.tensor(ids), torch.arange(len(ids)), _DenseAttention()))
+    return torch.log_softmax(logits.float(), dim=-1)
+
+
+def perplexity_of(log_p: torch.Tensor, ids: list[int]) -> float:
+    return math.exp(-log_p[:-1].gather(1, torch.tensor(ids[1:])[:, None]).mean().item())
+
 
 
 @torch.inference_mode()
@@ -125,23 +131,28 @@ def kv_dtype_table(model: str | None, context: int, max_tokens: int) -> None:
 def weight_format_table(model: str | None, max_tokens: int) -> None:
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     chats = [[{"role": "user", "content": q}] for q in QUESTIONS]
-    rows, reference = [], None
+    rows, reference, reference_log_p = [], None, None
     for label, settings in FORMATS.items():
         llm = LLM(model, max_model_len=4096, kv_cache_tokens=16384, **settings)
         replies = [out.token_ids for out in llm.generate(chats, params)]
-        ids = llm.tokenizer.encode(TEXT.read_text())
-        ppl = perplexity(llm, ids)
+        ids = llm.tokenizer.encode(TEXT.read_text(), add_special_tokens=True)
+        log_p = log_probs(llm, ids)
         if reference is None:
-            reference = replies
+            reference, reference_log_p = replies, log_p
         firsts = first_differences(replies, reference)
-        rows.append((label, sum(f == len(r) for f, r in zip(firsts, replies)), sum(firsts) / len(firsts), min(firsts), ppl))
-        del llm
+        kl = (reference_log_p.exp() * (reference_log_p - log_p)).sum(-1).mean().item()
+        top_same = (log_p.argmax(-1) == reference_log_p.argmax(-1)).float().mean().item()
+        rows.append((label, sum(f == len(r) for f, r in zip(firsts, replies)), sum(firsts) / len(firsts), min(firsts),
+                     perplexity_of(log_p, ids), kl, top_same))
+        del llm, log_p
     print(f"greedy replies of {max_tokens} tokens to {len(QUESTIONS)} prompts; perplexity of {TEXT.name} "
           f"({len(ids)} tokens)")
-    print("| weights | replies identical to float32 | first differing token, mean | earliest | perplexity |")
-    print("| --- | --- | --- | --- | --- |")
-    for label, same, mean, earliest, ppl in rows:
-        print(f"| {label} | {same} / {len(QUESTIONS)} | {mean:.1f} | {earliest} | {ppl:.3f} |")
+    print("| weights | replies identical to float32 | first differing token, mean | earliest | perplexity "
+          "| mean KL to float32 | likeliest token as float32's |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for label, same, mean, earliest, ppl, kl, top_same in rows:
+        print(f"| {label} | {same} / {len(QUESTIONS)} | {mean:.1f} | {earliest} | {ppl:.3f} | {kl:.5f} "
+              f"| {top_same:.1%} |")
 
 
 def main() -> None:

@@ -93,18 +93,22 @@ def status() -> str:
     return _status
 
 
-def kernel_copy(source: Path, namespace: str, native: bool = True):
+# A second build's instructions: this processor's own (as ember's build), AVX2 with FMA and F16C
+# only (the path of processors without AVX-512), or the compiler's baseline (no vector path).
+_COPY_TARGETS = {"native": ["-O3", "-march=native"], "avx2": ["-O3", "-mavx2", "-mfma", "-mf16c"], "plain": ["-O2"]}
+
+
+def kernel_copy(source: Path, namespace: str, target: str = "native"):
     """One kernel source built a second time, beside this tree's headers, under the op namespace
-    `namespace`: for tests and benchmarks that hold one version or build of a kernel against
-    another in one process. `native`: for this processor (-march=native), as ember's own build;
-    else for the compiler's baseline target (no vector instructions). Returns torch.ops.<namespace>."""
+    `namespace`, for a target of _COPY_TARGETS: for tests and benchmarks that hold one version or
+    build of a kernel against another in one process. Returns torch.ops.<namespace>."""
     from torch.utils import cpp_extension
 
     folder = Path(tempfile.mkdtemp(prefix=f"{namespace}-"))
     shutil.copy(source, folder / source.name)
     for header in _HEADERS:
         shutil.copy(header, folder / header.name)
-    flags = ["-O3", "-march=native"] if native else ["-O2"]
+    flags = _COPY_TARGETS[target]
     cpp_extension.load(name=f"{namespace}_{source.stem}", sources=[str(folder / source.name)],
                        extra_cflags=[*flags, "-fopenmp", f"-DEMBER_OPS={namespace}"], extra_ldflags=["-fopenmp"],
                        is_python_module=False, verbose=False)
@@ -114,4 +118,10 @@ def kernel_copy(source: Path, namespace: str, native: bool = True):
 def plain_linear_copy():
     """The linear kernel built a second time without vector instructions, under the op namespace
     `ember_plain_copy`: for tests and benchmarks that hold a vector path to its plain C++."""
-    return kernel_copy(_FOLDER / "linear.cpp", "ember_plain_copy", native=False)
+    return kernel_copy(_FOLDER / "linear.cpp", "ember_plain_copy", target="plain")
+
+
+def avx2_linear_copy():
+    """The linear kernel built for AVX2 alone, under the op namespace `ember_avx2_copy`: its AVX2
+    path tried on a processor whose own build takes AVX-512."""
+    return kernel_copy(_FOLDER / "linear.cpp", "ember_avx2_copy", target="avx2")

@@ -37,12 +37,12 @@ using SiluMul = at::Tensor(const at::Tensor&);
 // x (T, hidden): the embeddings. Returns the last layer's output and the residual stream before
 // it, as the Python loop leaves them for the final norm.
 std::tuple<at::Tensor, at::Tensor> decoder_layers(
-    const at::Tensor& x, at::TensorList weights, at::IntArrayRef bits, at::IntArrayRef out_features,
+    const at::Tensor& x, at::TensorList weights, at::IntArrayRef formats, at::IntArrayRef out_features,
     at::TensorList norms, double eps, const at::Tensor& cos, const at::Tensor& sin, at::TensorList k_caches,
     at::TensorList v_caches, const at::Tensor& slots, const at::Tensor& block_table, const at::Tensor& row_begin,
     const at::Tensor& first_pos, double scale, at::IntArrayRef windows, int64_t heads, int64_t kv_heads) {
   const int64_t L = int64_t(k_caches.size());
-  TORCH_CHECK(L > 0 && int64_t(weights.size()) == 4 * L && int64_t(bits.size()) == 4 * L &&
+  TORCH_CHECK(L > 0 && int64_t(weights.size()) == 4 * L && int64_t(formats.size()) == 4 * L &&
                   int64_t(out_features.size()) == 4 * L && int64_t(norms.size()) == 2 * L &&
                   int64_t(v_caches.size()) == L && int64_t(windows.size()) == L,
               "four weights, two norms, one cache pair and one window per layer");
@@ -64,15 +64,15 @@ std::tuple<at::Tensor, at::Tensor> decoder_layers(
     } else {
       std::tie(residual, h) = add_norm.call(residual, out, norms[2 * l], eps);
     }
-    at::Tensor qkv = linear.call(h, weights[w], out_features[w], bits[w]);
+    at::Tensor qkv = linear.call(h, weights[w], out_features[w], formats[w]);
     at::Tensor k_cache = k_caches[l], v_cache = v_caches[l];
     rotary_store.call(qkv, cos, sin, k_cache, v_cache, slots, heads, kv_heads);
     const at::Tensor q = qkv.narrow(1, 0, q_width).view({T, heads, q_width / heads});
     const at::Tensor attended = attention.call(q, k_cache, v_cache, block_table, row_begin, first_pos, scale, windows[l]);
-    const at::Tensor projected = linear.call(attended.view({T, q_width}), weights[w + 1], out_features[w + 1], bits[w + 1]);
+    const at::Tensor projected = linear.call(attended.view({T, q_width}), weights[w + 1], out_features[w + 1], formats[w + 1]);
     std::tie(residual, h) = add_norm.call(residual, projected, norms[2 * l + 1], eps);
-    const at::Tensor gate_up = linear.call(h, weights[w + 2], out_features[w + 2], bits[w + 2]);
-    out = linear.call(silu_mul.call(gate_up), weights[w + 3], out_features[w + 3], bits[w + 3]);
+    const at::Tensor gate_up = linear.call(h, weights[w + 2], out_features[w + 2], formats[w + 2]);
+    out = linear.call(silu_mul.call(gate_up), weights[w + 3], out_features[w + 3], formats[w + 3]);
   }
   return {out, residual};
 }
@@ -81,7 +81,7 @@ std::tuple<at::Tensor, at::Tensor> decoder_layers(
 }  // namespace ember_kernels
 
 TORCH_LIBRARY_FRAGMENT(EMBER_OPS, m) {
-  m.def("decoder_layers(Tensor x, Tensor[] weights, int[] bits, int[] out_features, Tensor[] norms, float eps, "
+  m.def("decoder_layers(Tensor x, Tensor[] weights, int[] formats, int[] out_features, Tensor[] norms, float eps, "
         "Tensor cos, Tensor sin, Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, Tensor slots, Tensor block_table, "
         "Tensor row_begin, Tensor first_pos, float scale, int[] windows, int heads, int kv_heads) -> (Tensor, Tensor)");
 }

@@ -1,5 +1,14 @@
 // Block-quantized linear layers: y = x W^T with W in ember's 4- or 8-bit blocks (models/weights.py).
 //
+// Four block formats (the `format` argument, QuantBlocks.format in models/weights.py), a block being 32
+// weights of one column along K:
+//   Q4  (4):  w = d * q + m, q in 0..15 (GGUF's Q4_0 and Q4_1 exactly)
+//   Q8  (8):  w = d * (b - 128) (Q8_0 and Q5_0 exactly)
+//   Q4S (20): w = d * s * q + m * t with integer steps s, t in 0..255 (Q4_K exactly: d and -dmin
+//             of its super-block, its sub-block's 6-bit scale and minimum)
+//   Q8S (24): w = d * s_h * (b - 128), a signed step s_h for each half h of 16 (Q6_K exactly)
+// d, m are float16; d * s and m * t are exact in float32, so a step costs no rounding.
+//
 // Activations are quantized per row in blocks of 32; a block's dot product is exact integer
 // arithmetic (any order gives the same sum); the blocks are then summed in float32 in their order
 // along K. Threads split the output columns. So a row's result never depends on how many rows,
@@ -17,16 +26,18 @@ namespace {
 
 constexpr int64_t QBLOCK = 32;         // weights and activations are quantized in blocks of 32 along K
 constexpr int64_t NBLOCK = 16;         // output columns per packed column block
-constexpr int64_t Q4_BYTES = 256 + 64; // per (column block, k block): nibbles, d (fp16 x16), m (fp16 x16)
-constexpr int64_t Q8_BYTES = 512 + 32; // per (column block, k block): bytes (w + 128), d (fp16 x16)
+constexpr int64_t HALF = 16;           // a Q8S step covers half a block
+// Per (column block, k block): the codes (Q4: nibbles; Q8: bytes b), d (fp16 x16), then Q4's m
+// (fp16 x16); Q4S adds s and t (u8 x16 each), Q8S adds s of each half (i8 x16 each).
 
 // ---- activations: rows quantized to int8 in blocks of 32 ---------------------------------------
 // xq (M, K) int8; dx (M, K/32): each block's scale; sx (M, K/32): dx * sum(xq) of the block;
-// qsum (M, K/32): sum(xq) as an integer.
+// qsum (M, K/32): sum(xq) as an integer; qlow (M, K/32): the sum of its first half's codes.
 
-// One block of 32 values to int8 with scale d = max|x| / 127; returns d, and the sum of the int8s.
+// One block of 32 values to int8 with scale d = max|x| / 127; returns d, the sum of the int8s and
+// the sum of the first 16.
 template <typename T>
-inline float quantize_block(const T* src, int8_t* dst, int32_t& sum) {
+inline float quantize_block(const T* src, int8_t* dst, int32_t& sum, int32_t& first_half) {
 #if EMBER_AVX512
   const __m512 v0 = load16(src), v1 = load16(src + 16);
   const float d = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1))) / 127.f;
@@ -37,7 +48,8 @@ inline float quantize_block(const T* src, int8_t* dst, int32_t& sum) {
   const __m512i q1 = _mm512_max_epi32(low, _mm512_min_epi32(high, _mm512_cvtps_epi32(_mm512_mul_ps(v1, id))));
   _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), _mm512_cvtepi32_epi8(q0));
   _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 16), _mm512_cvtepi32_epi8(q1));
-  sum = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+  first_half = _mm512_reduce_add_epi32(q0);
+  sum = first_half + _mm512_reduce_add_epi32(q1);
   return d;
 #elif EMBER_AVX2
   __m256 v[4];
@@ -64,10 +76,14 @@ inline float quantize_block(const T* src, int8_t* dst, int32_t& sum) {
       _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3])),
       _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), bytes);
-  __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(total), _mm256_extracti128_si256(total, 1));
-  s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, _MM_SHUFFLE(1, 0, 3, 2)));
-  s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, _MM_SHUFFLE(2, 3, 0, 1)));
-  sum = _mm_cvtsi128_si32(s4);
+  const auto lanes_sum = [](__m256i v) {
+    __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, _MM_SHUFFLE(1, 0, 3, 2)));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, _MM_SHUFFLE(2, 3, 0, 1)));
+    return _mm_cvtsi128_si32(s4);
+  };
+  sum = lanes_sum(total);
+  first_half = lanes_sum(_mm256_add_epi32(q[0], q[1]));
   return d;
 #else
   float values[QBLOCK];
@@ -83,22 +99,25 @@ inline float quantize_block(const T* src, int8_t* dst, int32_t& sum) {
     const int32_t q = std::clamp(int32_t(std::nearbyint(values[i] * id)), -127, 127);
     dst[i] = int8_t(q);
     sum += q;
+    if (i == HALF - 1) first_half = sum;
   }
   return d;
 #endif
 }
 
 template <typename T>
-void quantize_rows(const T* x, int64_t M, int64_t K, int8_t* xq, float* dx, float* sx, int32_t* qsum) {
+void quantize_rows(const T* x, int64_t M, int64_t K, int8_t* xq, float* dx, float* sx, int32_t* qsum,
+                   int32_t* qlow) {
   const int64_t KB = K / QBLOCK;
   at::parallel_for(0, M, 1, [&](int64_t begin, int64_t end) {
     for (int64_t m = begin; m < end; ++m) {
       for (int64_t kb = 0; kb < KB; ++kb) {
-        int32_t sum;
-        const float d = quantize_block<T>(x + m * K + kb * QBLOCK, xq + m * K + kb * QBLOCK, sum);
+        int32_t sum, first_half;
+        const float d = quantize_block<T>(x + m * K + kb * QBLOCK, xq + m * K + kb * QBLOCK, sum, first_half);
         dx[m * KB + kb] = d;
         sx[m * KB + kb] = d * float(sum);
         qsum[m * KB + kb] = sum;
+        qlow[m * KB + kb] = first_half;
       }
     }
   });
@@ -110,20 +129,45 @@ void quantize_rows(const T* x, int64_t M, int64_t K, int8_t* xq, float* dx, floa
 // low half and q[j][4(p+4)+i] in its high half (j: column in the block).
 // Q8: w = d * (b - 128); byte g*64 + j*4 + i holds b[j][4g+i].
 
-enum class Format { Q4, Q8 };
+// Q4S, Q8S: as Q4, Q8, their steps after the scales (and minimums).
 
-// A block's bytes, by format at compile time or by its width in bits at run time.
-template <Format F> constexpr int64_t BLOCK_BYTES = F == Format::Q4 ? Q4_BYTES : Q8_BYTES;
-inline int64_t block_bytes(int64_t bits) { return bits == 4 ? Q4_BYTES : Q8_BYTES; }
+enum class Format : int64_t { Q4 = 4, Q8 = 8, Q4S = 20, Q8S = 24 };
+template <Format F> constexpr bool NIBBLES = F == Format::Q4 || F == Format::Q4S;  // else bytes
+template <Format F> constexpr bool STEPPED = F == Format::Q4S || F == Format::Q8S;
 
-// Within a block: the codes, then the 16 columns' scales d, then (Q4) their minimums m, float16.
-template <Format F> constexpr int64_t SCALES_AT = F == Format::Q4 ? 256 : 512;
+// A block's bytes, by format at compile time or at run time (0: no such format).
+template <Format F> constexpr int64_t BLOCK_BYTES = (NIBBLES<F> ? 256 + 64 : 512 + 32) + (STEPPED<F> ? 32 : 0);
+inline int64_t block_bytes(int64_t format) {
+  switch (format) {
+    case 4: return BLOCK_BYTES<Format::Q4>;
+    case 8: return BLOCK_BYTES<Format::Q8>;
+    case 20: return BLOCK_BYTES<Format::Q4S>;
+    case 24: return BLOCK_BYTES<Format::Q8S>;
+    default: return 0;
+  }
+}
+
+// fn(std::integral_constant<Format, F>) for the run-time format.
+template <typename Fn> void with_format(int64_t format, Fn&& fn) {
+  switch (format) {
+    case 4: fn(std::integral_constant<Format, Format::Q4>{}); break;
+    case 8: fn(std::integral_constant<Format, Format::Q8>{}); break;
+    case 20: fn(std::integral_constant<Format, Format::Q4S>{}); break;
+    case 24: fn(std::integral_constant<Format, Format::Q8S>{}); break;
+    default: TORCH_CHECK(false, "unknown block format ", format);
+  }
+}
+
+// Within a block: the codes, then the 16 columns' scales d, then (Q4) their minimums m, float16,
+// then the steps: Q4S s then t, Q8S s of the first half then of the second.
+template <Format F> constexpr int64_t SCALES_AT = NIBBLES<F> ? 256 : 512;
 constexpr int64_t MINS_AT = 256 + 32;
+template <Format F> constexpr int64_t STEPS_AT = NIBBLES<F> ? 256 + 64 : 512 + 32;
 
 // Column j's code k of a block: Q4 q in 0..15, Q8 b - 128.
 template <Format F> inline int32_t code_at(const uint8_t* block, int64_t j, int64_t k) {
   const int64_t g = k / 4, i = k % 4;
-  if constexpr (F == Format::Q4) {
+  if constexpr (NIBBLES<F>) {
     const uint8_t byte = block[(g % 4) * 64 + j * 4 + i];
     return g < 4 ? (byte & 0x0f) : (byte >> 4);
   } else {
@@ -137,10 +181,29 @@ inline float half_at(const uint8_t* p) {
   return half_to_float(bits);
 }
 
+// Column j's scale for the codes of half h of a block (d, times s or s_h where stepped) and its
+// minimum (m, times t; Q4 formats): each an exact product.
+template <Format F> inline float scale_at(const uint8_t* block, int64_t j, int64_t h) {
+  const float d = half_at(block + SCALES_AT<F> + 2 * j);
+  if constexpr (F == Format::Q4S) return d * float(block[STEPS_AT<F> + j]);
+  if constexpr (F == Format::Q8S) return d * float(int8_t(block[STEPS_AT<F> + HALF * h + j]));
+  return d;
+}
+template <Format F> inline float min_at(const uint8_t* block, int64_t j) {
+  const float m = half_at(block + MINS_AT + 2 * j);
+  return F == Format::Q4S ? m * float(block[STEPS_AT<F> + NBLOCK + j]) : m;
+}
+
 #if EMBER_AVX512
 
 inline __m512 load_halves(const uint8_t* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+// 16 steps as floats: unsigned (Q4S) or signed (Q8S) bytes.
+inline __m512 load_steps(const uint8_t* p, bool is_signed) {
+  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm512_cvtepi32_ps(is_signed ? _mm512_cvtepi8_epi32(bytes) : _mm512_cvtepu8_epi32(bytes));
 }
 
 // Rows [m0, m0 + MR) against column blocks [nb0, nb0 + NB); accumulators stay in registers.
@@ -151,8 +214,8 @@ inline __m512 load_halves(const uint8_t* p) {
 // `start` (or nullptr: zero): the (M, N) float32 sums to continue.
 template <Format F, int MR, int NB, typename T>
 inline void tile(const uint8_t* w, int64_t KB, int64_t nb0, int64_t N, const int8_t* xq, const float* dx,
-                 const float* sx, const int32_t* qsum, int64_t K, int64_t m0, T* y, const float* start,
-                 const uint8_t* next) {
+                 const float* sx, const int32_t* qsum, const int32_t* qlow, int64_t K, int64_t m0, T* y,
+                 const float* start, const uint8_t* next) {
   constexpr int64_t BYTES = BLOCK_BYTES<F>;
   __m512 acc[MR][NB];
   for (int r = 0; r < MR; ++r)
@@ -172,7 +235,7 @@ inline void tile(const uint8_t* w, int64_t KB, int64_t nb0, int64_t N, const int
       for (int c = 0; c < NB; ++c)
         for (int64_t line = 0; line < BYTES; line += 64)
           _mm_prefetch(reinterpret_cast<const char*>(next + (c * KB + kb) * BYTES + line), _MM_HINT_T1);
-    if constexpr (F == Format::Q4) {
+    if constexpr (NIBBLES<F>) {
       for (int p = 0; p < 4; ++p) {
         __m512i lo[NB], hi[NB];
         for (int c = 0; c < NB; ++c) {
@@ -188,27 +251,51 @@ inline void tile(const uint8_t* w, int64_t KB, int64_t nb0, int64_t N, const int
           }
         }
       }
-    } else {
-      for (int g = 0; g < 8; ++g) {
-        __m512i b[NB];
-        for (int c = 0; c < NB; ++c) b[c] = _mm512_loadu_si512(w + ((nb0 + c) * KB + kb) * BYTES + g * 64);
-        for (int r = 0; r < MR; ++r) {
-          const __m512i xa = _mm512_set1_epi32(xk[r][g]);
-          for (int c = 0; c < NB; ++c) dots[r][c] = _mm512_dpbusd_epi32(dots[r][c], b[c], xa);
+    } else {  // Q8S sums each half apart, with its own step; Q8 the block at once
+      constexpr int HALVES = F == Format::Q8S ? 2 : 1;
+      for (int h = 0; h < HALVES; ++h) {
+        for (int g = h * 8 / HALVES; g < (h + 1) * 8 / HALVES; ++g) {
+          __m512i b[NB];
+          for (int c = 0; c < NB; ++c) b[c] = _mm512_loadu_si512(w + ((nb0 + c) * KB + kb) * BYTES + g * 64);
+          for (int r = 0; r < MR; ++r) {
+            const __m512i xa = _mm512_set1_epi32(xk[r][g]);
+            for (int c = 0; c < NB; ++c) dots[r][c] = _mm512_dpbusd_epi32(dots[r][c], b[c], xa);
+          }
+        }
+        if constexpr (F == Format::Q8S) {
+          for (int c = 0; c < NB; ++c) {
+            const uint8_t* block = w + ((nb0 + c) * KB + kb) * BYTES;
+            const __m512 d = _mm512_mul_ps(load_halves(block + SCALES_AT<F>),
+                                           load_steps(block + STEPS_AT<F> + HALF * h, true));
+            for (int r = 0; r < MR; ++r) {
+              const int64_t row = (m0 + r) * KB + kb;
+              const int32_t codes_sum = h == 0 ? qlow[row] : qsum[row] - qlow[row];
+              const __m512i dot = _mm512_sub_epi32(dots[r][c], _mm512_set1_epi32(128 * codes_sum));
+              const __m512 scale = _mm512_mul_ps(d, _mm512_set1_ps(dx[row]));
+              acc[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, acc[r][c]);
+              dots[r][c] = _mm512_setzero_si512();
+            }
+          }
         }
       }
     }
-    for (int c = 0; c < NB; ++c) {
-      const uint8_t* block = w + ((nb0 + c) * KB + kb) * BYTES;
-      const __m512 d = load_halves(block + SCALES_AT<F>);
-      const __m512 mins = F == Format::Q4 ? load_halves(block + MINS_AT) : _mm512_setzero_ps();
-      for (int r = 0; r < MR; ++r) {
-        const int64_t row = (m0 + r) * KB + kb;
-        __m512i dot = dots[r][c];
-        if constexpr (F == Format::Q8) dot = _mm512_sub_epi32(dot, _mm512_set1_epi32(128 * qsum[row]));
-        const __m512 scale = _mm512_mul_ps(d, _mm512_set1_ps(dx[row]));
-        acc[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, acc[r][c]);
-        if constexpr (F == Format::Q4) acc[r][c] = _mm512_fmadd_ps(mins, _mm512_set1_ps(sx[row]), acc[r][c]);
+    if constexpr (F != Format::Q8S) {
+      for (int c = 0; c < NB; ++c) {
+        const uint8_t* block = w + ((nb0 + c) * KB + kb) * BYTES;
+        __m512 d = load_halves(block + SCALES_AT<F>);
+        __m512 mins = NIBBLES<F> ? load_halves(block + MINS_AT) : _mm512_setzero_ps();
+        if constexpr (F == Format::Q4S) {
+          d = _mm512_mul_ps(d, load_steps(block + STEPS_AT<F>, false));
+          mins = _mm512_mul_ps(mins, load_steps(block + STEPS_AT<F> + NBLOCK, false));
+        }
+        for (int r = 0; r < MR; ++r) {
+          const int64_t row = (m0 + r) * KB + kb;
+          __m512i dot = dots[r][c];
+          if constexpr (F == Format::Q8) dot = _mm512_sub_epi32(dot, _mm512_set1_epi32(128 * qsum[row]));
+          const __m512 scale = _mm512_mul_ps(d, _mm512_set1_ps(dx[row]));
+          acc[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, acc[r][c]);
+          if constexpr (NIBBLES<F>) acc[r][c] = _mm512_fmadd_ps(mins, _mm512_set1_ps(sx[row]), acc[r][c]);
+        }
       }
     }
   }
@@ -232,21 +319,21 @@ inline void tile(const uint8_t* w, int64_t KB, int64_t nb0, int64_t N, const int
 // finds its lines on their way), so memory stays busy however many tiles the rows take.
 template <Format F, int NB, typename T>
 inline void column_blocks(const uint8_t* w, int64_t KB, int64_t nb, int64_t N, const int8_t* xq, const float* dx,
-                          const float* sx, const int32_t* qsum, int64_t K, int64_t M, T* y, const float* start,
-                          const uint8_t* next) {
+                          const float* sx, const int32_t* qsum, const int32_t* qlow, int64_t K, int64_t M, T* y,
+                          const float* start, const uint8_t* next) {
   int64_t m = 0;
   if (M >= 5 && M % 4 == 1) {
-    tile<F, 5, NB>(w, KB, nb, N, xq, dx, sx, qsum, K, 0, y, start, next);
+    tile<F, 5, NB>(w, KB, nb, N, xq, dx, sx, qsum, qlow, K, 0, y, start, next);
     m = 5;
   } else if (M >= 6 && M % 4 == 2) {
-    tile<F, 6, NB>(w, KB, nb, N, xq, dx, sx, qsum, K, 0, y, start, next);
+    tile<F, 6, NB>(w, KB, nb, N, xq, dx, sx, qsum, qlow, K, 0, y, start, next);
     m = 6;
   }
-  for (; m + 4 <= M; m += 4) tile<F, 4, NB>(w, KB, nb, N, xq, dx, sx, qsum, K, m, y, start, next);
+  for (; m + 4 <= M; m += 4) tile<F, 4, NB>(w, KB, nb, N, xq, dx, sx, qsum, qlow, K, m, y, start, next);
   switch (M - m) {
-    case 3: tile<F, 3, NB>(w, KB, nb, N, xq, dx, sx, qsum, K, m, y, start, next); break;
-    case 2: tile<F, 2, NB>(w, KB, nb, N, xq, dx, sx, qsum, K, m, y, start, next); break;
-    case 1: tile<F, 1, NB>(w, KB, nb, N, xq, dx, sx, qsum, K, m, y, start, next); break;
+    case 3: tile<F, 3, NB>(w, KB, nb, N, xq, dx, sx, qsum, qlow, K, m, y, start, next); break;
+    case 2: tile<F, 2, NB>(w, KB, nb, N, xq, dx, sx, qsum, qlow, K, m, y, start, next); break;
+    case 1: tile<F, 1, NB>(w, KB, nb, N, xq, dx, sx, qsum, qlow, K, m, y, start, next); break;
     default: break;
   }
 }
@@ -255,6 +342,12 @@ inline void column_blocks(const uint8_t* w, int64_t KB, int64_t nb, int64_t N, c
 
 inline __m256 load_halves(const uint8_t* p) {
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
+// 8 steps as floats: unsigned (Q4S) or signed (Q8S) bytes.
+inline __m256 load_steps(const uint8_t* p, bool is_signed) {
+  const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  return _mm256_cvtepi32_ps(is_signed ? _mm256_cvtepi8_epi32(bytes) : _mm256_cvtepu8_epi32(bytes));
 }
 
 // Rows [m0, m0 + MR) against halves [H, H + HALVES) of column block nb (half h: columns 8h to
@@ -292,7 +385,7 @@ inline void tile(const uint8_t* w, int64_t KB, int64_t nb, int64_t N, const int8
       const int64_t half = (H + h) * 32;  // the half's bytes in each 64 of codes
       __m256i dots[MR];
       for (int r = 0; r < MR; ++r) dots[r] = _mm256_setzero_si256();
-      if constexpr (F == Format::Q4) {  // dots: the int16 pair sums, then their int32 sums
+      if constexpr (NIBBLES<F>) {  // dots: the int16 pair sums, then their int32 sums
         const auto pairs = [&](int p) {
           const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + p * 64 + half));
           const __m256i lo = _mm256_and_si256(packed, low);
@@ -311,23 +404,43 @@ inline void tile(const uint8_t* w, int64_t KB, int64_t nb, int64_t N, const int8
           for (int p = 0; p < 4; ++p) pairs(p);
         }
         for (int r = 0; r < MR; ++r) dots[r] = _mm256_madd_epi16(dots[r], ones);
-      } else {
-        for (int g = 0; g < 8; ++g) {
-          const __m256i codes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + g * 64 + half));
-          const __m256i signed_w = _mm256_xor_si256(codes, _mm256_set1_epi8(char(0x80)));
-          const __m256i magnitude = _mm256_sign_epi8(signed_w, signed_w);  // -128 stays 0x80: 128 unsigned
-          for (int r = 0; r < MR; ++r) {
-            const __m256i x = _mm256_sign_epi8(_mm256_set1_epi32(xk[r][g]), signed_w);
-            dots[r] = _mm256_add_epi32(dots[r], _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude, x), ones));
+      } else {  // Q8S sums each half of the block apart, with its own step; Q8 the block at once
+        constexpr int HALVES_K = F == Format::Q8S ? 2 : 1;
+        for (int k_half = 0; k_half < HALVES_K; ++k_half) {
+          for (int g = k_half * 8 / HALVES_K; g < (k_half + 1) * 8 / HALVES_K; ++g) {
+            const __m256i codes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + g * 64 + half));
+            const __m256i signed_w = _mm256_xor_si256(codes, _mm256_set1_epi8(char(0x80)));
+            const __m256i magnitude = _mm256_sign_epi8(signed_w, signed_w);  // -128 stays 0x80: 128 unsigned
+            for (int r = 0; r < MR; ++r) {
+              const __m256i x = _mm256_sign_epi8(_mm256_set1_epi32(xk[r][g]), signed_w);
+              dots[r] = _mm256_add_epi32(dots[r], _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude, x), ones));
+            }
+          }
+          if constexpr (F == Format::Q8S) {
+            const __m256 d = _mm256_mul_ps(load_halves(block + SCALES_AT<F> + (H + h) * 16),
+                                           load_steps(block + STEPS_AT<F> + HALF * k_half + (H + h) * 8, true));
+            for (int r = 0; r < MR; ++r) {
+              const int64_t row = (m0 + r) * KB + kb;
+              const __m256 scale = _mm256_mul_ps(d, _mm256_set1_ps(dx[row]));
+              acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots[r]), scale, acc[r][h]);
+              dots[r] = _mm256_setzero_si256();
+            }
           }
         }
       }
-      const __m256 d = load_halves(block + SCALES_AT<F> + (H + h) * 16);
-      for (int r = 0; r < MR; ++r) {
-        const int64_t row = (m0 + r) * KB + kb;
-        acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots[r]), _mm256_mul_ps(d, _mm256_set1_ps(dx[row])), acc[r][h]);
-        if constexpr (F == Format::Q4)
-          acc[r][h] = _mm256_fmadd_ps(load_halves(block + MINS_AT + (H + h) * 16), _mm256_set1_ps(sx[row]), acc[r][h]);
+      if constexpr (F != Format::Q8S) {
+        __m256 d = load_halves(block + SCALES_AT<F> + (H + h) * 16);
+        __m256 mins = NIBBLES<F> ? load_halves(block + MINS_AT + (H + h) * 16) : _mm256_setzero_ps();
+        if constexpr (F == Format::Q4S) {
+          d = _mm256_mul_ps(d, load_steps(block + STEPS_AT<F> + (H + h) * 8, false));
+          mins = _mm256_mul_ps(mins, load_steps(block + STEPS_AT<F> + NBLOCK + (H + h) * 8, false));
+        }
+        for (int r = 0; r < MR; ++r) {
+          const int64_t row = (m0 + r) * KB + kb;
+          const __m256 scale = _mm256_mul_ps(d, _mm256_set1_ps(dx[row]));
+          acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots[r]), scale, acc[r][h]);
+          if constexpr (NIBBLES<F>) acc[r][h] = _mm256_fmadd_ps(mins, _mm256_set1_ps(sx[row]), acc[r][h]);
+        }
       }
     }
   }
@@ -348,7 +461,7 @@ inline void tile(const uint8_t* w, int64_t KB, int64_t nb, int64_t N, const int8
 template <Format F, int MR, typename T>
 inline void both_halves(const uint8_t* w, int64_t KB, int64_t nb, int64_t N, const int8_t* xq, const float* dx,
                         const float* sx, int64_t K, int64_t m0, T* y, const float* start, const uint8_t* next) {
-  if constexpr (MR == 1 || (F == Format::Q8 && MR == 2)) {
+  if constexpr (MR == 1 || (!NIBBLES<F> && MR == 2)) {
     tile<F, MR, 0, 2>(w, KB, nb, N, xq, dx, sx, K, m0, y, start, next);
   } else {
     tile<F, MR, 0, 1>(w, KB, nb, N, xq, dx, sx, K, m0, y, start, next);
@@ -384,13 +497,13 @@ void columns_plain(const uint8_t* w, int64_t KB, int64_t nb_begin, int64_t nb_en
         for (int64_t kb = 0; kb < KB; ++kb) {
           const uint8_t* block = w + (nb * KB + kb) * BYTES;
           const int8_t* xk = xq + m * K + kb * QBLOCK;
-          int32_t dot = 0;
-          for (int64_t k = 0; k < QBLOCK; ++k) dot += code_at<F>(block, j, k) * int32_t(xk[k]);
-          const float d = half_at(block + SCALES_AT<F> + 2 * j);
-          acc = std::fma(float(dot), d * dx[m * KB + kb], acc);
-          if constexpr (F == Format::Q4) {
-            acc = std::fma(half_at(block + MINS_AT + 2 * j), sx[m * KB + kb], acc);
+          constexpr int64_t SPAN = F == Format::Q8S ? HALF : QBLOCK;  // the codes one scale covers
+          for (int64_t h = 0; h < QBLOCK / SPAN; ++h) {
+            int32_t dot = 0;
+            for (int64_t k = h * SPAN; k < (h + 1) * SPAN; ++k) dot += code_at<F>(block, j, k) * int32_t(xk[k]);
+            acc = std::fma(float(dot), scale_at<F>(block, j, h) * dx[m * KB + kb], acc);
           }
+          if constexpr (NIBBLES<F>) acc = std::fma(min_at<F>(block, j), sx[m * KB + kb], acc);
         }
         y[m * N + nb * NBLOCK + j] = from_float<T>(acc);
       }
@@ -406,8 +519,8 @@ void linear_impl(const T* x, const uint8_t* w, int64_t M, int64_t K, int64_t N, 
   const int64_t KB = K / QBLOCK, NBS = (N + NBLOCK - 1) / NBLOCK;
   std::vector<int8_t> xq(M * K);
   std::vector<float> dx(M * KB), sx(M * KB);
-  std::vector<int32_t> qsum(M * KB);
-  quantize_rows<T>(x, M, K, xq.data(), dx.data(), sx.data(), qsum.data());
+  std::vector<int32_t> qsum(M * KB), qlow(M * KB);
+  quantize_rows<T>(x, M, K, xq.data(), dx.data(), sx.data(), qsum.data(), qlow.data());
   // Threads split the column blocks (in pairs, the kernel's widest tile); every thread runs all rows.
   const int64_t pairs = (NBS + 1) / 2;
   at::parallel_for(0, pairs, 1, [&](int64_t begin, int64_t end) {
@@ -416,10 +529,11 @@ void linear_impl(const T* x, const uint8_t* w, int64_t M, int64_t K, int64_t N, 
     constexpr int64_t BYTES = BLOCK_BYTES<F>;
     int64_t nb = nb_begin;
     for (; nb + 2 <= nb_end; nb += 2)  // a pair fetches the next pair, when there is one
-      column_blocks<F, 2>(w, KB, nb, N, xq.data(), dx.data(), sx.data(), qsum.data(), K, M, y, start,
+      column_blocks<F, 2>(w, KB, nb, N, xq.data(), dx.data(), sx.data(), qsum.data(), qlow.data(), K, M, y, start,
                           nb + 4 <= nb_end ? w + (nb + 2) * KB * BYTES : nullptr);
     if (nb < nb_end)
-      column_blocks<F, 1>(w, KB, nb, N, xq.data(), dx.data(), sx.data(), qsum.data(), K, M, y, start, nullptr);
+      column_blocks<F, 1>(w, KB, nb, N, xq.data(), dx.data(), sx.data(), qsum.data(), qlow.data(), K, M, y, start,
+                          nullptr);
 #elif EMBER_AVX2
     constexpr int64_t BYTES = BLOCK_BYTES<F>;
     for (int64_t nb = nb_begin; nb < nb_end; ++nb)  // a block fetches the next, when there is one
@@ -437,22 +551,18 @@ at::Tensor quantized_linear(const at::Tensor& x, const at::Tensor& packed, int64
   const int64_t M = x.size(0), K = x.size(1), N = out_features;
   TORCH_CHECK(K % QBLOCK == 0, "in_features must be a multiple of 32");
   const int64_t bytes = block_bytes(format);
+  TORCH_CHECK(bytes > 0, "unknown block format ", format);
   TORCH_CHECK(packed.numel() == (N + NBLOCK - 1) / NBLOCK * (K / QBLOCK) * bytes, "packed weights of the wrong size");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat, "x must be bfloat16 or float32");
   auto y = at::empty({M, N}, x.options());
   if (M == 0) return y;
   const uint8_t* w = packed.data_ptr<uint8_t>();
-  if (x.scalar_type() == at::kBFloat16) {
-    auto* xp = x.data_ptr<at::BFloat16>();
-    auto* yp = y.data_ptr<at::BFloat16>();
-    format == 4 ? linear_impl<Format::Q4>(xp, w, M, K, N, yp, nullptr)
-                : linear_impl<Format::Q8>(xp, w, M, K, N, yp, nullptr);
-  } else {
-    TORCH_CHECK(x.scalar_type() == at::kFloat, "x must be bfloat16 or float32");
-    auto* xp = x.data_ptr<float>();
-    auto* yp = y.data_ptr<float>();
-    format == 4 ? linear_impl<Format::Q4>(xp, w, M, K, N, yp, nullptr)
-                : linear_impl<Format::Q8>(xp, w, M, K, N, yp, nullptr);
-  }
+  dispatch_float_or_bf16(x.scalar_type(), [&](auto tag) {
+    using T = decltype(tag);
+    const T* xp = static_cast<const T*>(x.data_ptr());
+    T* yp = static_cast<T*>(y.data_ptr());
+    with_format(format, [&](auto f) { linear_impl<decltype(f)::value>(xp, w, M, K, N, yp, nullptr); });
+  });
   return y;
 }
 
@@ -465,6 +575,7 @@ void quantized_linear_accumulate_(const at::Tensor& x, const at::Tensor& packed,
   TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous(), "packed weights must be contiguous bytes");
   const int64_t M = x.size(0), K = x.size(1), N = out_features;
   TORCH_CHECK(K % QBLOCK == 0, "in_features must be a multiple of 32");
+  TORCH_CHECK(block_bytes(format) > 0, "unknown block format ", format);
   TORCH_CHECK(packed.numel() == (N + NBLOCK - 1) / NBLOCK * (K / QBLOCK) * block_bytes(format),
               "packed weights of the wrong size");
   TORCH_CHECK(sums.scalar_type() == at::kFloat && sums.is_contiguous() && sums.dim() == 2 && sums.size(0) == M &&
@@ -473,22 +584,20 @@ void quantized_linear_accumulate_(const at::Tensor& x, const at::Tensor& packed,
   const float* xp = x.data_ptr<float>();
   const uint8_t* w = packed.data_ptr<uint8_t>();
   float* sp = sums.data_ptr<float>();
-  format == 4 ? linear_impl<Format::Q4>(xp, w, M, K, N, sp, sp) : linear_impl<Format::Q8>(xp, w, M, K, N, sp, sp);
+  with_format(format, [&](auto f) { linear_impl<decltype(f)::value>(xp, w, M, K, N, sp, sp); });
 }
 
-// Rows `ids` of a packed weight, dequantized: embedding lookups from a tied LM head. Every
-// product of a code and a float16 scale is exact in float32, so the only roundings are the
-// minimum's add (Q4) and the cast: QuantBlocks.dequantize's bits.
+// Rows `ids` of a packed weight, dequantized: embedding lookups from a tied LM head. A code times
+// its scale (and a minimum) are computed as QuantBlocks.dequantize computes them: its bits.
 template <Format F, typename T>
 void dequantize_row(const uint8_t* column_block, int64_t j, int64_t KB, T* out) {
   constexpr int64_t BYTES = BLOCK_BYTES<F>;
   for (int64_t kb = 0; kb < KB; ++kb, out += QBLOCK) {
     const uint8_t* block = column_block + kb * BYTES;
-    const float d = half_at(block + SCALES_AT<F> + 2 * j);
-    const float m = F == Format::Q4 ? half_at(block + MINS_AT + 2 * j) : 0.f;
+    const float m = NIBBLES<F> ? min_at<F>(block, j) : 0.f;
     for (int64_t k = 0; k < QBLOCK; ++k) {
-      const float w = float(code_at<F>(block, j, k)) * d;
-      out[k] = from_float<T>(F == Format::Q4 ? w + m : w);
+      const float w = float(code_at<F>(block, j, k)) * scale_at<F>(block, j, k / HALF);
+      out[k] = from_float<T>(NIBBLES<F> ? w + m : w);
     }
   }
 }
@@ -496,7 +605,7 @@ void dequantize_row(const uint8_t* column_block, int64_t j, int64_t KB, T* out) 
 // ids (T,) int64 -> (T, in_features) in `dtype` (bfloat16 or float32).
 at::Tensor block_rows(const at::Tensor& packed, const at::Tensor& ids, int64_t in_features, int64_t format,
                       at::ScalarType dtype) {
-  TORCH_CHECK(format == 4 || format == 8, "format must be 4 or 8 bits");
+  TORCH_CHECK(block_bytes(format) > 0, "unknown block format ", format);
   TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous() && packed.dim() == 3,
               "packed weights must be contiguous (column blocks, k blocks, bytes)");
   TORCH_CHECK(ids.dim() == 1 && ids.scalar_type() == at::kLong, "ids must be (T,) int64");
@@ -515,8 +624,7 @@ at::Tensor block_rows(const at::Tensor& packed, const at::Tensor& ids, int64_t i
     for (int64_t t = 0; t < ids.size(0); ++t) {
       const uint8_t* column_block = w + (id[t] / NBLOCK) * KB * bytes;
       T* row = o + t * in_features;
-      format == 4 ? dequantize_row<Format::Q4>(column_block, id[t] % NBLOCK, KB, row)
-                  : dequantize_row<Format::Q8>(column_block, id[t] % NBLOCK, KB, row);
+      with_format(format, [&](auto f) { dequantize_row<decltype(f)::value>(column_block, id[t] % NBLOCK, KB, row); });
     }
   });
   return out;

@@ -63,6 +63,6 @@ class LayerStack:
             return None
         k_caches, v_caches, windows, slots, block_table, row_begin, first_pos, scale = arguments()
         return torch.ops.ember.decoder_layers(
-            x, [w.packed for w in weights], [w.bits for w in weights], [w.out_features for w in weights],
+            x, [w.packed for w in weights], [w.format for w in weights], [w.out_features for w in weights],
             [norm.weight for norm in self.norms], self.eps, cos, sin, k_caches, v_caches, slots, block_table,
             row_begin, first_pos, scale, windows, self.heads, self.kv_heads)

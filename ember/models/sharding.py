@@ -167,10 +167,7 @@ def cut_tensor(name: str, tensor, cut: Cut | None):
         raise ModelLoadError(f"{name} is block-quantized and its tensor-parallel slice [{cut.start}, {cut.stop}) "
                              f"cuts through a block of {QBLOCK}; serve it with --quantization none",
                              param="tensor_parallel_size")
-    lo, hi = cut.start // QBLOCK, cut.stop // QBLOCK
-    return QuantBlocks(tensor.bits, tensor.codes[:, cut.start:cut.stop].contiguous(),
-                       tensor.scales[:, lo:hi].contiguous(),
-                       None if tensor.mins is None else tensor.mins[:, lo:hi].contiguous())
+    return tensor.narrow_blocks(cut.start // QBLOCK, cut.stop // QBLOCK)
 
 
 def comm_bytes_per_token(config: ModelConfig, element_bytes: int) -> dict[str, int]:

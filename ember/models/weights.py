@@ -10,9 +10,10 @@ format once the checkpoint is loaded (`prepare_linears`).
   without a reorder of the whole weight at every call.
 - BlockWeights: ember's block-quantized layouts for its CPU kernel
   (ember.kernels): 4-bit codes with a float16 scale and minimum per 32 weights (GGUF's Q4_0 and
-  Q4_1 map onto it exactly), or 8-bit codes with a float16 scale per 32 (Q8_0 exactly).
-  Activations are quantized per row in blocks of 32 inside the kernel, so a layer reads 5 or 8.5
-  bits per weight instead of 16, and its results are batch-invariant by construction.
+  Q4_1 map onto it exactly; Q4_K with integer steps), or 8-bit codes with a float16 scale per 32
+  (Q8_0 and Q5_0 exactly; Q6_K with a step per half block). Activations are quantized per row in
+  blocks of 32 inside the kernel, so a layer reads 5 to 9 bits per weight instead of 16, and its
+  results are batch-invariant by construction.
 
 Dense and packed results depend on the row plan (models.layers.RowPlan); block formats do not.
 
@@ -37,41 +38,85 @@ _NBLOCK = 16  # output rows per packed column block of the kernel
 class QuantBlocks:
     """A weight matrix in blocks of 32 along its input dimension, codes unpacked (one byte each).
 
-    4 bits: w = scale * code + min, code in 0..15. 8 bits: w = scale * (code - 128).
+    4 bits: w = scale * code + min, code in 0..15; with steps (GGUF's Q4_K),
+    w = scale * step * code + min * min_step. 8 bits: w = scale * (code - 128); with steps (Q6_K),
+    a signed step for each half of 16: w = scale * step_h * (code - 128). A scale (or minimum)
+    times its integer step is exact in float32: the steps hold a file's sub-block scales without a
+    rounding. `format` names the kernel's layout (ember/kernels/linear.cpp).
     """
 
     bits: int
     codes: torch.Tensor  # (out, in) uint8
     scales: torch.Tensor  # (out, in // 32) float16
     mins: torch.Tensor | None = None  # (out, in // 32) float16, 4 bits only
+    steps: torch.Tensor | None = None  # 4 bits: (out, in // 32) uint8; 8 bits: (out, in // 16) int8
+    min_steps: torch.Tensor | None = None  # (out, in // 32) uint8, with 4-bit steps
 
     @property
     def shape(self) -> tuple[int, int]:
         return tuple(self.codes.shape)
 
+    @property
+    def format(self) -> int:
+        """The kernel's format: 4 or 8, or 20 or 24 with steps."""
+        return self.bits + (16 if self.steps is not None else 0)
+
+    def _parts(self) -> tuple[torch.Tensor | None, ...]:
+        return self.scales, self.mins, self.steps, self.min_steps
+
+    def _with_parts(self, codes: torch.Tensor, parts: list[torch.Tensor | None]) -> "QuantBlocks":
+        return QuantBlocks(self.bits, codes, *parts)
+
     def dequantize(self) -> torch.Tensor:
-        """(out, in) float32."""
+        """(out, in) float32, each weight in one rounding at most (the minimum's add): the
+        kernel's lookups (block_rows) give the same bits."""
         out, width = self.codes.shape
-        codes = self.codes.view(out, width // QBLOCK, QBLOCK).float()
-        scales = self.scales.float()[..., None]
+        span = QBLOCK // 2 if self.bits == 8 and self.steps is not None else QBLOCK  # the codes one scale covers
+        codes = self.codes.view(out, width // span, span).float()
+        scales = self.scales.float().repeat_interleave(QBLOCK // span, dim=1)
+        if self.steps is not None:
+            scales = scales * self.steps.float()
         if self.bits == 4:
-            values = codes * scales + self.mins.float()[..., None]
+            mins = self.mins.float() if self.min_steps is None else self.mins.float() * self.min_steps.float()
+            values = codes * scales[..., None] + mins[..., None]
         else:
-            values = (codes - 128) * scales
+            values = (codes - 128) * scales[..., None]
         return values.view(out, width)
 
-    def select_rows(self, index: torch.Tensor) -> "QuantBlocks":
-        return QuantBlocks(self.bits, self.codes[index], self.scales[index],
-                           None if self.mins is None else self.mins[index])
+    def select_rows(self, index: torch.Tensor | slice) -> "QuantBlocks":
+        return self._with_parts(self.codes[index], [None if p is None else p[index] for p in self._parts()])
+
+    def narrow_blocks(self, first: int, stop: int) -> "QuantBlocks":
+        """Blocks [first, stop) of every row: a slice of the input dimension between blocks."""
+        def cut(part: torch.Tensor | None) -> torch.Tensor | None:
+            if part is None:
+                return None
+            per_block = part.shape[1] * QBLOCK // self.codes.shape[1]
+            return part[:, first * per_block:stop * per_block].contiguous()
+        return self._with_parts(self.codes[:, first * QBLOCK:stop * QBLOCK].contiguous(),
+                                [cut(p) for p in self._parts()])
+
+    def with_steps(self) -> "QuantBlocks":
+        """The same weights with steps of 1 where they had none (exact)."""
+        if self.steps is not None:
+            return self
+        out, blocks = self.scales.shape
+        if self.bits == 4:
+            ones = torch.ones(out, blocks, dtype=torch.uint8)
+            return QuantBlocks(4, self.codes, self.scales, self.mins, ones, ones.clone())
+        return QuantBlocks(8, self.codes, self.scales, None, torch.ones(out, 2 * blocks, dtype=torch.int8))
 
     @staticmethod
     def cat(parts: list["QuantBlocks"]) -> "QuantBlocks":
-        """Stack along the output dimension (fused projections)."""
-        bits = {p.bits for p in parts}
-        if len(bits) != 1:
-            raise ValueError("fused projections must share one block format")
-        return QuantBlocks(parts[0].bits, torch.cat([p.codes for p in parts]), torch.cat([p.scales for p in parts]),
-                           None if parts[0].mins is None else torch.cat([p.mins for p in parts]))
+        """Stack along the output dimension (fused projections). Parts of one width whose steps
+        differ take steps of 1 (exact); 4-bit parts beside 8-bit ones are quantized to 8 bits again."""
+        if len({p.bits for p in parts}) > 1:
+            parts = [p if p.bits == 8 else QuantBlocks.quantize(p.dequantize(), 8) for p in parts]
+        if len({p.format for p in parts}) > 1:
+            parts = [p.with_steps() for p in parts]
+        stacked = [None if parts[0]._parts()[i] is None else torch.cat([p._parts()[i] for p in parts])
+                   for i in range(4)]
+        return parts[0]._with_parts(torch.cat([p.codes for p in parts]), stacked)
 
     @staticmethod
     def quantize(weight: torch.Tensor, bits: int) -> "QuantBlocks":
@@ -110,7 +155,15 @@ def pack_blocks(blocks: QuantBlocks) -> torch.Tensor:
     def halves(values: torch.Tensor) -> torch.Tensor:
         return pad(values).view(column_blocks, _NBLOCK, k_blocks).transpose(1, 2).contiguous().view(torch.uint8)
 
+    def steps(values: torch.Tensor, per_block: int) -> torch.Tensor:  # (out, blocks * per_block) bytes
+        return (pad(values).view(column_blocks, _NBLOCK, k_blocks, per_block).permute(0, 2, 3, 1)
+                .contiguous().view(torch.uint8).reshape(column_blocks, k_blocks, -1))
+
     parts = [codes, halves(blocks.scales)] + ([halves(blocks.mins)] if blocks.bits == 4 else [])
+    if blocks.steps is not None and blocks.bits == 4:
+        parts += [steps(blocks.steps, 1), steps(blocks.min_steps, 1)]
+    elif blocks.steps is not None:
+        parts.append(steps(blocks.steps, 2))  # each column's first halves, then its second halves
     return torch.cat(parts, dim=-1).contiguous()
 
 
@@ -171,23 +224,23 @@ class BlockWeights:
     continues_sums = True  # the kernel sums K's blocks in order, from zero or from the sums it is given
 
     def __init__(self, blocks: QuantBlocks, bias: torch.Tensor | None, dtype: torch.dtype) -> None:
-        self.bits = blocks.bits
-        self.name = f"int{blocks.bits} blocks"
+        self.bits, self.format = blocks.bits, blocks.format
+        self.name = f"int{blocks.bits} blocks" + (" with steps" if blocks.steps is not None else "")
         self.packed = pack_blocks(blocks)
         self.bias = bias
         self.out_features, self.in_features = blocks.shape
         self.dtype = dtype
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        y = torch.ops.ember.quantized_linear(x.contiguous(), self.packed, self.out_features, self.bits)
+        y = torch.ops.ember.quantized_linear(x.contiguous(), self.packed, self.out_features, self.format)
         return y if self.bias is None else y + self.bias
 
     def accumulate(self, x: torch.Tensor, sums: torch.Tensor) -> None:
         # float32 activations quantize to the same blocks as bfloat16 ones (the kernel reads both as floats)
         torch.ops.ember.quantized_linear_accumulate_(x.float().contiguous(), self.packed, self.out_features,
-                                                     self.bits, sums)
+                                                     self.format, sums)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows `ids` (T,) of the weight, dequantized to (T, in) in the layer's dtype: embedding
         lookups from a tied head, without a float copy of the table."""
-        return torch.ops.ember.block_rows(self.packed, ids, self.in_features, self.bits, self.dtype)
+        return torch.ops.ember.block_rows(self.packed, ids, self.in_features, self.format, self.dtype)

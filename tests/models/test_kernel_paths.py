@@ -1,17 +1,19 @@
 """How the kernels are built: the linear kernel's vector path (AVX-512 VNNI or AVX2, whichever
 this processor has) gives the bits of its plain C++ path (a second copy of the kernel is built
 without vector instructions, under its own op namespace, and both copies run the same
-products), and on both, sums over K cut between blocks and continued give one call's bits; a
-build killed midway does not stall the next one."""
+products), in every block format; on a processor with AVX-512, an AVX2 copy gives them too; on
+all, sums over K cut between blocks and continued give one call's bits; a build killed midway
+does not stall the next one."""
 
 import subprocess
 import sys
 
 import pytest
 import torch
+from block_formats import FORMATS, blocks_of_format
 
 from ember import kernels
-from ember.models.weights import BlockWeights, QuantBlocks
+from ember.models.weights import BlockWeights
 
 
 @pytest.fixture(scope="module")
@@ -24,45 +26,63 @@ def plain_ops():
     return ops
 
 
-@pytest.mark.parametrize("bits", [4, 8])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_vector_linear_gives_the_plain_bits(plain_ops, bits, dtype):
-    generator = torch.Generator().manual_seed(bits)
+@pytest.fixture(scope="module")
+def avx2_ops():
+    if torch.ops.ember.vector_bits() != 512:
+        pytest.skip("this processor's own build takes the AVX2 path (or none): the test above tries it")
+    ops = kernels.avx2_linear_copy()
+    assert ops.vector_bits() == 256
+    return ops
+
+
+def check_vector_against_plain(vector_ops, plain_ops, format, dtype):
+    generator = torch.Generator().manual_seed(format)
     # 200 outputs: a partial last column block; 13 column blocks: an odd one out of the pairs
     weight = torch.randn(200, 320, generator=generator) * 0.05
     weight[3, :32] = 0  # an all-zero block: scale 0
-    layer = BlockWeights(QuantBlocks.quantize(weight, bits), None, dtype)
+    layer = BlockWeights(blocks_of_format(weight, format), None, dtype)
     x = torch.randn(14, 320, generator=generator) * 3
     x[1, 32:64] = 0  # an all-zero activation block
     x[2, :32] *= 100  # codes at the int8 limits
     x = x.to(dtype)
     for rows in (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 13, 14):  # every tile shape and mix of them
-        vector = torch.ops.ember.quantized_linear(x[:rows], layer.packed, 200, bits)
-        plain = plain_ops.quantized_linear(x[:rows], layer.packed, 200, bits)
+        vector = vector_ops.quantized_linear(x[:rows], layer.packed, 200, format)
+        plain = plain_ops.quantized_linear(x[:rows], layer.packed, 200, format)
         assert torch.equal(vector, plain), rows
     ids = torch.tensor([0, 3, 15, 16, 199])
-    assert torch.equal(torch.ops.ember.block_rows(layer.packed, ids, 320, bits, dtype),
-                       plain_ops.block_rows(layer.packed, ids, 320, bits, dtype))
+    assert torch.equal(vector_ops.block_rows(layer.packed, ids, 320, format, dtype),
+                       plain_ops.block_rows(layer.packed, ids, 320, format, dtype))
 
 
-@pytest.mark.parametrize("bits", [4, 8])
-def test_sums_continued_across_block_edges_give_one_calls_bits(plain_ops, bits):
+@pytest.mark.parametrize("format", FORMATS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_vector_linear_gives_the_plain_bits(plain_ops, format, dtype):
+    check_vector_against_plain(torch.ops.ember, plain_ops, format, dtype)
+
+
+@pytest.mark.parametrize("format", FORMATS)
+def test_the_avx2_path_gives_the_plain_bits_too(avx2_ops, plain_ops, format):
+    check_vector_against_plain(avx2_ops, plain_ops, format, torch.bfloat16)
+
+
+@pytest.mark.parametrize("format", FORMATS)
+def test_sums_continued_across_block_edges_give_one_calls_bits(plain_ops, format):
     """Tensor parallelism's row-parallel layers: consecutive slices of K, the first summed from
     zero and each next one continuing the sums, against one call over all of K."""
-    generator = torch.Generator().manual_seed(bits)
-    blocks = QuantBlocks.quantize(torch.randn(200, 320, generator=generator) * 0.05, bits)
+    generator = torch.Generator().manual_seed(format)
+    blocks = blocks_of_format(torch.randn(200, 320, generator=generator) * 0.05, format)
     x = torch.randn(14, 320, generator=generator) * 3
     cuts = [0, 64, 96, 320]  # slices of 2, 1 and 7 blocks
-    slices = [BlockWeights(QuantBlocks(bits, blocks.codes[:, a:b].contiguous(), blocks.scales[:, a // 32:b // 32],
-                                       None if blocks.mins is None else blocks.mins[:, a // 32:b // 32]),
-                           None, torch.float32) for a, b in zip(cuts, cuts[1:])]
+    slices = [BlockWeights(blocks.narrow_blocks(a // 32, b // 32), None, torch.float32)
+              for a, b in zip(cuts, cuts[1:])]
     whole = BlockWeights(blocks, None, torch.float32)
+    assert torch.equal(torch.cat([part.packed for part in slices], dim=1), whole.packed)
     for ops in (torch.ops.ember, plain_ops):
         for rows in (1, 3, 5, 6, 14):
             sums = torch.zeros(rows, 200)
             for (a, b), part in zip(zip(cuts, cuts[1:]), slices):
-                ops.quantized_linear_accumulate_(x[:rows, a:b].contiguous(), part.packed, 200, bits, sums)
-            assert torch.equal(sums, ops.quantized_linear(x[:rows], whole.packed, 200, bits)), (ops, rows)
+                ops.quantized_linear_accumulate_(x[:rows, a:b].contiguous(), part.packed, 200, format, sums)
+            assert torch.equal(sums, ops.quantized_linear(x[:rows], whole.packed, 200, format)), (ops, rows)
 
 
 def test_a_lock_left_by_a_killed_build_is_cleared_and_builders_take_turns(tmp_path):

@@ -1,8 +1,10 @@
 """Linear-layer weight formats (models.weights): dense, oneDNN-packed bfloat16, and ember's 4- and
-8-bit blocks through its CPU kernel; the row plans; whole models in each format."""
+8-bit blocks (with and without steps) through its CPU kernel; the row plans; whole models in each
+format."""
 
 import pytest
 import torch
+from block_formats import FORMATS, blocks_of_format
 from model_builders import build_pair
 from reference_attention import ReferenceAttention
 
@@ -40,10 +42,10 @@ def test_quantized_blocks_round_trip_within_half_a_step(bits):
     assert ((blocks.dequantize() - w).abs() <= 0.5 * step + 1e-6).all()
 
 
-@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("format", FORMATS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_block_kernel_computes_the_block_arithmetic(bits, dtype):
-    blocks = QuantBlocks.quantize(_weights(out=200), bits)  # 200 rows: a partial last column block
+def test_block_kernel_computes_the_block_arithmetic(format, dtype):
+    blocks = blocks_of_format(_weights(out=200), format)  # 200 rows: a partial last column block
     layer = BlockWeights(blocks, None, dtype)
     x = torch.randn(9, 192).to(dtype)
     expected = _block_reference(x.float(), blocks)
@@ -74,9 +76,9 @@ def test_block_partial_products_continued_in_order_give_the_layers_bits(bits):
     assert not torch.equal(sum(at_once), in_order)
 
 
-@pytest.mark.parametrize("bits", [4, 8])
-def test_block_kernel_rows_keep_their_bits_in_any_batch(bits):
-    layer = BlockWeights(QuantBlocks.quantize(_weights(out=576, width=1536), bits), None, torch.bfloat16)
+@pytest.mark.parametrize("format", FORMATS)
+def test_block_kernel_rows_keep_their_bits_in_any_batch(format):
+    layer = BlockWeights(blocks_of_format(_weights(out=576, width=1536), format), None, torch.bfloat16)
     x = (torch.randn(70, 1536) * 3).to(torch.bfloat16)
     alone = torch.cat([layer.matmul(x[i:i + 1]) for i in range(70)])
     for size in (2, 3, 4, 5, 8, 33, 70):
@@ -84,9 +86,9 @@ def test_block_kernel_rows_keep_their_bits_in_any_batch(bits):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("bits", [4, 8])
-def test_a_tied_table_is_looked_up_from_its_blocks(bits, dtype):
-    blocks = QuantBlocks.quantize(_weights(out=100), bits)
+@pytest.mark.parametrize("format", FORMATS)
+def test_a_tied_table_is_looked_up_from_its_blocks(format, dtype):
+    blocks = blocks_of_format(_weights(out=100), format)
     layer = BlockWeights(blocks, None, dtype)
     ids = torch.tensor([0, 15, 16, 17, 99, 16])
     assert torch.equal(layer.rows(ids), blocks.dequantize()[ids].to(dtype))
@@ -101,6 +103,29 @@ def test_fused_shards_and_row_selection_keep_every_row():
     assert torch.equal(both.dequantize(), torch.cat((a.dequantize(), b.dequantize())))
     order = torch.randperm(64, generator=torch.Generator().manual_seed(0))
     assert torch.equal(both.select_rows(order).dequantize(), both.dequantize()[order])
+
+
+def test_fused_shards_of_several_formats_share_one():
+    """A GGUF's projections fused into one layer may come in several formats (Q4_K queries and
+    keys beside Q6_K values): blocks of one width join with steps, exactly; 4-bit blocks beside
+    8-bit ones are quantized to 8 bits, within half an 8-bit step."""
+    plain4, stepped4 = blocks_of_format(_weights(out=40), 4), blocks_of_format(_weights(out=24, seed=1), 20)
+    joined = QuantBlocks.cat([plain4, stepped4])
+    assert joined.format == 20
+    assert torch.equal(joined.dequantize(), torch.cat((plain4.dequantize(), stepped4.dequantize())))
+    plain8, stepped8 = blocks_of_format(_weights(out=40), 8), blocks_of_format(_weights(out=24, seed=1), 24)
+    joined = QuantBlocks.cat([plain8, stepped8])
+    assert joined.format == 24
+    assert torch.equal(joined.dequantize(), torch.cat((plain8.dequantize(), stepped8.dequantize())))
+    mixed = QuantBlocks.cat([stepped4, stepped8])
+    assert mixed.format == 24
+    values = torch.cat((stepped4.dequantize(), stepped8.dequantize()))
+    step = QuantBlocks.quantize(stepped4.dequantize(), 8).scales.float().repeat_interleave(32, dim=1)
+    assert torch.equal(mixed.dequantize()[24:], values[24:])
+    assert ((mixed.dequantize()[:24] - values[:24]).abs() <= 0.5 * step + 1e-7).all()
+    layer = BlockWeights(mixed, None, torch.float32)
+    x = torch.randn(3, 192)
+    torch.testing.assert_close(layer.matmul(x), _block_reference(x, mixed).float(), rtol=1e-5, atol=1e-5)
 
 
 def test_packed_bfloat16_gives_the_dense_bits_in_calls_of_up_to_32_rows():

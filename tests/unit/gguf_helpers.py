@@ -82,12 +82,13 @@ def byte_level_vocab(size: int, extra_merges: tuple[tuple[str, str], ...] = ()
 
 def write_gguf(path: pathlib.Path, arch: str, config: Mapping[str, Any],
                state_dict: Mapping[str, torch.Tensor], *, permute_qk: bool | None = None,
-               tensor_type: Q = Q.F32, skip: tuple[str, ...] = (),
+               tensor_type: Q = Q.F32, tensor_types: Mapping[str, Q] | None = None, skip: tuple[str, ...] = (),
                extra_tensors: Mapping[str, np.ndarray] | None = None,
                metadata: Mapping[str, Any] | None = None) -> pathlib.Path:
     """Write an HF state dict as a GGUF file with llama.cpp's names, metadata and (for llama)
-    its q/k row permutation. 2-D weights use tensor_type (F32, F16, BF16 or a gguf.quants type);
-    norms and biases stay F32, as llama.cpp keeps them."""
+    its q/k row permutation. 2-D weights use tensor_type (F32, F16, BF16 or a gguf.quants type),
+    or the type of the first part of tensor_types in their GGUF name (".attn_v.": Q6_K, as a
+    Q4_K_M file holds some); norms and biases stay F32, as llama.cpp keeps them."""
     permute_qk = arch == "llama" if permute_qk is None else permute_qk
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_block_count(config["num_hidden_layers"])
@@ -126,8 +127,9 @@ def write_gguf(path: pathlib.Path, arch: str, config: Mapping[str, Any],
         elif permute_qk and ".attn_k." in name:
             tensor = permute_qk_rows(tensor, kv_heads)
         array = tensor.numpy()
-        if array.ndim == 2 and tensor_type != Q.F32:
-            writer.add_tensor(name, quantize(array, tensor_type), raw_dtype=tensor_type)
+        kind = next((t for part, t in (tensor_types or {}).items() if part in name), tensor_type)
+        if array.ndim == 2 and kind != Q.F32:
+            writer.add_tensor(name, quantize(array, kind), raw_dtype=kind)
         else:
             writer.add_tensor(name, array)
     for name, array in (extra_tensors or {}).items():

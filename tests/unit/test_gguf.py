@@ -336,25 +336,60 @@ def test_cache_marker_records_the_source(tmp_path):
     assert marker["source"] == str(path.resolve()) and marker["size"] == path.stat().st_size
 
 
-@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q4_K, Q.Q6_K], ids=lambda q: q.name)
-def test_quantized_tensors_come_as_blocks_that_dequantize_like_the_float_path(tmp_path, qtype):
-    """Q4_0, Q4_1 and Q8_0 map onto ember's blocks exactly: their dequantized values are the float
-    loader's, bit for bit (q/k rows un-permuted alike). K-quants are quantized again in their
-    precision class (Q4_K to 4 bits, Q6_K to 8), within half a step of their own values."""
+EXACT_BLOCKS = {Q.Q4_0: 4, Q.Q4_1: 4, Q.Q8_0: 8, Q.Q5_0: 8, Q.Q4_K: 20, Q.Q6_K: 24}  # type -> ember's format
+
+
+@pytest.mark.parametrize("qtype", [*EXACT_BLOCKS, Q.Q5_1, Q.Q5_K], ids=lambda q: q.name)
+def test_quantized_tensors_come_as_blocks_that_dequantize_like_the_float_path(tmp_path, qtype, caplog):
+    """Q4_0, Q4_1, Q8_0, Q5_0, Q4_K and Q6_K map onto ember's blocks exactly: their dequantized
+    values are the float loader's, bit for bit (q/k rows un-permuted alike). Q5_1 and Q5_K are
+    quantized again to 8 bits, within half a step of their own values, and a warning says so."""
     model = tiny_model("llama", **_big_enough_for_k_quants("llama"))
     path = write_gguf(tmp_path / "tiny.gguf", "llama", model.config.to_dict(), state_dict_of(model),
                       tensor_type=qtype)
     source = load_model_source(str(path), cache_dir=tmp_path / "cache")
     floats = dict(source.weights())
-    mixed = dict(source.weights(blocks=True))
+    with caplog.at_level("WARNING", logger="ember.loaders"):
+        mixed = dict(source.weights(blocks=True))
     assert mixed.keys() == floats.keys()
     blocks = {name: value for name, value in mixed.items() if not isinstance(value, torch.Tensor)}
     assert set(blocks) == {name for name, t in floats.items() if t.dim() == 2}  # every 2-D weight, norms apart
-    bits = 8 if qtype in (Q.Q8_0, Q.Q6_K) else 4
     for name, value in blocks.items():
-        assert value.bits == bits and value.shape == tuple(floats[name].shape), name
-        if qtype in (Q.Q4_0, Q.Q4_1, Q.Q8_0):
+        assert value.format == EXACT_BLOCKS.get(qtype, 8) and value.shape == tuple(floats[name].shape), name
+        if qtype in EXACT_BLOCKS:
             assert torch.equal(value.dequantize(), floats[name]), name
         else:
             step = value.scales.float().repeat_interleave(32, dim=1)
             assert ((value.dequantize() - floats[name]).abs() <= 0.5 * step + 1e-6).all(), name
+    warned = [r.getMessage() for r in caplog.records if "quantized again" in r.getMessage()]
+    assert (f"{qtype.name} (" in warned[0]) if qtype not in EXACT_BLOCKS else not warned
+
+
+def test_a_q4_k_m_shaped_file_is_held_in_its_own_weights(tmp_path):
+    """Q4_K projections with Q6_K values and down projections (as a Q4_K_M file mixes them): each
+    layer runs in the format that holds its file's weights exactly, looked up bit for bit, but
+    the fused q/k/v, whose Q4_K queries and keys beside Q6_K values are quantized to 8 bits.
+    (tests/models/test_gemma3_real_weights.py holds a real Q4_K_M file's outputs to transformers'.)"""
+    from ember import LLM
+    from ember.models.layers import block_weights
+
+    model = tiny_model("llama", **{**_big_enough_for_k_quants("llama"), "num_hidden_layers": 2})
+    path = write_gguf(tmp_path / "tiny-Q4_K_M.gguf", "llama", model.config.to_dict(), state_dict_of(model),
+                      tensor_type=Q.Q4_K, tensor_types={".attn_v.": Q.Q6_K, ".ffn_down.": Q.Q6_K})
+    llm = LLM(str(path), cache_dir=tmp_path / "cache", dtype="float32", max_model_len=128)
+    floats = dict(llm.source.weights())
+    for index, layer in enumerate(llm.engine.runner.model.model.layers):
+        held = {"qkv_proj": layer.self_attn.qkv_proj, "o_proj": layer.self_attn.o_proj,
+                "gate_up_proj": layer.mlp.gate_up_proj, "down_proj": layer.mlp.down_proj}
+        assert {name: linear.weights.format for name, linear in held.items()} == {
+            "qkv_proj": 24, "o_proj": 20, "gate_up_proj": 20, "down_proj": 24}
+        prefix = f"model.layers.{index}."
+        expected = {"o_proj": floats[prefix + "self_attn.o_proj.weight"],
+                    "gate_up_proj": torch.cat((floats[prefix + "mlp.gate_proj.weight"],
+                                               floats[prefix + "mlp.up_proj.weight"])),
+                    "down_proj": floats[prefix + "mlp.down_proj.weight"]}
+        for name, weight in expected.items():
+            weights = held[name].weights
+            assert torch.equal(weights.rows(torch.arange(weights.out_features)), weight), (index, name)
+    assert len(block_weights(llm.engine.runner.model)) == 4 * 2 + 1  # and the LM head
+    llm.close()

@@ -1,0 +1,26 @@
+"""Blocks of each of the kernel's formats (models.weights.QuantBlocks) from float weights, for
+tests that run every format: 4 and 8 are quantized as ember quantizes; 20 and 24 (with steps, as
+GGUF's Q4_K and Q6_K are held) take random integer steps, their scales divided to keep the
+weights' size."""
+
+import torch
+
+from ember.models.weights import QuantBlocks
+
+FORMATS = [4, 8, 20, 24]
+
+
+def blocks_of_format(weight: torch.Tensor, format: int, seed: int = 0) -> QuantBlocks:
+    blocks = QuantBlocks.quantize(weight, 4 if format in (4, 20) else 8)
+    if format in (4, 8):
+        return blocks
+    generator = torch.Generator().manual_seed(seed)
+    out, count = blocks.scales.shape
+    scales = (blocks.scales.float() / 40).to(torch.float16)
+    if format == 20:  # 6-bit steps, as Q4_K's; a minimum's step of 0 in some blocks
+        steps = torch.randint(1, 64, (out, count), generator=generator, dtype=torch.uint8)
+        min_steps = torch.randint(0, 64, (out, count), generator=generator, dtype=torch.uint8)
+        mins = (blocks.mins.float() / 40).to(torch.float16)
+        return QuantBlocks(4, blocks.codes, scales, mins, steps, min_steps)
+    steps = torch.randint(-128, 128, (out, 2 * count), generator=generator, dtype=torch.int8)  # signed, as Q6_K's
+    return QuantBlocks(8, blocks.codes, scales, None, steps)
