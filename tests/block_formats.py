@@ -1,26 +1,29 @@
 """Blocks of each of the kernel's formats (models.weights.QuantBlocks) from float weights, for
-tests that run every format: 4 and 8 are quantized as ember quantizes; 20 and 24 (with steps, as
-GGUF's Q4_K and Q6_K are held) take random integer steps, their scales divided to keep the
-weights' size."""
+tests that run every format: 4 and 8 are quantized as ember quantizes; 20, 24 and 28 (with steps,
+as GGUF's Q4_K, Q6_K and Q5_K are held) take random integer steps, their scales divided to keep
+the weights' size."""
 
 import torch
 
 from ember.models.weights import QuantBlocks
 
-FORMATS = [4, 8, 20, 24]
+FORMATS = [4, 8, 20, 24, 28]
 
 
 def blocks_of_format(weight: torch.Tensor, format: int, seed: int = 0) -> QuantBlocks:
-    blocks = QuantBlocks.quantize(weight, 4 if format in (4, 20) else 8)
+    blocks = QuantBlocks.quantize(weight, 4 if format in (4, 20, 28) else 8)
     if format in (4, 8):
         return blocks
     generator = torch.Generator().manual_seed(seed)
     out, count = blocks.scales.shape
     scales = (blocks.scales.float() / 40).to(torch.float16)
-    if format == 20:  # 6-bit steps, as Q4_K's; a minimum's step of 0 in some blocks
+    if format in (20, 28):  # 6-bit steps, as Q4_K's and Q5_K's; a minimum's step of 0 in some blocks
         steps = torch.randint(1, 64, (out, count), generator=generator, dtype=torch.uint8)
         min_steps = torch.randint(0, 64, (out, count), generator=generator, dtype=torch.uint8)
         mins = (blocks.mins.float() / 40).to(torch.float16)
+        if format == 28:  # codes in bytes up to the format's 127 (Q5_K's reach 31)
+            codes = blocks.codes * 8 + torch.randint(0, 8, blocks.codes.shape, generator=generator, dtype=torch.uint8)
+            return QuantBlocks(8, codes, (scales.float() / 8).to(torch.float16), mins, steps, min_steps)
         return QuantBlocks(4, blocks.codes, scales, mins, steps, min_steps)
     steps = torch.randint(-128, 128, (out, 2 * count), generator=generator, dtype=torch.int8)  # signed, as Q6_K's
     return QuantBlocks(8, blocks.codes, scales, None, steps)

@@ -1,12 +1,13 @@
 // Block-quantized linear layers: y = x W^T with W in ember's 4- or 8-bit blocks (models/weights.py).
 //
-// Four block formats (the `format` argument, QuantBlocks.format in models/weights.py), a block being 32
-// weights of one column along K:
+// Five block formats (the `format` argument, QuantBlocks.format in models/weights.py), a block being
+// 32 weights of one column along K:
 //   Q4  (4):  w = d * q + m, q in 0..15 (GGUF's Q4_0 and Q4_1 exactly)
 //   Q8  (8):  w = d * (b - 128) (Q8_0 and Q5_0 exactly)
 //   Q4S (20): w = d * s * q + m * t with integer steps s, t in 0..255 (Q4_K exactly: d and -dmin
 //             of its super-block, its sub-block's 6-bit scale and minimum)
 //   Q8S (24): w = d * s_h * (b - 128), a signed step s_h for each half h of 16 (Q6_K exactly)
+//   Q8M (28): w = d * s * q + m * t, q in 0..127 in a byte (Q5_K and Q5_1 exactly)
 // d, m are float16; d * s and m * t are exact in float32, so a step costs no rounding.
 //
 // Activations are quantized per row in blocks of 32; a block's dot product is exact integer
@@ -27,8 +28,8 @@ namespace {
 constexpr int64_t QBLOCK = 32;         // weights and activations are quantized in blocks of 32 along K
 constexpr int64_t NBLOCK = 16;         // output columns per packed column block
 constexpr int64_t HALF = 16;           // a Q8S step covers half a block
-// Per (column block, k block): the codes (Q4: nibbles; Q8: bytes b), d (fp16 x16), then Q4's m
-// (fp16 x16); Q4S adds s and t (u8 x16 each), Q8S adds s of each half (i8 x16 each).
+// Per (column block, k block): the codes (nibbles, or bytes), d (fp16 x16), m where the format has
+// one (fp16 x16), then the steps: s and t (u8 x16 each), or Q8S's s of each half (i8 x16 each).
 
 // ---- activations: rows quantized to int8 in blocks of 32 ---------------------------------------
 // xq (M, K) int8; dx (M, K/32): each block's scale; sx (M, K/32): dx * sum(xq) of the block;
@@ -131,47 +132,47 @@ void quantize_rows(const T* x, int64_t M, int64_t K, int8_t* xq, float* dx, floa
 
 // Q4S, Q8S: as Q4, Q8, their steps after the scales (and minimums).
 
-enum class Format : int64_t { Q4 = 4, Q8 = 8, Q4S = 20, Q8S = 24 };
+enum class Format : int64_t { Q4 = 4, Q8 = 8, Q4S = 20, Q8S = 24, Q8M = 28 };
 template <Format F> constexpr bool NIBBLES = F == Format::Q4 || F == Format::Q4S;  // else bytes
-template <Format F> constexpr bool STEPPED = F == Format::Q4S || F == Format::Q8S;
+template <Format F> constexpr bool OFFSET = F == Format::Q8 || F == Format::Q8S;   // bytes b = code + 128
+template <Format F> constexpr bool HAS_MIN = !OFFSET<F>;
+template <Format F> constexpr bool STEPPED = F == Format::Q4S || F == Format::Q8S || F == Format::Q8M;
+template <Format F> constexpr bool STEP_AND_MIN = F == Format::Q4S || F == Format::Q8M;  // s and t
 
-// A block's bytes, by format at compile time or at run time (0: no such format).
-template <Format F> constexpr int64_t BLOCK_BYTES = (NIBBLES<F> ? 256 + 64 : 512 + 32) + (STEPPED<F> ? 32 : 0);
-inline int64_t block_bytes(int64_t format) {
-  switch (format) {
-    case 4: return BLOCK_BYTES<Format::Q4>;
-    case 8: return BLOCK_BYTES<Format::Q8>;
-    case 20: return BLOCK_BYTES<Format::Q4S>;
-    case 24: return BLOCK_BYTES<Format::Q8S>;
-    default: return 0;
-  }
-}
-
-// fn(std::integral_constant<Format, F>) for the run-time format.
-template <typename Fn> void with_format(int64_t format, Fn&& fn) {
-  switch (format) {
-    case 4: fn(std::integral_constant<Format, Format::Q4>{}); break;
-    case 8: fn(std::integral_constant<Format, Format::Q8>{}); break;
-    case 20: fn(std::integral_constant<Format, Format::Q4S>{}); break;
-    case 24: fn(std::integral_constant<Format, Format::Q8S>{}); break;
-    default: TORCH_CHECK(false, "unknown block format ", format);
-  }
-}
-
-// Within a block: the codes, then the 16 columns' scales d, then (Q4) their minimums m, float16,
-// then the steps: Q4S s then t, Q8S s of the first half then of the second.
+// Within a block: the codes, then the 16 columns' scales d, then their minimums m, float16, then
+// the steps: s then t, or Q8S's s of the first half then of the second.
 template <Format F> constexpr int64_t SCALES_AT = NIBBLES<F> ? 256 : 512;
-constexpr int64_t MINS_AT = 256 + 32;
-template <Format F> constexpr int64_t STEPS_AT = NIBBLES<F> ? 256 + 64 : 512 + 32;
+template <Format F> constexpr int64_t MINS_AT = SCALES_AT<F> + 32;
+template <Format F> constexpr int64_t STEPS_AT = MINS_AT<F> + (HAS_MIN<F> ? 32 : 0);
+template <Format F> constexpr int64_t BLOCK_BYTES = STEPS_AT<F> + (STEPPED<F> ? 32 : 0);
 
-// Column j's code k of a block: Q4 q in 0..15, Q8 b - 128.
+// fn(std::integral_constant<Format, F>) for the run-time format; false for an unknown one.
+template <typename Fn> bool with_format(int64_t format, Fn&& fn) {
+  switch (format) {
+    case 4: fn(std::integral_constant<Format, Format::Q4>{}); return true;
+    case 8: fn(std::integral_constant<Format, Format::Q8>{}); return true;
+    case 20: fn(std::integral_constant<Format, Format::Q4S>{}); return true;
+    case 24: fn(std::integral_constant<Format, Format::Q8S>{}); return true;
+    case 28: fn(std::integral_constant<Format, Format::Q8M>{}); return true;
+    default: return false;
+  }
+}
+
+// A block's bytes at run time (0: no such format).
+inline int64_t block_bytes(int64_t format) {
+  int64_t bytes = 0;
+  with_format(format, [&](auto f) { bytes = BLOCK_BYTES<decltype(f)::value>; });
+  return bytes;
+}
+
+// Column j's code k of a block: q of the nibble formats and Q8M, b - 128 of Q8 and Q8S.
 template <Format F> inline int32_t code_at(const uint8_t* block, int64_t j, int64_t k) {
   const int64_t g = k / 4, i = k % 4;
   if constexpr (NIBBLES<F>) {
     const uint8_t byte = block[(g % 4) * 64 + j * 4 + i];
     return g < 4 ? (byte & 0x0f) : (byte >> 4);
   } else {
-    return int32_t(block[g * 64 + j * 4 + i]) - 128;
+    return int32_t(block[g * 64 + j * 4 + i]) - (OFFSET<F> ? 128 : 0);
   }
 }
 
@@ -182,16 +183,16 @@ inline float half_at(const uint8_t* p) {
 }
 
 // Column j's scale for the codes of half h of a block (d, times s or s_h where stepped) and its
-// minimum (m, times t; Q4 formats): each an exact product.
+// minimum (m, times t where stepped; the formats with one): each an exact product.
 template <Format F> inline float scale_at(const uint8_t* block, int64_t j, int64_t h) {
   const float d = half_at(block + SCALES_AT<F> + 2 * j);
-  if constexpr (F == Format::Q4S) return d * float(block[STEPS_AT<F> + j]);
+  if constexpr (STEP_AND_MIN<F>) return d * float(block[STEPS_AT<F> + j]);
   if constexpr (F == Format::Q8S) return d * float(int8_t(block[STEPS_AT<F> + HALF * h + j]));
   return d;
 }
 template <Format F> inline float min_at(const uint8_t* block, int64_t j) {
-  const float m = half_at(block + MINS_AT + 2 * j);
-  return F == Format::Q4S ? m * float(block[STEPS_AT<F> + NBLOCK + j]) : m;
+  const float m = half_at(block + MINS_AT<F> + 2 * j);
+  return STEP_AND_MIN<F> ? m * float(block[STEPS_AT<F> + NBLOCK + j]) : m;
 }
 
 #if EMBER_AVX512
@@ -251,7 +252,7 @@ inline void tile(const uint8_t* w, int64_t KB, int64_t nb0, int64_t N, const int
           }
         }
       }
-    } else {  // Q8S sums each half apart, with its own step; Q8 the block at once
+    } else {  // Q8S sums each half apart, with its own step; Q8 and Q8M the block at once
       constexpr int HALVES = F == Format::Q8S ? 2 : 1;
       for (int h = 0; h < HALVES; ++h) {
         for (int g = h * 8 / HALVES; g < (h + 1) * 8 / HALVES; ++g) {
@@ -283,8 +284,8 @@ inline void tile(const uint8_t* w, int64_t KB, int64_t nb0, int64_t N, const int
       for (int c = 0; c < NB; ++c) {
         const uint8_t* block = w + ((nb0 + c) * KB + kb) * BYTES;
         __m512 d = load_halves(block + SCALES_AT<F>);
-        __m512 mins = NIBBLES<F> ? load_halves(block + MINS_AT) : _mm512_setzero_ps();
-        if constexpr (F == Format::Q4S) {
+        __m512 mins = HAS_MIN<F> ? load_halves(block + MINS_AT<F>) : _mm512_setzero_ps();
+        if constexpr (STEP_AND_MIN<F>) {
           d = _mm512_mul_ps(d, load_steps(block + STEPS_AT<F>, false));
           mins = _mm512_mul_ps(mins, load_steps(block + STEPS_AT<F> + NBLOCK, false));
         }
@@ -294,7 +295,7 @@ inline void tile(const uint8_t* w, int64_t KB, int64_t nb0, int64_t N, const int
           if constexpr (F == Format::Q8) dot = _mm512_sub_epi32(dot, _mm512_set1_epi32(128 * qsum[row]));
           const __m512 scale = _mm512_mul_ps(d, _mm512_set1_ps(dx[row]));
           acc[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, acc[r][c]);
-          if constexpr (NIBBLES<F>) acc[r][c] = _mm512_fmadd_ps(mins, _mm512_set1_ps(sx[row]), acc[r][c]);
+          if constexpr (HAS_MIN<F>) acc[r][c] = _mm512_fmadd_ps(mins, _mm512_set1_ps(sx[row]), acc[r][c]);
         }
       }
     }
@@ -404,16 +405,23 @@ inline void tile(const uint8_t* w, int64_t KB, int64_t nb, int64_t N, const int8
           for (int p = 0; p < 4; ++p) pairs(p);
         }
         for (int r = 0; r < MR; ++r) dots[r] = _mm256_madd_epi16(dots[r], ones);
-      } else {  // Q8S sums each half of the block apart, with its own step; Q8 the block at once
+      } else {  // Q8S sums each half of the block apart, with its own step; Q8 and Q8M the block at once
         constexpr int HALVES_K = F == Format::Q8S ? 2 : 1;
         for (int k_half = 0; k_half < HALVES_K; ++k_half) {
           for (int g = k_half * 8 / HALVES_K; g < (k_half + 1) * 8 / HALVES_K; ++g) {
             const __m256i codes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + g * 64 + half));
-            const __m256i signed_w = _mm256_xor_si256(codes, _mm256_set1_epi8(char(0x80)));
-            const __m256i magnitude = _mm256_sign_epi8(signed_w, signed_w);  // -128 stays 0x80: 128 unsigned
-            for (int r = 0; r < MR; ++r) {
-              const __m256i x = _mm256_sign_epi8(_mm256_set1_epi32(xk[r][g]), signed_w);
-              dots[r] = _mm256_add_epi32(dots[r], _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude, x), ones));
+            if constexpr (OFFSET<F>) {
+              const __m256i signed_w = _mm256_xor_si256(codes, _mm256_set1_epi8(char(0x80)));
+              const __m256i magnitude = _mm256_sign_epi8(signed_w, signed_w);  // -128 stays 0x80: 128 unsigned
+              for (int r = 0; r < MR; ++r) {
+                const __m256i x = _mm256_sign_epi8(_mm256_set1_epi32(xk[r][g]), signed_w);
+                dots[r] = _mm256_add_epi32(dots[r], _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude, x), ones));
+              }
+            } else {  // Q8M's codes are below 128: a pair is at most 2 * 127 * 127, within int16
+              for (int r = 0; r < MR; ++r) {
+                const __m256i x = _mm256_set1_epi32(xk[r][g]);
+                dots[r] = _mm256_add_epi32(dots[r], _mm256_madd_epi16(_mm256_maddubs_epi16(codes, x), ones));
+              }
             }
           }
           if constexpr (F == Format::Q8S) {
@@ -430,8 +438,8 @@ inline void tile(const uint8_t* w, int64_t KB, int64_t nb, int64_t N, const int8
       }
       if constexpr (F != Format::Q8S) {
         __m256 d = load_halves(block + SCALES_AT<F> + (H + h) * 16);
-        __m256 mins = NIBBLES<F> ? load_halves(block + MINS_AT + (H + h) * 16) : _mm256_setzero_ps();
-        if constexpr (F == Format::Q4S) {
+        __m256 mins = HAS_MIN<F> ? load_halves(block + MINS_AT<F> + (H + h) * 16) : _mm256_setzero_ps();
+        if constexpr (STEP_AND_MIN<F>) {
           d = _mm256_mul_ps(d, load_steps(block + STEPS_AT<F> + (H + h) * 8, false));
           mins = _mm256_mul_ps(mins, load_steps(block + STEPS_AT<F> + NBLOCK + (H + h) * 8, false));
         }
@@ -439,7 +447,7 @@ inline void tile(const uint8_t* w, int64_t KB, int64_t nb, int64_t N, const int8
           const int64_t row = (m0 + r) * KB + kb;
           const __m256 scale = _mm256_mul_ps(d, _mm256_set1_ps(dx[row]));
           acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots[r]), scale, acc[r][h]);
-          if constexpr (NIBBLES<F>) acc[r][h] = _mm256_fmadd_ps(mins, _mm256_set1_ps(sx[row]), acc[r][h]);
+          if constexpr (HAS_MIN<F>) acc[r][h] = _mm256_fmadd_ps(mins, _mm256_set1_ps(sx[row]), acc[r][h]);
         }
       }
     }
@@ -503,7 +511,7 @@ void columns_plain(const uint8_t* w, int64_t KB, int64_t nb_begin, int64_t nb_en
             for (int64_t k = h * SPAN; k < (h + 1) * SPAN; ++k) dot += code_at<F>(block, j, k) * int32_t(xk[k]);
             acc = std::fma(float(dot), scale_at<F>(block, j, h) * dx[m * KB + kb], acc);
           }
-          if constexpr (NIBBLES<F>) acc = std::fma(min_at<F>(block, j), sx[m * KB + kb], acc);
+          if constexpr (HAS_MIN<F>) acc = std::fma(min_at<F>(block, j), sx[m * KB + kb], acc);
         }
         y[m * N + nb * NBLOCK + j] = from_float<T>(acc);
       }
@@ -594,10 +602,10 @@ void dequantize_row(const uint8_t* column_block, int64_t j, int64_t KB, T* out) 
   constexpr int64_t BYTES = BLOCK_BYTES<F>;
   for (int64_t kb = 0; kb < KB; ++kb, out += QBLOCK) {
     const uint8_t* block = column_block + kb * BYTES;
-    const float m = NIBBLES<F> ? min_at<F>(block, j) : 0.f;
+    const float m = HAS_MIN<F> ? min_at<F>(block, j) : 0.f;
     for (int64_t k = 0; k < QBLOCK; ++k) {
       const float w = float(code_at<F>(block, j, k)) * scale_at<F>(block, j, k / HALF);
-      out[k] = from_float<T>(NIBBLES<F> ? w + m : w);
+      out[k] = from_float<T>(HAS_MIN<F> ? w + m : w);
     }
   }
 }

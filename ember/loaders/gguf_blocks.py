@@ -2,11 +2,11 @@
 
 Kept exactly, the file's own codes and scales in ember's blocks of 32: Q4_0, Q4_1 (4-bit blocks),
 Q8_0 and Q5_0 (8-bit blocks), Q4_K (4-bit blocks with steps: a sub-block's 6-bit scale and
-minimum are the steps of its super-block's d and dmin) and Q6_K (8-bit blocks with a step for
-each half: its sub-blocks of 16). Every other quantized type (Q5_1, Q5_K, Q2_K, Q3_K, the IQ
-types) is dequantized and quantized again in its precision class, 8 bits for the 5-bit types and
-4 bits for the rest, which changes its weights: a warning names them. Float tensors (F32, F16,
-BF16) are not blocks; they come from the float weights.
+minimum are the steps of its super-block's d and dmin), Q6_K (8-bit blocks with a step for each
+half: its sub-blocks of 16), Q5_K and Q5_1 (8-bit blocks with a minimum and steps, as Q4_K's).
+Every other quantized type (Q2_K, Q3_K, the IQ types) is dequantized and quantized again to 4
+bits, which changes its weights: a warning names them. Float tensors (F32, F16, BF16) are not
+blocks; they come from the float weights.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from ember.models.weights import QBLOCK, QuantBlocks
 logger = logging.getLogger("ember.loaders")
 
 _FLOAT_TYPES = {"F32", "F16", "BF16", "F64"}
-_EXACT_TYPES = {"Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q4_K", "Q6_K"}
+_EXACT_TYPES = {"Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"}
 _EIGHT_BIT_CLASS = {"Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0", "Q8_1", "Q8_K"}
 
 
@@ -52,7 +52,7 @@ def read_blocks(path: pathlib.Path, hf_config: dict[str, Any]) -> Iterator[tuple
         yield hf_name, blocks
     if requantized:
         logger.warning("%s: ember's kernels do not compute %s blocks in their own format; those tensors were "
-                       "dequantized and quantized again (4 bits, or 8 for the 5-bit types), so their weights "
+                       "dequantized and quantized again (4 bits, or 8 for the 8-bit types), so their weights "
                        "differ slightly from the file's (--quantization none keeps them exact, in floats)",
                        path.name, ", ".join(f"{kind} ({count} tensors)" for kind, count in sorted(requantized.items())))
 
@@ -71,7 +71,7 @@ def tensor_blocks(file: GGUFFile, name: str) -> QuantBlocks | None:
     return blocks
 
 
-_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34, "Q5_0": 22, "Q4_K": 144, "Q6_K": 210}
+_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34, "Q5_0": 22, "Q5_1": 24, "Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
 _SUPER = 256  # the K types' elements per block
 
 
@@ -83,8 +83,8 @@ def _exact_blocks(kind: str, raw: np.ndarray, shape: tuple[int, int]) -> QuantBl
     if layout is None or width % span:
         return None
     data = np.array(raw, copy=True).view(np.uint8).reshape(rows, width // span, layout)
-    if kind == "Q4_K":
-        return _q4_k(data, rows, width)
+    if kind in ("Q4_K", "Q5_K"):
+        return _q4_k_or_q5_k(data, rows, width, five_bits=kind == "Q5_K")
     if kind == "Q6_K":
         return _q6_k(data, rows, width)
     data = torch.from_numpy(data)
@@ -92,11 +92,16 @@ def _exact_blocks(kind: str, raw: np.ndarray, shape: tuple[int, int]) -> QuantBl
     if kind == "Q8_0":
         codes = (data[..., 2:].view(torch.int8).to(torch.int16) + 128).to(torch.uint8)
         return QuantBlocks(8, codes.reshape(rows, width), scales)
-    if kind == "Q5_0":  # d, 32 high bits, then nibbles: w = d * (q - 16) with q of 5 bits
-        high = data[..., 2:6].contiguous().view(torch.int32)  # bit i: element i's fifth bit
-        fifth = (high >> torch.arange(32, dtype=torch.int32)) & 1
-        codes = torch.cat((data[..., 6:] & 0x0F, data[..., 6:] >> 4), dim=-1) | (fifth.to(torch.uint8) << 4)
-        return QuantBlocks(8, (codes + 112).reshape(rows, width), scales)
+    if kind in ("Q5_0", "Q5_1"):  # d (and m), 32 high bits, nibbles: w = d * (q - 16), or d * q + m
+        at = 2 if kind == "Q5_0" else 4
+        high = data[..., at:at + 4].contiguous().view(torch.int32)  # bit i: element i's fifth bit
+        fifth = ((high >> torch.arange(32, dtype=torch.int32)) & 1).to(torch.uint8)
+        nibbles = data[..., at + 4:]
+        codes = (torch.cat((nibbles & 0x0F, nibbles >> 4), dim=-1) | (fifth << 4)).reshape(rows, width)
+        if kind == "Q5_0":
+            return QuantBlocks(8, codes + 112, scales)
+        ones = torch.ones(scales.shape, dtype=torch.uint8)
+        return QuantBlocks(8, codes, scales, _halves(data, 2), ones, ones.clone())
     # Q4_0 (d, 16 bytes of nibbles), Q4_1 (d, m, nibbles): a nibble byte j holds element j in its
     # low half and element j + 16 in its high half
     nibbles = data[..., 4:] if kind == "Q4_1" else data[..., 2:]
@@ -110,21 +115,26 @@ def _halves(data: torch.Tensor, at: int) -> torch.Tensor:
     return data[..., at:at + 2].contiguous().view(torch.float16)[..., 0]
 
 
-def _q4_k(data: np.ndarray, rows: int, width: int) -> QuantBlocks:
+def _q4_k_or_q5_k(data: np.ndarray, rows: int, width: int, five_bits: bool) -> QuantBlocks:
     """Q4_K: d, dmin (float16), 12 bytes of eight 6-bit scales and minimums, then 128 bytes whose
-    32-byte run i holds sub-block 2i in its low nibbles and 2i + 1 in its high ones. A sub-block
-    of 32 is w = d * scale * q - dmin * min: one of ember's 4-bit blocks with steps."""
+    32-byte run i holds sub-block 2i in its low nibbles and 2i + 1 in its high ones. Q5_K puts 32
+    bytes before those, bit s of byte j being element j of sub-block s's fifth bit. A sub-block of
+    32 is w = d * scale * q - dmin * min: one of ember's 4-bit (8-bit) blocks with steps."""
     import gguf.quants
 
     supers = width // _SUPER
     flat = data.reshape(-1, data.shape[-1])
     step, min_step = gguf.quants.Q4_K.get_scale_min(flat[:, 4:16])
-    runs = flat[:, 16:].reshape(-1, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
-    codes = torch.from_numpy((runs & 0x0F).reshape(rows, width))
+    nibbles = flat[:, 48:] if five_bits else flat[:, 16:]
+    runs = nibbles.reshape(-1, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
+    q = (runs & 0x0F).reshape(-1, 8, 32)
+    if five_bits:
+        q = q | (((flat[:, 16:48].reshape(-1, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)) & 1) << 4)
+    codes = torch.from_numpy(np.ascontiguousarray(q).reshape(rows, width))
     per_block = lambda values: torch.from_numpy(np.ascontiguousarray(values)).reshape(rows, supers * 8)
     d = torch.from_numpy(flat[:, 0:2].copy().view(np.float16)).reshape(rows, supers, 1)
     dmin = torch.from_numpy(flat[:, 2:4].copy().view(np.float16)).reshape(rows, supers, 1)
-    return QuantBlocks(4, codes, d.expand(rows, supers, 8).reshape(rows, -1),
+    return QuantBlocks(8 if five_bits else 4, codes, d.expand(rows, supers, 8).reshape(rows, -1),
                        (-dmin).expand(rows, supers, 8).reshape(rows, -1), per_block(step), per_block(min_step))
 
 

@@ -11,8 +11,9 @@ format once the checkpoint is loaded (`prepare_linears`).
 - BlockWeights: ember's block-quantized layouts for its CPU kernel
   (ember.kernels): 4-bit codes with a float16 scale and minimum per 32 weights (GGUF's Q4_0 and
   Q4_1 map onto it exactly; Q4_K with integer steps), or 8-bit codes with a float16 scale per 32
-  (Q8_0 and Q5_0 exactly; Q6_K with a step per half block). Activations are quantized per row in
-  blocks of 32 inside the kernel, so a layer reads 5 to 9 bits per weight instead of 16, and its
+  (Q8_0 and Q5_0 exactly; Q6_K with a step per half block; Q5_K and Q5_1 with a minimum and
+  steps). Activations are quantized per row in blocks of 32 inside the kernel, so a layer reads 5
+  to 9.5 bits per weight instead of 16, and its
   results are batch-invariant by construction.
 
 Dense and packed results depend on the row plan (models.layers.RowPlan); block formats do not.
@@ -40,17 +41,18 @@ class QuantBlocks:
 
     4 bits: w = scale * code + min, code in 0..15; with steps (GGUF's Q4_K),
     w = scale * step * code + min * min_step. 8 bits: w = scale * (code - 128); with steps (Q6_K),
-    a signed step for each half of 16: w = scale * step_h * (code - 128). A scale (or minimum)
-    times its integer step is exact in float32: the steps hold a file's sub-block scales without a
-    rounding. `format` names the kernel's layout (ember/kernels/linear.cpp).
+    a signed step for each half of 16: w = scale * step_h * (code - 128); or with a minimum and
+    steps (Q5_K, Q5_1), w = scale * step * code + min * min_step, code in 0..127. A scale (or
+    minimum) times its integer step is exact in float32: the steps hold a file's sub-block scales
+    without a rounding. `format` names the kernel's layout (ember/kernels/linear.cpp).
     """
 
     bits: int
     codes: torch.Tensor  # (out, in) uint8
     scales: torch.Tensor  # (out, in // 32) float16
-    mins: torch.Tensor | None = None  # (out, in // 32) float16, 4 bits only
-    steps: torch.Tensor | None = None  # 4 bits: (out, in // 32) uint8; 8 bits: (out, in // 16) int8
-    min_steps: torch.Tensor | None = None  # (out, in // 32) uint8, with 4-bit steps
+    mins: torch.Tensor | None = None  # (out, in // 32) float16: 4 bits, or 8 bits with min_steps
+    steps: torch.Tensor | None = None  # (out, in // 32) uint8, or for 8 bits without a minimum (out, in // 16) int8
+    min_steps: torch.Tensor | None = None  # (out, in // 32) uint8, where both mins and steps are
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -58,8 +60,14 @@ class QuantBlocks:
 
     @property
     def format(self) -> int:
-        """The kernel's format: 4 or 8, or 20 or 24 with steps."""
-        return self.bits + (16 if self.steps is not None else 0)
+        """The kernel's format: 4 or 8; 20 or 24 with steps; 28 with steps and a minimum (8 bits)."""
+        if self.steps is None:
+            return self.bits
+        return 28 if self.bits == 8 and self.mins is not None else self.bits + 16
+
+    @property
+    def _half_steps(self) -> bool:
+        return self.format == 24
 
     def _parts(self) -> tuple[torch.Tensor | None, ...]:
         return self.scales, self.mins, self.steps, self.min_steps
@@ -71,17 +79,15 @@ class QuantBlocks:
         """(out, in) float32, each weight in one rounding at most (the minimum's add): the
         kernel's lookups (block_rows) give the same bits."""
         out, width = self.codes.shape
-        span = QBLOCK // 2 if self.bits == 8 and self.steps is not None else QBLOCK  # the codes one scale covers
+        span = QBLOCK // 2 if self._half_steps else QBLOCK  # the codes one scale covers
         codes = self.codes.view(out, width // span, span).float()
         scales = self.scales.float().repeat_interleave(QBLOCK // span, dim=1)
         if self.steps is not None:
             scales = scales * self.steps.float()
-        if self.bits == 4:
-            mins = self.mins.float() if self.min_steps is None else self.mins.float() * self.min_steps.float()
-            values = codes * scales[..., None] + mins[..., None]
-        else:
-            values = (codes - 128) * scales[..., None]
-        return values.view(out, width)
+        if self.mins is None:
+            return ((codes - 128) * scales[..., None]).view(out, width)
+        mins = self.mins.float() if self.min_steps is None else self.mins.float() * self.min_steps.float()
+        return (codes * scales[..., None] + mins[..., None]).view(out, width)
 
     def select_rows(self, index: torch.Tensor | slice) -> "QuantBlocks":
         return self._with_parts(self.codes[index], [None if p is None else p[index] for p in self._parts()])
@@ -108,10 +114,12 @@ class QuantBlocks:
 
     @staticmethod
     def cat(parts: list["QuantBlocks"]) -> "QuantBlocks":
-        """Stack along the output dimension (fused projections). Parts of one width whose steps
-        differ take steps of 1 (exact); 4-bit parts beside 8-bit ones are quantized to 8 bits again."""
-        if len({p.bits for p in parts}) > 1:
-            parts = [p if p.bits == 8 else QuantBlocks.quantize(p.dequantize(), 8) for p in parts]
+        """Stack along the output dimension (fused projections). Plain parts beside stepped ones of
+        their family (4 and 20; 8 and 24) take steps of 1, exactly; parts of formats that share no
+        family are quantized to 8 bits again."""
+        formats = {p.format for p in parts}
+        if len(formats) > 1 and not (formats <= {4, 20} or formats <= {8, 24}):
+            parts = [p if p.format in (8, 24) else QuantBlocks.quantize(p.dequantize(), 8) for p in parts]
         if len({p.format for p in parts}) > 1:
             parts = [p.with_steps() for p in parts]
         stacked = [None if parts[0]._parts()[i] is None else torch.cat([p._parts()[i] for p in parts])
@@ -159,8 +167,8 @@ def pack_blocks(blocks: QuantBlocks) -> torch.Tensor:
         return (pad(values).view(column_blocks, _NBLOCK, k_blocks, per_block).permute(0, 2, 3, 1)
                 .contiguous().view(torch.uint8).reshape(column_blocks, k_blocks, -1))
 
-    parts = [codes, halves(blocks.scales)] + ([halves(blocks.mins)] if blocks.bits == 4 else [])
-    if blocks.steps is not None and blocks.bits == 4:
+    parts = [codes, halves(blocks.scales)] + ([halves(blocks.mins)] if blocks.mins is not None else [])
+    if blocks.min_steps is not None:
         parts += [steps(blocks.steps, 1), steps(blocks.min_steps, 1)]
     elif blocks.steps is not None:
         parts.append(steps(blocks.steps, 2))  # each column's first halves, then its second halves

@@ -25,12 +25,14 @@ def _weights(out=200, width=192, seed=0):
 
 def _block_reference(x: torch.Tensor, blocks: QuantBlocks) -> torch.Tensor:
     """float64: the kernel's arithmetic written out. Activations in blocks of 32: scale = the
-    block's largest magnitude / 127, codes rounded to the nearest integer."""
+    block's largest magnitude / 127, codes rounded to the nearest integer (in float32, as the
+    kernel rounds them: the value times the scale's inverse)."""
     rows, width = x.shape
-    xb = x.double().view(rows, width // 32, 32)
+    xb = x.float().view(rows, width // 32, 32)
     scale = xb.abs().amax(-1, keepdim=True) / 127
-    codes = torch.where(scale > 0, torch.round(xb / scale), torch.zeros_like(xb))
-    return (codes * scale).view(rows, width) @ blocks.dequantize().double().T
+    inverse = torch.where(scale > 0, 1 / scale, torch.zeros_like(scale))
+    codes = torch.round(xb * inverse).clamp(-127, 127)
+    return (codes.double() * scale.double()).view(rows, width) @ blocks.dequantize().double().T
 
 
 @pytest.mark.parametrize("bits", [4, 8])

@@ -336,14 +336,16 @@ def test_cache_marker_records_the_source(tmp_path):
     assert marker["source"] == str(path.resolve()) and marker["size"] == path.stat().st_size
 
 
-EXACT_BLOCKS = {Q.Q4_0: 4, Q.Q4_1: 4, Q.Q8_0: 8, Q.Q5_0: 8, Q.Q4_K: 20, Q.Q6_K: 24}  # type -> ember's format
+EXACT_BLOCKS = {Q.Q4_0: 4, Q.Q4_1: 4, Q.Q8_0: 8, Q.Q5_0: 8, Q.Q4_K: 20, Q.Q6_K: 24,  # type -> ember's format
+                Q.Q5_1: 28, Q.Q5_K: 28}
 
 
-@pytest.mark.parametrize("qtype", [*EXACT_BLOCKS, Q.Q5_1, Q.Q5_K], ids=lambda q: q.name)
+@pytest.mark.parametrize("qtype", [*EXACT_BLOCKS, Q.TQ2_0], ids=lambda q: q.name)
 def test_quantized_tensors_come_as_blocks_that_dequantize_like_the_float_path(tmp_path, qtype, caplog):
-    """Q4_0, Q4_1, Q8_0, Q5_0, Q4_K and Q6_K map onto ember's blocks exactly: their dequantized
-    values are the float loader's, bit for bit (q/k rows un-permuted alike). Q5_1 and Q5_K are
-    quantized again to 8 bits, within half a step of their own values, and a warning says so."""
+    """Q4_0, Q4_1, Q8_0, Q5_0, Q5_1, Q4_K, Q5_K and Q6_K map onto ember's blocks exactly: their
+    dequantized values are the float loader's, bit for bit (q/k rows un-permuted alike). Another
+    type (TQ2_0 here; Q2_K, Q3_K and the IQ types alike) is quantized again to 4 bits, within
+    half a step of its own values, and a warning names it."""
     model = tiny_model("llama", **_big_enough_for_k_quants("llama"))
     path = write_gguf(tmp_path / "tiny.gguf", "llama", model.config.to_dict(), state_dict_of(model),
                       tensor_type=qtype)
@@ -355,7 +357,7 @@ def test_quantized_tensors_come_as_blocks_that_dequantize_like_the_float_path(tm
     blocks = {name: value for name, value in mixed.items() if not isinstance(value, torch.Tensor)}
     assert set(blocks) == {name for name, t in floats.items() if t.dim() == 2}  # every 2-D weight, norms apart
     for name, value in blocks.items():
-        assert value.format == EXACT_BLOCKS.get(qtype, 8) and value.shape == tuple(floats[name].shape), name
+        assert value.format == EXACT_BLOCKS.get(qtype, 4) and value.shape == tuple(floats[name].shape), name
         if qtype in EXACT_BLOCKS:
             assert torch.equal(value.dequantize(), floats[name]), name
         else:
