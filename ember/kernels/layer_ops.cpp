@@ -1,5 +1,5 @@
-// Row-wise ops of a decoder layer: RMS norm (with the residual add), rotary embeddings, SiLU and
-// multiply. Each row is computed alone, lanes then across lanes, so rows never depend on one another.
+// Row-wise ops of a decoder layer: RMS norm (with the residual add, or Gemma's scale in float32),
+// rotary embeddings, SiLU and multiply. Each row is computed alone, lanes then across lanes, so rows never depend on one another.
 
 #include "common.h"
 
@@ -97,6 +97,32 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::T
   return {sum.view(x.sizes()), normed};
 }
 
+// Gemma's RMS norm: out = to_T(x / rms(x) * scale), the products in float32 and one rounding at
+// the end; scale (D,) float32 is the model's 1 + weight. Rows of x as rms_norm's.
+at::Tensor scaled_rms_norm(const at::Tensor& x, const at::Tensor& scale, double eps) {
+  const int64_t D = x.size(-1);
+  TORCH_CHECK(x.stride(-1) == 1 && scale.is_contiguous() && scale.scalar_type() == at::kFloat && scale.numel() == D,
+              "x needs a contiguous last dim and scale (D,) float32");
+  const at::Tensor rows = x.reshape({-1, D});
+  const int64_t R = rows.size(0);
+  auto out = at::empty({R, D}, x.options());
+  const float* s = scale.data_ptr<float>();
+  dispatch_float_or_bf16(x.scalar_type(), [&](auto tag) {
+    using T = decltype(tag);
+    at::parallel_for(0, R, 16, [&](int64_t begin, int64_t end) {
+      std::vector<float> row(D);
+      for (int64_t r = begin; r < end; ++r) {
+        const T* a = rows.data_ptr<T>() + r * rows.stride(0);
+        for (int64_t i = 0; i < D; ++i) row[i] = to_float<T>(a[i]);
+        const float inv = 1.f / std::sqrt(sum_of_squares(row.data(), D) / float(D) + float(eps));
+        T* o = out.data_ptr<T>() + r * D;
+        for (int64_t i = 0; i < D; ++i) o[i] = from_float<T>(row[i] * inv * s[i]);
+      }
+    });
+  });
+  return out.view(x.sizes());
+}
+
 // Rotate-half rotary embedding, in place: x (T, heads, D) with a contiguous (heads, D) per token,
 // cos and sin (T, ..., D / 2) with contiguous rows. x1' = x1 cos - x2 sin, x2' = x2 cos + x1 sin,
 // each in one float rounding.
@@ -162,6 +188,7 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
 
 TORCH_LIBRARY_FRAGMENT(EMBER_OPS, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("scaled_rms_norm(Tensor x, Tensor scale, float eps) -> Tensor");
   m.def("add_rms_norm(Tensor x, Tensor addend, Tensor weight, float eps) -> (Tensor, Tensor)");
   m.def("rotary_(Tensor(a!) x, Tensor cos, Tensor sin) -> ()");
   m.def("silu_mul(Tensor gate_up) -> Tensor");
@@ -169,6 +196,7 @@ TORCH_LIBRARY_FRAGMENT(EMBER_OPS, m) {
 
 TORCH_LIBRARY_IMPL(EMBER_OPS, CPU, m) {
   m.impl("rms_norm", &ember_kernels::rms_norm);
+  m.impl("scaled_rms_norm", &ember_kernels::scaled_rms_norm);
   m.impl("add_rms_norm", &ember_kernels::add_rms_norm);
   m.impl("rotary_", &ember_kernels::rotary_);
   m.impl("silu_mul", &ember_kernels::silu_mul);

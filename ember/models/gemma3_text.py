@@ -32,12 +32,20 @@ FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj
 
 
 class GemmaRMSNorm(nn.Module):
+    """`fused`: one call of ember's CPU kernel instead of nine torch ops (use_fused_ops)."""
+
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.zeros(dim), requires_grad=False)
         self.eps = eps
+        self.fused = False
+        self._scale: torch.Tensor | None = None  # 1 + weight in float32, made at the first fused call
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused:  # use_fused_ops comes once the weights are loaded: they stay as they are
+            if self._scale is None:
+                self._scale = 1.0 + self.weight.float()
+            return torch.ops.ember.scaled_rms_norm(x, self._scale, self.eps)
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return (h * (1.0 + self.weight.float())).to(x.dtype)
@@ -73,10 +81,12 @@ class Attention(nn.Module):
         self.k_norm = GemmaRMSNorm(config.head_dim, config.rms_norm_eps)
         scalar = float(config.hf.get("query_pre_attn_scalar") or config.head_dim)
         self.q_scale = (config.head_dim / scalar) ** 0.5  # times the backends' head_dim ** -0.5
+        self.fused = False  # rotary embeddings in place by ember's CPU kernel (use_fused_ops)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: Any) -> torch.Tensor:
         q, k, v = self.qkv_proj(x)  # (T, heads, head_dim)
-        q, k = apply_rotary(self.q_norm(q), cos, sin), apply_rotary(self.k_norm(k), cos, sin)
+        q = apply_rotary(self.q_norm(q), cos, sin, self.fused)  # a fused norm's output is new: rotated in place
+        k = apply_rotary(self.k_norm(k), cos, sin, self.fused)
         if self.q_scale != 1.0:
             q = q * self.q_scale
         out = attn.attend(self.layer_idx, q, k, v)
