@@ -25,6 +25,7 @@ from torch import nn
 
 from ember.config import ModelConfig
 from ember.errors import ModelLoadError
+from ember.models.layer_stack import GemmaLayerStack
 from ember.models.layers import (Embedding, Linear, MergedLinear, QKVLinear, RotaryEmbedding, apply_rotary,
                                  linear, load_checkpoint, replace_rows)
 
@@ -41,11 +42,15 @@ class GemmaRMSNorm(nn.Module):
         self.fused = False
         self._scale: torch.Tensor | None = None  # 1 + weight in float32, made at the first fused call
 
+    def scale(self) -> torch.Tensor:
+        """1 + weight in float32 (fused ops come once the weights are loaded: they stay as they are)."""
+        if self._scale is None:
+            self._scale = 1.0 + self.weight.float()
+        return self._scale
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.fused:  # use_fused_ops comes once the weights are loaded: they stay as they are
-            if self._scale is None:
-                self._scale = 1.0 + self.weight.float()
-            return torch.ops.ember.scaled_rms_norm(x, self._scale, self.eps)
+        if self.fused:
+            return torch.ops.ember.scaled_rms_norm(x, self.scale(), self.eps)
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return (h * (1.0 + self.weight.float())).to(x.dtype)
@@ -132,6 +137,8 @@ class Decoder(nn.Module):
                                                            scaling) for kind, (theta, scaling) in settings.items()})
         windows = config.layer_windows or [None] * config.num_hidden_layers
         self.layer_kinds = ["sliding_attention" if w else "full_attention" for w in windows]
+        self.fused = False  # the layers may run as one kernel call (use_fused_ops, _layer_stack)
+        self._stack: GemmaLayerStack | bool | None = None  # None: not decided yet
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: Any,
                 embeds: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
@@ -139,9 +146,23 @@ class Decoder(nn.Module):
         x = self.embed_tokens(input_ids)  # (T, hidden)
         x = replace_rows(x * torch.tensor(self.embed_scale, dtype=x.dtype), embeds)
         tables = {kind: rotary(positions, x.dtype) for kind, rotary in self.rotary.items()}
+        stack = self._layer_stack()
+        stacked = stack.run(x, [tables[kind] for kind in self.layer_kinds], attn) if stack is not None else None
+        if stacked is not None:
+            return self.norm(stacked)
         for layer, kind in zip(self.layers, self.layer_kinds):
             x = layer(x, *tables[kind], attn)
         return self.norm(x)
+
+    def _layer_stack(self) -> GemmaLayerStack | None:
+        """The layers as one kernel call where they fit it (models.layer_stack): decided at the
+        first step with fused ops and kept."""
+        if not self.fused:
+            return None
+        if self._stack is None:
+            fits = GemmaLayerStack.fits(list(self.layers), DecoderLayer, Attention, GeluMLP)
+            self._stack = GemmaLayerStack(list(self.layers)) if fits else False
+        return self._stack or None
 
 
 class Model(nn.Module):

@@ -1,5 +1,6 @@
 """A Llama-shaped decoder's layers in one call of ember's CPU kernels (`decoder_layers`, in
-ember/kernels/decoder.cpp) in place of a Python loop of ten ops a layer.
+ember/kernels/decoder.cpp) in place of a Python loop of ten ops a layer; Gemma 3's
+(`gemma_decoder_layers`, GemmaLayerStack) in place of its loop of about twenty.
 
 The call runs the ops the loop runs, in its order, on the same tensors, so its bits are the loop's.
 It serves only where every layer is the plain Llama layer on the kernels: norms, rotary and SiLU
@@ -18,6 +19,21 @@ import torch
 from torch import nn
 
 from ember.models.weights import BlockWeights
+
+
+def _plain_layers(layers: Sequence[nn.Module]) -> bool:
+    """No module with hooks (a hook must see its module run) and none with a tensor-parallel group
+    (its sums cross ranks between the ops)."""
+    return not any(module._forward_hooks or module._forward_pre_hooks or getattr(module, "parallel", None) is not None
+                   for layer in layers for module in layer.modules())
+
+
+def _kernel_weights(linears: Sequence[nn.Module], dtype: torch.dtype) -> list[BlockWeights] | None:
+    """The linears' weights where every one is in blocks, without a bias, in `dtype`; else None."""
+    weights = [linear.weights for linear in linears]
+    if not all(type(w) is BlockWeights and w.bias is None and w.dtype == dtype for w in weights):
+        return None
+    return weights
 
 
 class LayerStack:
@@ -47,10 +63,7 @@ class LayerStack:
                     and (attention.num_heads, attention.num_kv_heads)
                     == (first.self_attn.num_heads, first.self_attn.num_kv_heads)):
                 return False
-            if any(module._forward_hooks or module._forward_pre_hooks or getattr(module, "parallel", None) is not None
-                   for module in layer.modules()):
-                return False
-        return True
+        return _plain_layers(layers)
 
     def run(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
             attn: Any) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -58,11 +71,62 @@ class LayerStack:
         arguments = getattr(attn, "layer_arguments", None)
         if arguments is None:
             return None
-        weights = [linear.weights for linear in self.linears]
-        if not all(type(w) is BlockWeights and w.bias is None and w.dtype == x.dtype for w in weights):
+        weights = _kernel_weights(self.linears, x.dtype)
+        if weights is None:
             return None
         k_caches, v_caches, windows, slots, block_table, row_begin, first_pos, scale = arguments()
         return torch.ops.ember.decoder_layers(
             x, [w.packed for w in weights], [w.format for w in weights], [w.out_features for w in weights],
             [norm.weight for norm in self.norms], self.eps, cos, sin, k_caches, v_caches, slots, block_table,
             row_begin, first_pos, scale, windows, self.heads, self.kv_heads)
+
+
+class GemmaLayerStack:
+    """Gemma 3's text layers (models.gemma3_text) as one call, on the terms of LayerStack: every
+    layer exactly of the given classes with fused ops, one norm epsilon, the four projections in
+    blocks without biases, no hooks, the kernels' cache layout."""
+
+    def __init__(self, layers: Sequence[nn.Module]) -> None:
+        self.norms = [norm for layer in layers for norm in (
+            layer.input_layernorm, layer.self_attn.q_norm, layer.self_attn.k_norm, layer.post_attention_layernorm,
+            layer.pre_feedforward_layernorm, layer.post_feedforward_layernorm)]
+        self.linears = [linear for layer in layers for linear in (
+            layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)]
+        attention = layers[0].self_attn
+        self.eps, self.q_scale = self.norms[0].eps, attention.q_scale
+        self.heads, self.kv_heads = _heads(attention)
+
+    @staticmethod
+    def fits(layers: Sequence[nn.Module], layer_class: type, attention_class: type, mlp_class: type) -> bool:
+        if not layers:
+            return False
+        first = layers[0]
+        for layer in layers:
+            attention = layer.self_attn
+            norms = (layer.input_layernorm, attention.q_norm, attention.k_norm, layer.post_attention_layernorm,
+                     layer.pre_feedforward_layernorm, layer.post_feedforward_layernorm)
+            if not (type(layer) is layer_class and type(attention) is attention_class and type(layer.mlp) is mlp_class
+                    and attention.fused and all(n.fused and n.eps == first.input_layernorm.eps for n in norms)
+                    and attention.q_scale == first.self_attn.q_scale and _heads(attention) == _heads(first.self_attn)):
+                return False
+        return _plain_layers(layers)
+
+    def run(self, x: torch.Tensor, tables: Sequence[tuple[torch.Tensor, torch.Tensor]], attn: Any) -> torch.Tensor | None:
+        """The residual stream after the last layer, or None where the call does not serve.
+        tables: each layer's (cos, sin)."""
+        arguments = getattr(attn, "layer_arguments", None)
+        weights = _kernel_weights(self.linears, x.dtype)
+        if arguments is None or weights is None:
+            return None
+        k_caches, v_caches, windows, slots, block_table, row_begin, first_pos, scale = arguments()
+        return torch.ops.ember.gemma_decoder_layers(
+            x, [w.packed for w in weights], [w.format for w in weights], [w.out_features for w in weights],
+            [norm.scale() for norm in self.norms], self.eps, [cos for cos, _ in tables], [sin for _, sin in tables],
+            self.q_scale, k_caches, v_caches, slots, block_table, row_begin, first_pos, scale, windows, self.heads,
+            self.kv_heads)
+
+
+def _heads(attention: nn.Module) -> tuple[int, int]:
+    """(query heads, key-value heads) of an attention's fused qkv projection."""
+    sizes, head_dim = attention.qkv_proj.out_sizes, attention.qkv_proj.head_dim
+    return sizes[0] // head_dim, sizes[1] // head_dim

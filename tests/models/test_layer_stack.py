@@ -1,7 +1,7 @@
 """The decoder's layers as one kernel call (models.layer_stack) against the Python loop of ops it
 replaces: the same bits in the hidden states and in every cache slot, for prompt chunks, decode
-rows and drafted rows in one step, in float32 and bfloat16, with and without a sliding window; and
-the loop wherever the call does not fit."""
+rows and drafted rows in one step, in float32 and bfloat16, with and without a sliding window
+(Gemma 3's local and global layers among them); and the loop wherever the call does not fit."""
 
 from __future__ import annotations
 
@@ -61,8 +61,9 @@ def run_steps(model, config, cache: KVCache, use_stack: bool) -> list[torch.Tens
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
-@pytest.mark.parametrize("case,window", [("llama_llama3", None), ("mistral_head_dim", None), ("mistral_head_dim", 8)],
-                         ids=["llama", "mistral-head-dim", "mistral-window-8"])
+@pytest.mark.parametrize("case,window", [("llama_llama3", None), ("mistral_head_dim", None), ("mistral_head_dim", 8),
+                                         ("gemma3_local_global", None)],
+                         ids=["llama", "mistral-head-dim", "mistral-window-8", "gemma3-local-global"])
 def test_the_one_call_gives_the_loops_bits(case, window, dtype):
     model, config = block_model(case, dtype, window)
     loop_cache, stack_cache = cache_for(config, dtype), cache_for(config, dtype)
