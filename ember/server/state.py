@@ -79,6 +79,7 @@ def load_model(config: ServerConfig) -> LoadedModel:
     generation_config = getattr(source, "generation_config", None) or {}
     layers = (generation_config, config.override_generation_config, config.sampling_flags)
     defaults, mode_defaults = sampling_defaults(*layers), mode_sampling_defaults(*layers)
+    _release_unreachable()  # reading a GGUF file's metadata (a large vocabulary's tokens) freed hundreds of MB
     return LoadedModel(
         engine=engine, tokenizer=tokenizer, name=source.name, path=source.path,
         max_model_len=info.max_model_len, vocab_size=info.vocab_size, kv_capacity_tokens=info.kv_capacity_tokens,
