@@ -88,7 +88,7 @@ def _exact_blocks(kind: str, raw: np.ndarray, shape: tuple[int, int]) -> QuantBl
     if kind == "Q6_K":
         return _q6_k(data, rows, width)
     data = torch.from_numpy(data)
-    scales = _halves(data, 0)
+    scales = _float16_at(data, 0)
     if kind == "Q8_0":
         codes = (data[..., 2:].view(torch.int8).to(torch.int16) + 128).to(torch.uint8)
         return QuantBlocks(8, codes.reshape(rows, width), scales)
@@ -101,16 +101,16 @@ def _exact_blocks(kind: str, raw: np.ndarray, shape: tuple[int, int]) -> QuantBl
         if kind == "Q5_0":
             return QuantBlocks(8, codes + 112, scales)
         ones = torch.ones(scales.shape, dtype=torch.uint8)
-        return QuantBlocks(8, codes, scales, _halves(data, 2), ones, ones.clone())
+        return QuantBlocks(8, codes, scales, _float16_at(data, 2), ones, ones.clone())
     # Q4_0 (d, 16 bytes of nibbles), Q4_1 (d, m, nibbles): a nibble byte j holds element j in its
     # low half and element j + 16 in its high half
     nibbles = data[..., 4:] if kind == "Q4_1" else data[..., 2:]
     codes = torch.cat((nibbles & 0x0F, nibbles >> 4), dim=-1).reshape(rows, width)
-    mins = _halves(data, 2) if kind == "Q4_1" else scales * -8
+    mins = _float16_at(data, 2) if kind == "Q4_1" else scales * -8
     return QuantBlocks(4, codes, scales, mins)
 
 
-def _halves(data: torch.Tensor, at: int) -> torch.Tensor:
+def _float16_at(data: torch.Tensor, at: int) -> torch.Tensor:
     """The float16 at byte `at` of every block."""
     return data[..., at:at + 2].contiguous().view(torch.float16)[..., 0]
 

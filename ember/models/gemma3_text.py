@@ -25,7 +25,7 @@ from torch import nn
 
 from ember.config import ModelConfig
 from ember.errors import ModelLoadError
-from ember.models.layer_stack import GemmaLayerStack
+from ember.models.layer_stack import GemmaLayerStack, decided_stack
 from ember.models.layers import (Embedding, Linear, MergedLinear, QKVLinear, RotaryEmbedding, apply_rotary,
                                  linear, load_checkpoint, replace_rows)
 
@@ -155,14 +155,7 @@ class Decoder(nn.Module):
         return self.norm(x)
 
     def _layer_stack(self) -> GemmaLayerStack | None:
-        """The layers as one kernel call where they fit it (models.layer_stack): decided at the
-        first step with fused ops and kept."""
-        if not self.fused:
-            return None
-        if self._stack is None:
-            fits = GemmaLayerStack.fits(list(self.layers), DecoderLayer, Attention, GeluMLP)
-            self._stack = GemmaLayerStack(list(self.layers)) if fits else False
-        return self._stack or None
+        return decided_stack(self, GemmaLayerStack, DecoderLayer, Attention, GeluMLP)
 
 
 class Model(nn.Module):

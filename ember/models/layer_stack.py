@@ -21,6 +21,18 @@ from torch import nn
 from ember.models.weights import BlockWeights
 
 
+def decided_stack(decoder: nn.Module, stack_class: type, *classes: type) -> Any:
+    """The decoder's layers as one call of `stack_class` where they fit it (`fits(layers, *classes)`),
+    else None: decided at the first step with fused ops (use_fused_ops comes after the formats and
+    any hooks) and kept in `decoder._stack` (None: not decided yet; False: the loop)."""
+    if not decoder.fused:
+        return None
+    if decoder._stack is None:
+        layers = list(decoder.layers)
+        decoder._stack = stack_class(layers) if stack_class.fits(layers, *classes) else False
+    return decoder._stack or None
+
+
 def _plain_layers(layers: Sequence[nn.Module]) -> bool:
     """No module with hooks (a hook must see its module run) and none with a tensor-parallel group
     (its sums cross ranks between the ops)."""

@@ -16,7 +16,7 @@ from ember.config import ModelConfig
 from ember.models.layers import (GatedMLP, Linear, QKVLinear, RMSNorm, RotaryEmbedding, RowParallelLinear,
                                  VocabParallelEmbedding, apply_rotary, linear, load_checkpoint, replace_rows)
 from ember.models.sharding import TensorParallel
-from ember.models.layer_stack import LayerStack
+from ember.models.layer_stack import LayerStack, decided_stack
 
 # fused module -> the checkpoint's separate projections, in the fused order
 FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
@@ -112,14 +112,7 @@ class Decoder(nn.Module):
         return self.norm.add_and_norm(x, residual)[1]
 
     def _layer_stack(self) -> LayerStack | None:
-        """The layers as one kernel call (models.layer_stack) where they fit it: decided at the first
-        step with fused ops (use_fused_ops comes after the formats and any hooks) and kept."""
-        if not self.fused:
-            return None
-        if self._stack is None:
-            fits = LayerStack.fits(list(self.layers), DecoderLayer, Attention, GatedMLP)
-            self._stack = LayerStack(list(self.layers)) if fits else False
-        return self._stack or None
+        return decided_stack(self, LayerStack, DecoderLayer, Attention, GatedMLP)
 
 
 class Model(nn.Module):

@@ -13,8 +13,7 @@ format once the checkpoint is loaded (`prepare_linears`).
   Q4_1 map onto it exactly; Q4_K with integer steps), or 8-bit codes with a float16 scale per 32
   (Q8_0 and Q5_0 exactly; Q6_K with a step per half block; Q5_K and Q5_1 with a minimum and
   steps). Activations are quantized per row in blocks of 32 inside the kernel, so a layer reads 5
-  to 9.5 bits per weight instead of 16, and its
-  results are batch-invariant by construction.
+  to 9.5 bits per weight instead of 16, and its results are batch-invariant by construction.
 
 Dense and packed results depend on the row plan (models.layers.RowPlan); block formats do not.
 
@@ -147,9 +146,10 @@ class QuantBlocks:
 
 
 def pack_blocks(blocks: QuantBlocks) -> torch.Tensor:
-    """The kernel's layout (see ember/kernels/cpu_kernels.cpp): per column block of 16 output
+    """The kernel's layout (see ember/kernels/linear.cpp): per column block of 16 output
     rows and k block of 32 inputs, the codes arranged for 4-byte dot products (4 bits: two codes
-    a byte), then the 16 scales (and minimums) as float16. (column blocks, k blocks, bytes) uint8."""
+    a byte), then the 16 scales (and minimums) as float16, then any steps, a byte each.
+    (column blocks, k blocks, bytes) uint8."""
     out, width = blocks.shape
     padded = -(-out // _NBLOCK) * _NBLOCK
     pad = lambda t: F.pad(t, (0, 0, 0, padded - out))
