@@ -187,7 +187,8 @@ class SpeculativeConfig:
 SPECULATION_MODES = ("off", "ngram", "draft", "auto")
 MAX_DRAFT_TOKENS = 8  # --draft-tokens N
 KV_DTYPES = ("auto", "bfloat16", "bf16", "float32", "fp32", "int8")  # EngineConfig.kv_dtype
-MAX_TUNED_DRAFT_TOKENS = 16  # a tuned length goes this far (text being copied holds for long runs)
+MAX_TUNED_DRAFT_TOKENS = 32  # a tuned length goes this far (text being copied holds for long runs)...
+BATCH_TUNED_DRAFT_TOKENS = 16  # ...and this far while other requests decode in the same step
 
 
 @dataclass(slots=True)

@@ -13,9 +13,10 @@ import argparse
 import json
 import os
 
-from ember.config import (KV_DTYPES, MAX_DRAFT_TOKENS, MAX_TUNED_DRAFT_TOKENS, SPECULATION_MODES, EngineConfig,
-                          SpeculativeConfig)
+from ember.config import (BATCH_TUNED_DRAFT_TOKENS, KV_DTYPES, MAX_DRAFT_TOKENS, MAX_TUNED_DRAFT_TOKENS,
+                          SPECULATION_MODES, EngineConfig, SpeculativeConfig)
 from ember.engine.faults import ENV_VAR as FAULT_ENV_VAR, FaultPlan
+from ember.engine.spec.ngram import LONGEST_MATCH
 from ember.engine.watchdog import DEFAULT_STALL_TIMEOUT_S
 from ember.media.limits import (DEFAULT_MAX_IMAGE_MB, DEFAULT_MAX_IMAGE_SIDE, DEFAULT_MAX_IMAGES, DEFAULT_MEDIA_BUDGET_MB,
                                 MediaLimits)
@@ -162,11 +163,13 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                       help="the draft model (any model ember loads that shares the served model's tokenizer)")
     spec.add_argument("--draft-tokens", type=int, default=None, metavar="N",
                       help=f"tokens drafted per round, 1 to {MAX_DRAFT_TOKENS} (default: tuned each step, up to "
-                           f"{MAX_TUNED_DRAFT_TOKENS}, from what drafts on the same evidence keep)")
+                           f"{MAX_TUNED_DRAFT_TOKENS} alone and {BATCH_TUNED_DRAFT_TOKENS} in a batch, from what drafts on the same "
+                           f"evidence keep)")
     unset = SpeculativeConfig()
     ngram_default = f"{unset.ngram_min}:{unset.ngram_max}"
     spec.add_argument("--ngram", default=ngram_default, metavar="MIN:MAX",
-                      help=f"the suffix lengths n-gram lookup matches, shortest and longest (default {ngram_default})")
+                      help=f"the suffix lengths n-gram lookup looks up, shortest and longest; a match is then followed "
+                           f"further back, up to {LONGEST_MATCH} tokens (default {ngram_default})")
     engine = p.add_argument_group("engine and limits")
     engine.add_argument("--max-model-len", type=int, default=None,
                         help="context window in tokens, prompt and output together (default: the model's "

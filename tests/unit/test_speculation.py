@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from ember.config import SpeculativeConfig
-from ember.engine.spec.ngram import NgramIndex
+from ember.config import BATCH_TUNED_DRAFT_TOKENS, MAX_TUNED_DRAFT_TOKENS, SpeculativeConfig
+from ember.engine.spec.ngram import LONGEST_MATCH, NgramIndex
 from ember.engine.spec.speculator import NgramProposer, Speculator
 from ember.engine.spec.tuning import DraftingGate, DraftLength, StepCost, best_draft_length
 from ember.engine.request import RequestStatus
@@ -23,6 +23,41 @@ def test_ngram_lookup_follows_the_latest_earlier_occurrence_of_the_longest_suffi
     assert NgramIndex(2, 2).propose([7, 8, 1, 7, 8], 4) == ([1, 7, 8], 2)  # what exists up to the end
     # a longer suffix wins over a more recent shorter one
     assert NgramIndex(1, 3).propose([4, 1, 2, 10, 11, 2, 12, 4, 1, 2], 1) == ([10], 3)
+
+
+def test_ngram_lookup_takes_the_occurrence_that_matches_furthest_back():
+    # "2 3" last occurred before 8, but the earlier one before 7 shares "1" with the suffix too
+    assert NgramIndex(1, 2).propose([1, 2, 3, 7, 5, 2, 3, 8, 9, 1, 2, 3], 2) == ([7, 5], 3)
+    # a file of repeated lines: the 4-gram recurs everywhere; the line being copied is the one
+    # whose earlier lines match, and the match is followed back up to LONGEST_MATCH tokens
+    lines = [[10 + i, 1, 2, 3, 4, 5] for i in range(40)]
+    text = [t for line in lines for t in line]
+    copy = text + [0] + text[:6 * 20]  # the copy has reached line 20
+    drafts, matched = NgramIndex(1, 4).propose(copy, 6)
+    assert drafts == lines[20] and matched == LONGEST_MATCH
+
+
+def test_ngram_evidence_keeps_short_matches_apart_and_groups_long_ones():
+    proposer = NgramProposer(1, 4)
+    assert [proposer._evidence(n) for n in (1, 4, 5, 7, 8, 15, 16, 64)] == [1, 4, 5, 5, 8, 8, 16, 64]
+    assert [NgramProposer(1, 8)._evidence(n) for n in (8, 9, 15, 16)] == [8, 9, 9, 16]
+
+
+def test_a_lone_stream_may_draft_further_than_a_batch():
+    class Recording(NgramProposer):
+        def propose(self, wants):
+            self.asked = [n for _, n in wants]
+            return super().propose(wants)
+
+    proposer = Recording(1, 4)
+    speculator = Speculator(SpeculativeConfig(mode="ngram"), proposer, max_model_len=4096)
+    requests = [make_request(f"r{i}", list(range(100)) * 2, max_tokens=500) for i in range(2)]
+    for request in requests:
+        request.num_computed_tokens = request.num_tokens - 1
+    speculator.propose(requests[:1])
+    assert proposer.asked == [MAX_TUNED_DRAFT_TOKENS]
+    speculator.propose(requests)
+    assert proposer.asked == [BATCH_TUNED_DRAFT_TOKENS] * 2 and BATCH_TUNED_DRAFT_TOKENS < MAX_TUNED_DRAFT_TOKENS
 
 
 def test_a_tuned_draft_grows_with_what_is_accepted_and_pauses_when_nothing_is():

@@ -7,7 +7,7 @@ import time
 from collections.abc import Hashable
 from typing import TYPE_CHECKING, Protocol
 
-from ember.config import MAX_TUNED_DRAFT_TOKENS, SpeculativeConfig
+from ember.config import BATCH_TUNED_DRAFT_TOKENS, MAX_TUNED_DRAFT_TOKENS, SpeculativeConfig
 from ember.engine.request import Request
 from ember.engine.spec.ngram import NgramIndex
 from ember.engine.spec.tuning import DraftingGate, DraftLength, StepCost
@@ -52,8 +52,14 @@ class NgramProposer:
             index = self._indexes.get(request.request_id)
             if index is None:
                 index = self._indexes[request.request_id] = NgramIndex(self.min_n, self.max_n)
-            proposals.append(index.propose(request.token_ids, num_tokens))  # evidence: the matched length
+            drafts, matched = index.propose(request.token_ids, num_tokens)
+            proposals.append((drafts, self._evidence(matched)))
         return proposals
+
+    def _evidence(self, matched: int) -> int:
+        """The matched length as drafts are judged by: each looked-up length apart, longer matches
+        in ranges that double (5-7, 8-15, ... for 1:4), named by their shortest length."""
+        return matched if matched <= self.max_n else max(self.max_n + 1, 1 << (matched.bit_length() - 1))
 
     def forget(self, request_id: str) -> None:
         self._indexes.pop(request_id, None)
@@ -97,7 +103,9 @@ class Speculator:
         if not decoding or (fixed is None and not self.gate.allows(len(decoding))):
             return
         cost = self.step_cost.coefficients()
-        most = fixed or MAX_TUNED_DRAFT_TOKENS
+        # a lone stream's verified row costs a tenth of its step, so a long copy is worth a long
+        # draft; in a batch the longer cap lost more to missed rows than it gained (benchmarks.md)
+        most = fixed or (MAX_TUNED_DRAFT_TOKENS if len(decoding) == 1 else BATCH_TUNED_DRAFT_TOKENS)
         free = self.proposer.free
         wants = []
         for request in decoding:
