@@ -84,7 +84,8 @@ def main() -> None:
     latest = engine_like(llm, SpeculativeConfig(mode="ngram"), LatestOccurrence())
     latest.speculator.propose = capped(latest.speculator.propose, _LATEST_MOST)
     engines = {"plain": llm.engine, "furthest": engine_like(llm, SpeculativeConfig(mode="ngram")), "latest": latest}
-    print(f"greedy, {args.rounds} rounds; median tok/s of the whole run (median ratio to plain; one stream's decode ratio)")
+    print(f"greedy, {args.rounds} rounds; median tok/s of the whole run (median ratio to plain; "
+          f"one stream's decode ratio)")
     for set_name in args.sets.split(","):
         prompts = [llm.encode_prompt([{"role": "user", "content": text}]) for text in texts[set_name]]
         output_len = args.output_len or (256 if set_name == "long copy" else 128)

@@ -42,8 +42,8 @@ def hash_block(parent_hash: bytes | None, token_ids: Sequence[int], cache_salt: 
     the block's tokens hold (Request.media_key). Every field is framed, so no two differ only in framing."""
     digest = hashlib.blake2b(digest_size=16)
     digest.update(_ROOT if parent_hash is None else _CHILD + parent_hash)
-    for field in (None if cache_salt is None else cache_salt.encode(), media_key):
-        digest.update(_ROOT if field is None else _CHILD + len(field).to_bytes(8, "little") + field)
+    for part in (None if cache_salt is None else cache_salt.encode(), media_key):
+        digest.update(_ROOT if part is None else _CHILD + len(part).to_bytes(8, "little") + part)
     digest.update(array("q", token_ids).tobytes())
     return digest.digest()
 

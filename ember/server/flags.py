@@ -163,8 +163,8 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                       help="the draft model (any model ember loads that shares the served model's tokenizer)")
     spec.add_argument("--draft-tokens", type=int, default=None, metavar="N",
                       help=f"tokens drafted per round, 1 to {MAX_DRAFT_TOKENS} (default: tuned each step, up to "
-                           f"{MAX_TUNED_DRAFT_TOKENS} alone and {BATCH_TUNED_DRAFT_TOKENS} in a batch, from what drafts on the same "
-                           f"evidence keep)")
+                           f"{MAX_TUNED_DRAFT_TOKENS} alone and {BATCH_TUNED_DRAFT_TOKENS} in a batch, from what "
+                           f"drafts on the same evidence keep)")
     unset = SpeculativeConfig()
     ngram_default = f"{unset.ngram_min}:{unset.ngram_max}"
     spec.add_argument("--ngram", default=ngram_default, metavar="MIN:MAX",

@@ -2,7 +2,6 @@
 foreign files, a writer killed mid-write, a disk that cannot be written), and the KV manager moving
 real pool blocks (a KVCache's tensors) out to a tier and back."""
 
-import os
 import subprocess
 import sys
 import textwrap
