@@ -23,7 +23,6 @@ import statistics
 
 from speculative import PROMPTS, SETTINGS, _PASSES, engine_like, run_together
 
-import ember.engine.spec.speculator as speculator_module
 from ember import LLM
 from ember.config import SpeculativeConfig
 
@@ -61,18 +60,6 @@ class LatestOccurrence:
         self._requests.pop(request_id, None)
 
 
-def capped(propose, most: int):
-    """The speculator's propose with the tuned cap it had then."""
-    def propose_capped(requests):
-        kept = speculator_module.MAX_TUNED_DRAFT_TOKENS
-        speculator_module.MAX_TUNED_DRAFT_TOKENS = most
-        try:
-            return propose(requests)
-        finally:
-            speculator_module.MAX_TUNED_DRAFT_TOKENS = kept
-    return propose_capped
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)
@@ -82,7 +69,7 @@ def main() -> None:
     texts = json.loads(PROMPTS.read_text()) | json.loads(LONG.read_text())
     llm = LLM(**(SETTINGS | {"max_model_len": 4096}))
     latest = engine_like(llm, SpeculativeConfig(mode="ngram"), LatestOccurrence())
-    latest.speculator.propose = capped(latest.speculator.propose, _LATEST_MOST)
+    latest.speculator.most_alone = latest.speculator.most_in_batch = _LATEST_MOST
     engines = {"plain": llm.engine, "furthest": engine_like(llm, SpeculativeConfig(mode="ngram")), "latest": latest}
     print(f"greedy, {args.rounds} rounds; median tok/s of the whole run (median ratio to plain; "
           f"one stream's decode ratio)")

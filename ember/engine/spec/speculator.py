@@ -82,6 +82,10 @@ class Speculator:
         self._used: dict[str, DraftLength] = {}  # request id -> the estimate its pending round rests on
         self.step_cost = StepCost()  # fitted from the engine's decode steps (observe_step)
         self.gate = DraftingGate()
+        # a tuned draft's cap: a lone stream's verified row costs a tenth of its step, so a long
+        # copy is worth a long draft; in a batch the longer cap lost more to missed rows than it
+        # gained (benchmarks.md)
+        self.most_alone, self.most_in_batch = MAX_TUNED_DRAFT_TOKENS, BATCH_TUNED_DRAFT_TOKENS
 
     @property
     def method(self) -> str:
@@ -103,9 +107,7 @@ class Speculator:
         if not decoding or (fixed is None and not self.gate.allows(len(decoding))):
             return
         cost = self.step_cost.coefficients()
-        # a lone stream's verified row costs a tenth of its step, so a long copy is worth a long
-        # draft; in a batch the longer cap lost more to missed rows than it gained (benchmarks.md)
-        most = fixed or (MAX_TUNED_DRAFT_TOKENS if len(decoding) == 1 else BATCH_TUNED_DRAFT_TOKENS)
+        most = fixed or (self.most_alone if len(decoding) == 1 else self.most_in_batch)
         free = self.proposer.free
         wants = []
         for request in decoding:
