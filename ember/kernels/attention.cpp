@@ -20,6 +20,8 @@
 // An int8 cache (kv_int8.h) is read by the same splits and chunks, block by block, its rows
 // quantized as they are stored; q and the output stay in the model's dtype.
 
+#include <atomic>
+#include <memory>
 #include <type_traits>
 
 #include "common.h"
@@ -398,20 +400,27 @@ inline void attend_chunk_heads(const uint32_t* const* q_pairs, const at::BFloat1
   __m512 values[N][C];
   for (int h = 0; h < N; ++h)
     for (int c = 0; c < C; ++c) values[h][c] = _mm512_mul_ps(_mm512_loadu_ps(states[h].values + 16 * c), correction[h]);
+  // One pair of keys j of a block: each head's two probabilities times the pair's values.
+  const auto add_pair = [&](const at::BFloat16* vblock, int blk, int64_t j, __mmask32 lanes) {
+    __m512bh p[N];
+    for (int h = 0; h < N; ++h) p[h] = (__m512bh)_mm512_set1_epi32(int(prob_pairs[h][blk * BLOCK / 2 + j]));
+    for (int c = 0; c < C; ++c) {
+      const __m512bh v = (__m512bh)_mm512_maskz_loadu_epi16(lanes, vblock + (j * D + 16 * c) * 2);
+      for (int h = 0; h < N; ++h) values[h][c] = _mm512_dpbf16_ps(values[h][c], v, p[h]);
+    }
+  };
   for (int blk = 0; blk < count; ++blk) {
     const at::BFloat16* vblock = vblocks[blk];
     // Slots past the row's keys may hold anything, NaN included: they are never read, since even
-    // a zero weight times NaN would be NaN. A lone last key takes the even half of its pair.
+    // a zero weight times NaN would be NaN. A lone last key takes the even half of its pair. A
+    // whole block's loop has a fixed count, which keeps the sums in registers.
     const int64_t keys = std::min<int64_t>(BLOCK, valid - blk * BLOCK);
-    for (int64_t j = 0; 2 * j < keys; ++j) {
-      const __mmask32 half = 2 * j + 1 < keys ? __mmask32(0xffffffffu) : __mmask32(0x55555555u);
-      __m512bh p[N];
-      for (int h = 0; h < N; ++h) p[h] = (__m512bh)_mm512_set1_epi32(int(prob_pairs[h][blk * BLOCK / 2 + j]));
-      for (int c = 0; c < C; ++c) {
-        const __m512bh v = (__m512bh)_mm512_maskz_loadu_epi16(half, vblock + (j * D + 16 * c) * 2);
-        for (int h = 0; h < N; ++h) values[h][c] = _mm512_dpbf16_ps(values[h][c], v, p[h]);
-      }
+    if (keys == BLOCK) {
+      for (int64_t j = 0; j < BLOCK / 2; ++j) add_pair(vblock, blk, j, __mmask32(0xffffffffu));
+      continue;
     }
+    for (int64_t j = 0; 2 * j < keys; ++j)
+      add_pair(vblock, blk, j, 2 * j + 1 < keys ? __mmask32(0xffffffffu) : __mmask32(0x55555555u));
   }
   for (int h = 0; h < N; ++h)
     for (int c = 0; c < C; ++c) _mm512_storeu_ps(states[h].values + 16 * c, values[h][c]);
@@ -449,11 +458,14 @@ template <>
 inline void attend_chunk<at::BFloat16>(const at::BFloat16* const* q, int64_t G, const at::BFloat16* const* kblocks,
                                        const at::BFloat16* const* vblocks, int64_t count, int64_t D, int64_t first,
                                        int64_t valid, float scale, State* states) {
-  std::vector<const uint32_t*> pairs(G);
+  constexpr int64_t MOST_ON_STACK = 64;  // heads of a group; more (none known) take the heap
+  const uint32_t* on_stack[MOST_ON_STACK];
+  std::vector<const uint32_t*> on_heap(G > MOST_ON_STACK ? G : 0);
+  const uint32_t** pairs = G > MOST_ON_STACK ? on_heap.data() : on_stack;
   for (int64_t g = 0; g < G; ++g) pairs[g] = reinterpret_cast<const uint32_t*>(q[g]);
   switch (D) {
-    case 64: return attend_chunk_passes<4>(pairs.data(), G, kblocks, vblocks, count, first, valid, scale, states);
-    case 128: return attend_chunk_passes<8>(pairs.data(), G, kblocks, vblocks, count, first, valid, scale, states);
+    case 64: return attend_chunk_passes<4>(pairs, G, kblocks, vblocks, count, first, valid, scale, states);
+    case 128: return attend_chunk_passes<8>(pairs, G, kblocks, vblocks, count, first, valid, scale, states);
     default: return attend_blocks<at::BFloat16>(q, G, kblocks, vblocks, count, D, first, valid, scale, states);
   }
 }
@@ -620,6 +632,11 @@ void attention_impl(const Batch& b, int64_t S) {
     }
   }
   std::vector<float> single(single_partials * G * P);
+  // Splits of each (one-row sequence, kv head) computed so far: the item that computes the last
+  // one merges them all, in order, so one parallel region serves (a second costs a wake-up of
+  // every thread) and the bits are the merge's whoever runs it.
+  const std::unique_ptr<std::atomic<int64_t>[]> splits_done(new std::atomic<int64_t>[S * b.KVH]);
+  for (int64_t pair = 0; pair < S * b.KVH; ++pair) splits_done[pair].store(0, std::memory_order_relaxed);
   T* out = static_cast<T*>(b.out);
   at::parallel_for(0, int64_t(items.size()), 1, [&](int64_t begin, int64_t end) {
     std::vector<float> local;
@@ -627,8 +644,12 @@ void attention_impl(const Batch& b, int64_t S) {
       const Item item = items[i];
       const int64_t s = item.s, kvh = item.kvh, row0 = b.row_begin[s];
       if (first_split[s] >= 0) {  // one split of a one-row sequence
-        float* p = single.data() + ((first_split[s] + kvh * splits_of[s] + item.part) * G) * P;
-        split_partials<T, C>(b, s, kvh, item.part, row0, row0 + 1, p);
+        float* first = single.data() + ((first_split[s] + kvh * splits_of[s]) * G) * P;
+        split_partials<T, C>(b, s, kvh, item.part, row0, row0 + 1, first + item.part * G * P);
+        // acq_rel: the last sees every other split's partials, written before their increments
+        if (splits_done[s * b.KVH + kvh].fetch_add(1, std::memory_order_acq_rel) + 1 == splits_of[s])
+          for (int64_t g = 0; g < G; ++g)
+            merge<T>(first + g * P, splits_of[s], G * P, D, out + row0 * b.H * D + (kvh * G + g) * D);
         continue;
       }
       const int64_t r0 = row0 + item.part * ROW_TILE, r1 = std::min<int64_t>(b.row_begin[s + 1], r0 + ROW_TILE);
@@ -642,15 +663,6 @@ void attention_impl(const Batch& b, int64_t S) {
           merge<T>(local.data() + ((r - r0) * G + g) * P, own, (r1 - r0) * G * P, D,
                    out + r * b.H * D + (kvh * G + g) * D);
       }
-    }
-  });
-  at::parallel_for(0, S * b.KVH, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t pair = begin; pair < end; ++pair) {
-      const int64_t s = pair / b.KVH, kvh = pair % b.KVH;
-      if (first_split[s] < 0) continue;
-      for (int64_t g = 0; g < G; ++g)
-        merge<T>(single.data() + ((first_split[s] + kvh * splits_of[s]) * G + g) * P, splits_of[s], G * P, D,
-                 out + b.row_begin[s] * b.H * D + (kvh * G + g) * D);
     }
   });
 }

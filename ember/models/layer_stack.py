@@ -12,6 +12,7 @@ runs the loop.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 from typing import Any
 
@@ -40,22 +41,39 @@ def _plain_layers(layers: Sequence[nn.Module]) -> bool:
                    for layer in layers for module in layer.modules())
 
 
-def _kernel_weights(linears: Sequence[nn.Module], dtype: torch.dtype) -> list[BlockWeights] | None:
-    """The linears' weights where every one is in blocks, without a bias, in `dtype`; else None."""
-    weights = [linear.weights for linear in linears]
-    if not all(type(w) is BlockWeights and w.bias is None and w.dtype == dtype for w in weights):
-        return None
-    return weights
+class _Projections:
+    """The layers' projections as the one call takes them: (packed blocks, formats, output widths)
+    where every weight is in blocks, without a bias, in the step's dtype; else None. Built once and
+    kept while each linear holds the same weights object with the same packed tensor (a format
+    change replaces the object, a move onto huge pages the tensor): a step then pays two list reads
+    instead of five lists and a check of every weight."""
+
+    def __init__(self, linears: Sequence[nn.Module]) -> None:
+        self.linears = linears
+        self._held: tuple[torch.dtype, list[Any], list[Any]] | None = None  # what the arguments came from
+        self._arguments: tuple[list[torch.Tensor], list[int], list[int]] | None = None
+
+    def arguments(self, dtype: torch.dtype) -> tuple[list[torch.Tensor], list[int], list[int]] | None:
+        weights = [linear.weights for linear in self.linears]
+        packed = [getattr(w, "packed", None) for w in weights]
+        held = self._held
+        if held is None or held[0] != dtype or not all(map(operator.is_, weights, held[1])) \
+                or not all(map(operator.is_, packed, held[2])):
+            fit = all(type(w) is BlockWeights and w.bias is None and w.dtype == dtype for w in weights)
+            self._arguments = (packed, [w.format for w in weights], [w.out_features for w in weights]) if fit else None
+            self._held = (dtype, weights, packed)
+        return self._arguments
 
 
 class LayerStack:
-    """The modules the one call reads, found once; their weights are read at every call, as a
-    format may change (prepare_linears) or move (huge pages) after the stack is built."""
+    """The modules the one call reads, found once; their weights are looked at every call
+    (_Projections), as a format may change (prepare_linears) or move (huge pages) after the stack
+    is built."""
 
     def __init__(self, layers: Sequence[nn.Module]) -> None:
         self.norms = [norm for layer in layers for norm in (layer.input_layernorm, layer.post_attention_layernorm)]
-        self.linears = [linear for layer in layers for linear in (
-            layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)]
+        self.projections = _Projections([linear for layer in layers for linear in (
+            layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)])
         self.eps = self.norms[0].eps
         self.heads, self.kv_heads = layers[0].self_attn.num_heads, layers[0].self_attn.num_kv_heads
 
@@ -81,16 +99,13 @@ class LayerStack:
             attn: Any) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(last layer's output, residual stream before it), or None where the call does not serve."""
         arguments = getattr(attn, "layer_arguments", None)
-        if arguments is None:
-            return None
-        weights = _kernel_weights(self.linears, x.dtype)
-        if weights is None:
+        projections = self.projections.arguments(x.dtype)
+        if arguments is None or projections is None:
             return None
         k_caches, v_caches, windows, slots, block_table, row_begin, first_pos, scale = arguments()
         return torch.ops.ember.decoder_layers(
-            x, [w.packed for w in weights], [w.format for w in weights], [w.out_features for w in weights],
-            [norm.weight for norm in self.norms], self.eps, cos, sin, k_caches, v_caches, slots, block_table,
-            row_begin, first_pos, scale, windows, self.heads, self.kv_heads)
+            x, *projections, [norm.weight for norm in self.norms], self.eps, cos, sin, k_caches, v_caches, slots,
+            block_table, row_begin, first_pos, scale, windows, self.heads, self.kv_heads)
 
 
 class GemmaLayerStack:
@@ -102,8 +117,8 @@ class GemmaLayerStack:
         self.norms = [norm for layer in layers for norm in (
             layer.input_layernorm, layer.self_attn.q_norm, layer.self_attn.k_norm, layer.post_attention_layernorm,
             layer.pre_feedforward_layernorm, layer.post_feedforward_layernorm)]
-        self.linears = [linear for layer in layers for linear in (
-            layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)]
+        self.projections = _Projections([linear for layer in layers for linear in (
+            layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)])
         attention = layers[0].self_attn
         self.eps, self.q_scale = self.norms[0].eps, attention.q_scale
         self.heads, self.kv_heads = _heads(attention)
@@ -127,13 +142,12 @@ class GemmaLayerStack:
         """The residual stream after the last layer, or None where the call does not serve.
         tables: each layer's (cos, sin)."""
         arguments = getattr(attn, "layer_arguments", None)
-        weights = _kernel_weights(self.linears, x.dtype)
-        if arguments is None or weights is None:
+        projections = self.projections.arguments(x.dtype)
+        if arguments is None or projections is None:
             return None
         k_caches, v_caches, windows, slots, block_table, row_begin, first_pos, scale = arguments()
         return torch.ops.ember.gemma_decoder_layers(
-            x, [w.packed for w in weights], [w.format for w in weights], [w.out_features for w in weights],
-            [norm.scale() for norm in self.norms], self.eps, [cos for cos, _ in tables], [sin for _, sin in tables],
+            x, *projections, [norm.scale() for norm in self.norms], self.eps, [cos for cos, _ in tables], [sin for _, sin in tables],
             self.q_scale, k_caches, v_caches, slots, block_table, row_begin, first_pos, scale, windows, self.heads,
             self.kv_heads)
 

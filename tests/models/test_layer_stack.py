@@ -12,7 +12,8 @@ from model_builders import build_pair
 from ember import kernels
 from ember.engine.attention import KVCache
 from ember.engine.kernel_attention import KERNEL_BLOCK_SIZE, kernel_attention
-from ember.models.layers import prepare_linears
+from ember.engine.host_memory import move_to_huge_pages
+from ember.models.layers import block_weights, prepare_linears
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason=f"ember's CPU kernels: {kernels.status()}")
 
@@ -103,3 +104,30 @@ def test_hooks_dense_weights_another_dtype_or_attention_keep_the_loop():
         handle.remove()
     _, dense, _ = build_pair("llama_llama3", torch.float32, fused=True)  # fused ops, dense weights
     assert dense.model._layer_stack().run(x, None, None, one_row_attention(config)) is None
+
+
+def test_the_call_follows_weights_moved_or_replaced_after_it_is_built():
+    """The projections' arguments are kept between steps; a move onto huge pages (new packed tensors)
+    or a replaced weights object is seen at the next call."""
+    model, config = block_model("llama_llama3", torch.float32)
+    decoder = model.model
+    stack = decoder._layer_stack()
+    linears = stack.projections.linears
+    before = stack.projections.arguments(torch.float32)
+    assert before is not None and stack.projections.arguments(torch.float32) is before
+
+    def one_step(use_stack: bool) -> torch.Tensor:
+        decoder._stack = stack if use_stack else False
+        with torch.inference_mode():
+            return model(torch.tensor([7]), torch.tensor([0]), one_row_attention(config))
+
+    if move_to_huge_pages(block_weights(model), "packed"):
+        after = stack.projections.arguments(torch.float32)
+        assert all(ours is linear.weights.packed for ours, linear in zip(after[0], linears))
+        assert not any(ours is theirs for ours, theirs in zip(after[0], before[0]))
+    assert stack.projections.arguments(torch.float32) is not None  # so the step below takes the call
+    assert torch.equal(one_step(use_stack=True), one_step(use_stack=False))
+    _, dense, _ = build_pair("llama_llama3", torch.float32, fused=True)
+    linears[5].weights = dense.model.layers[1].self_attn.o_proj.weights  # not in blocks
+    assert stack.projections.arguments(torch.float32) is None
+    assert stack.run(torch.zeros(1, config.hidden_size), None, None, one_row_attention(config)) is None
