@@ -516,6 +516,11 @@ inline void attend_chunk_int8(const T* const* q, int64_t G, const int8_t* const*
   }
 }
 
+// Asks for `bytes` from p into L2, a line at a time, without waiting for them.
+inline void prefetch_bytes(const void* p, int64_t bytes) {
+  for (int64_t line = 0; line < bytes; line += 64) __builtin_prefetch(static_cast<const char*>(p) + line, 0, 2);
+}
+
 struct Batch {
   const void* q;
   int64_t q_stride, H, KVH, G, D;
@@ -563,8 +568,19 @@ void split_partials(const Batch& b, int64_t s, int64_t kvh, int64_t split, int64
     }
   }
   // Chunk by chunk, every row of the tile in turn, so the rows share a chunk's keys and values
-  // while they are in L1; each row still takes its own chunks in order.
+  // while they are in L1; each row still takes its own chunks in order. The blocks of the tile's
+  // last row (the furthest) are asked for a chunk ahead, the first chunk's at once: a decode step
+  // finds them out of the caches (the weights streamed through since the last step), and the
+  // hardware's prefetcher loses the thread at each block's end where blocks do not lie in a run
+  // (bench/attention_decode.py: cold, 1.03-1.12x; scattered, 1.35-1.70x; in the caches, 0.91-0.96x).
+  const int64_t block_bytes = b.block_stride * int64_t(sizeof(C));
   for (int64_t c = 0; c < chunks; ++c) {
+    const int64_t next = first_chunk[R - 1] + (c + 1) * CHUNK;
+    for (int64_t pos = c == 0 ? first_chunk[R - 1] : next; pos < std::min(end[R - 1], next + CHUNK); pos += BLOCK) {
+      const int64_t base = int64_t(table[pos / BLOCK]) * b.block_stride;
+      prefetch_bytes(keys + base, block_bytes);
+      prefetch_bytes(vals + base, block_bytes);
+    }
     for (int64_t i = 0; i < R; ++i) {
       const int64_t chunk = first_chunk[i] + c * CHUNK;
       if (chunk >= end[i]) continue;

@@ -11,8 +11,8 @@ from model_builders import build_pair
 
 from ember import kernels
 from ember.engine.attention import KVCache
-from ember.engine.kernel_attention import KERNEL_BLOCK_SIZE, kernel_attention
 from ember.engine.host_memory import move_to_huge_pages
+from ember.engine.kernel_attention import KERNEL_BLOCK_SIZE, kernel_attention
 from ember.models.layers import block_weights, prepare_linears
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason=f"ember's CPU kernels: {kernels.status()}")
