@@ -22,6 +22,8 @@
 
 #include "common.h"
 
+#include <memory>
+
 namespace ember_kernels {
 namespace {
 
@@ -525,10 +527,15 @@ void columns_plain(const uint8_t* w, int64_t KB, int64_t nb_begin, int64_t nb_en
 template <Format F, typename T>
 void linear_impl(const T* x, const uint8_t* w, int64_t M, int64_t K, int64_t N, T* y, const float* start) {
   const int64_t KB = K / QBLOCK, NBS = (N + NBLOCK - 1) / NBLOCK;
-  std::vector<int8_t> xq(M * K);
-  std::vector<float> dx(M * KB), sx(M * KB);
-  std::vector<int32_t> qsum(M * KB), qlow(M * KB);
-  quantize_rows<T>(x, M, K, xq.data(), dx.data(), sx.data(), qsum.data(), qlow.data());
+  // quantize_rows writes every entry before any is read, so nothing is zeroed first (a prompt
+  // chunk's codes are a megabyte a projection)
+  const std::unique_ptr<int8_t[]> codes(new int8_t[M * K]);
+  const std::unique_ptr<float[]> scales(new float[2 * M * KB]);
+  const std::unique_ptr<int32_t[]> sums(new int32_t[2 * M * KB]);
+  int8_t* const xq = codes.get();
+  float *const dx = scales.get(), *const sx = dx + M * KB;
+  int32_t *const qsum = sums.get(), *const qlow = qsum + M * KB;
+  quantize_rows<T>(x, M, K, xq, dx, sx, qsum, qlow);
   // Threads split the column blocks (in pairs, the kernel's widest tile); every thread runs all rows.
   const int64_t pairs = (NBS + 1) / 2;
   at::parallel_for(0, pairs, 1, [&](int64_t begin, int64_t end) {
@@ -537,18 +544,18 @@ void linear_impl(const T* x, const uint8_t* w, int64_t M, int64_t K, int64_t N, 
     constexpr int64_t BYTES = BLOCK_BYTES<F>;
     int64_t nb = nb_begin;
     for (; nb + 2 <= nb_end; nb += 2)  // a pair fetches the next pair, when there is one
-      column_blocks<F, 2>(w, KB, nb, N, xq.data(), dx.data(), sx.data(), qsum.data(), qlow.data(), K, M, y, start,
+      column_blocks<F, 2>(w, KB, nb, N, xq, dx, sx, qsum, qlow, K, M, y, start,
                           nb + 4 <= nb_end ? w + (nb + 2) * KB * BYTES : nullptr);
     if (nb < nb_end)
-      column_blocks<F, 1>(w, KB, nb, N, xq.data(), dx.data(), sx.data(), qsum.data(), qlow.data(), K, M, y, start,
+      column_blocks<F, 1>(w, KB, nb, N, xq, dx, sx, qsum, qlow, K, M, y, start,
                           nullptr);
 #elif EMBER_AVX2
     constexpr int64_t BYTES = BLOCK_BYTES<F>;
     for (int64_t nb = nb_begin; nb < nb_end; ++nb)  // a block fetches the next, when there is one
-      column_block<F>(w, KB, nb, N, xq.data(), dx.data(), sx.data(), K, M, y, start,
+      column_block<F>(w, KB, nb, N, xq, dx, sx, K, M, y, start,
                       nb + 1 < nb_end ? w + (nb + 1) * KB * BYTES : nullptr);
 #else
-    columns_plain<F>(w, KB, nb_begin, nb_end, N, xq.data(), dx.data(), sx.data(), qsum.data(), K, M, y, start);
+    columns_plain<F>(w, KB, nb_begin, nb_end, N, xq, dx, sx, qsum, K, M, y, start);
 #endif
   });
 }
