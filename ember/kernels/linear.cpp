@@ -547,13 +547,11 @@ void linear_impl(const T* x, const uint8_t* w, int64_t M, int64_t K, int64_t N, 
       column_blocks<F, 2>(w, KB, nb, N, xq, dx, sx, qsum, qlow, K, M, y, start,
                           nb + 4 <= nb_end ? w + (nb + 2) * KB * BYTES : nullptr);
     if (nb < nb_end)
-      column_blocks<F, 1>(w, KB, nb, N, xq, dx, sx, qsum, qlow, K, M, y, start,
-                          nullptr);
+      column_blocks<F, 1>(w, KB, nb, N, xq, dx, sx, qsum, qlow, K, M, y, start, nullptr);
 #elif EMBER_AVX2
     constexpr int64_t BYTES = BLOCK_BYTES<F>;
     for (int64_t nb = nb_begin; nb < nb_end; ++nb)  // a block fetches the next, when there is one
-      column_block<F>(w, KB, nb, N, xq, dx, sx, K, M, y, start,
-                      nb + 1 < nb_end ? w + (nb + 1) * KB * BYTES : nullptr);
+      column_block<F>(w, KB, nb, N, xq, dx, sx, K, M, y, start, nb + 1 < nb_end ? w + (nb + 1) * KB * BYTES : nullptr);
 #else
     columns_plain<F>(w, KB, nb_begin, nb_end, N, xq, dx, sx, qsum, K, M, y, start);
 #endif
