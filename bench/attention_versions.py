@@ -2,6 +2,7 @@
 
     git show HEAD~1:ember/kernels/attention.cpp > /tmp/attention_before.cpp
     python bench/attention_versions.py /tmp/attention_before.cpp [--prompt 4000] [--rounds 5]
+        [--decode-contexts 128,256,512,1024,2048]
 
 The other source is built beside ember's kernels (with this tree's common.h) under an op namespace
 of its own, and both run the default model's attention shapes (9 query heads, 3 KV heads, head
@@ -9,7 +10,14 @@ dim 64, bfloat16) on the same random cache: a whole prompt in chunks of 512 rows
 it, and one decode row at the prompt's end. The two are timed in alternation, in a new random
 order each round; the table gives each one's median time for the model's 30 layers and the median
 of the per-round ratios, this tree over the other, and whether the outputs have the same bits.
-"""
+
+A second table times one decode row at each of --decode-contexts three ways, microseconds a call
+(the best of the rounds' medians): `warm`, one layer's cache again and again (in the caches: the
+kernel's arithmetic); `cold`, thirty layers' caches called layer after layer after a 64 MB write
+(a decode step's case: the weights stream through the caches between one layer's attention and
+the next), each sequence's blocks in a run, as the KV manager hands them out while it can;
+`scattered`, the same with blocks drawn at random from the pool (a pool after much coming and
+going). An empty --decode-contexts leaves it out."""
 
 from __future__ import annotations
 
@@ -24,6 +32,7 @@ import torch
 from ember import kernels
 
 HEADS, KV_HEADS, HEAD_DIM, LAYERS, CHUNK_ROWS, BLOCK = 9, 3, 64, 30, 512, 16
+POOL_BLOCKS = 1200  # the decode table's pool: room for 2,048 tokens in scattered blocks
 
 
 def main() -> None:
@@ -31,6 +40,8 @@ def main() -> None:
     parser.add_argument("other", type=Path, help="the other version of ember/kernels/attention.cpp")
     parser.add_argument("--prompt", type=int, default=4000, help="prompt length in tokens")
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--decode-contexts", default="128,256,512,1024,2048",
+                        help="contexts of the decode table (empty: none)")
     args = parser.parse_args()
     assert kernels.available(), kernels.status()
     ops = {"this tree": torch.ops.ember, "other": kernels.kernel_copy(args.other, "ember_attention_other")}
@@ -77,6 +88,53 @@ def main() -> None:
         same = torch.equal(outputs[case, "this tree"], outputs[case, "other"])
         print(f"| {case} | {statistics.median(mine) * LAYERS * factor:.2f} {unit} | "
               f"{statistics.median(theirs) * LAYERS * factor:.2f} {unit} | {ratio:.2f}x | {'yes' if same else 'no'} |")
+    if args.decode_contexts:
+        decode_table(ops, [int(c) for c in args.decode_contexts.split(",")], args.rounds)
+
+
+def time_decode_calls(op, layers, tables, context: int, cold: bool, repeats: int) -> float:
+    """Median microseconds of one decode row's attention over `layers` (one (k, v) pair each, with
+    its block table), repeated; `cold`: a 64 MB write before each pass."""
+    q = torch.randn(1, HEADS, HEAD_DIM).bfloat16()
+    row_begin, first_pos = torch.tensor([0, 1], dtype=torch.int32), torch.tensor([context - 1], dtype=torch.int32)
+    flush = torch.ones(16 << 20)
+    seconds = []
+    for _ in range(repeats):
+        if cold:
+            flush.add_(1.0)
+        began = time.perf_counter()
+        for (k, v), table in zip(layers, tables):
+            op.paged_attention(q, k, v, table, row_begin, first_pos, HEAD_DIM ** -0.5, 0)
+        seconds.append((time.perf_counter() - began) / len(layers))
+    return statistics.median(seconds) * 1e6
+
+
+def decode_table(ops: dict, contexts: list[int], rounds: int) -> None:
+    generator = torch.Generator().manual_seed(1)
+    pool = torch.randn(LAYERS, 2, KV_HEADS, POOL_BLOCKS, BLOCK * HEAD_DIM, generator=generator).bfloat16()
+    layers = [(pool[layer, 0], pool[layer, 1]) for layer in range(LAYERS)]
+    settings = ("warm", "cold", "scattered")
+    print(f"\none decode row, us a call ({torch.get_num_threads()} threads), other / this tree")
+    print("| context | " + " | ".join(f"{setting}: other, this tree" for setting in settings) + " |")
+    print("| --- |" + " --- |" * len(settings))
+    for context in contexts:
+        blocks = -(-context // BLOCK)
+        in_order = torch.arange(blocks, dtype=torch.int32)[None]
+        scattered = [torch.randperm(POOL_BLOCKS, generator=generator)[:blocks].to(torch.int32)[None]
+                     for _ in range(LAYERS)]
+        cases = {"warm": (layers[:1] * 200, [in_order] * 200, False, 20),
+                 "cold": (layers, [in_order] * LAYERS, True, 40),
+                 "scattered": (layers, scattered, True, 40)}
+        figures = {(setting, name): [] for setting in settings for name in ops}
+        for round_index in range(rounds):  # in turn, so the machine's drift falls on both alike
+            for name in random.Random(round_index).sample(list(ops), len(ops)):
+                for setting, (pairs, tables, cold, repeats) in cases.items():
+                    figures[setting, name].append(time_decode_calls(ops[name], pairs, tables, context, cold, repeats))
+        cells = []
+        for setting in settings:
+            theirs, mine = min(figures[setting, "other"]), min(figures[setting, "this tree"])
+            cells.append(f"{theirs:.2f}, {mine:.2f} ({theirs / mine:.2f}x)")
+        print(f"| {context:,} | " + " | ".join(cells) + " |")
 
 
 if __name__ == "__main__":

@@ -572,7 +572,7 @@ void split_partials(const Batch& b, int64_t s, int64_t kvh, int64_t split, int64
   // last row (the furthest) are asked for a chunk ahead, the first chunk's at once: a decode step
   // finds them out of the caches (the weights streamed through since the last step), and the
   // hardware's prefetcher loses the thread at each block's end where blocks do not lie in a run
-  // (bench/attention_decode.py: cold, 1.02-1.09x; scattered, 1.35-1.64x; in the caches, 0.90-0.96x).
+  // (bench/attention_versions.py: cold, 1.02-1.09x; scattered, 1.35-1.64x; in the caches, 0.90-0.96x).
   const int64_t block_bytes = b.block_stride * int64_t(sizeof(C));
   for (int64_t c = 0; c < chunks; ++c) {
     const int64_t next = first_chunk[R - 1] + (c + 1) * CHUNK;
