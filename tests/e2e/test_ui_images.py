@@ -92,6 +92,13 @@ def tray(page) -> list[str]:
     return page.eval_on_selector_all("#attachments img", "(images) => images.map((i) => i.src)")
 
 
+def wait_for_tray(page, *images: bytes) -> None:
+    """Until the tray holds exactly these images: a picked file reaches it after the page has read
+    it, which can be after the file chooser returns."""
+    wait_until(page, "(want) => JSON.stringify([...document.querySelectorAll('#attachments img')].map((i) => i.src))"
+                     " === JSON.stringify(want)", [data_url(image) for image in images])
+
+
 def notice(page) -> str:
     page.wait_for_selector("#notice.error")
     return page.inner_text("#notice")
@@ -268,6 +275,7 @@ def test_what_the_server_would_refuse_is_refused_on_the_page(page):
 def test_the_servers_refusals_are_shown_and_the_message_and_images_kept(page):
     wide = image_bytes(500, 500)  # a small file, but 0.7 MiB decoded: past --media-budget-mb 0.5
     attach(page, ("wide.png", "image/png", wide))
+    wait_for_tray(page, wide)
     send(page, "Look.")
     message = notice(page)
     assert "the media budget is 0.5 MiB" in message and "(field: messages[0].content[0].image_url.url)" in message
@@ -276,6 +284,7 @@ def test_the_servers_refusals_are_shown_and_the_message_and_images_kept(page):
 
     page.click("#attachments .remove")
     attach(page, ("broken.png", "image/png", b"\x89PNG\r\n\x1a\n not really"))
+    wait_for_tray(page, b"\x89PNG\r\n\x1a\n not really")  # sent without it, the reply would be no refusal
     page.press("#input", "Enter")
     wait_until(page, "() => document.querySelector('#notice').textContent.includes('not a readable image')")
     assert tray(page) == [data_url(b"\x89PNG\r\n\x1a\n not really")]
