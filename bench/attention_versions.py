@@ -32,7 +32,7 @@ import torch
 from ember import kernels
 
 HEADS, KV_HEADS, HEAD_DIM, LAYERS, CHUNK_ROWS, BLOCK = 9, 3, 64, 30, 512, 16
-POOL_BLOCKS = 1200  # the decode table's pool: room for 2,048 tokens in scattered blocks
+POOL_BLOCKS = 1200  # the decode table's pool of blocks per layer (19,200 tokens)
 
 
 def main() -> None:
@@ -43,6 +43,9 @@ def main() -> None:
     parser.add_argument("--decode-contexts", default="128,256,512,1024,2048",
                         help="contexts of the decode table (empty: none)")
     args = parser.parse_args()
+    contexts = [int(c) for c in args.decode_contexts.split(",")] if args.decode_contexts else []
+    if contexts and max(contexts) > POOL_BLOCKS * BLOCK:  # a longer row's table would reach past the pool
+        raise SystemExit(f"--decode-contexts: at most {POOL_BLOCKS * BLOCK} tokens")
     assert kernels.available(), kernels.status()
     ops = {"this tree": torch.ops.ember, "other": kernels.kernel_copy(args.other, "ember_attention_other")}
     generator = torch.Generator().manual_seed(0)
@@ -88,8 +91,8 @@ def main() -> None:
         same = torch.equal(outputs[case, "this tree"], outputs[case, "other"])
         print(f"| {case} | {statistics.median(mine) * LAYERS * factor:.2f} {unit} | "
               f"{statistics.median(theirs) * LAYERS * factor:.2f} {unit} | {ratio:.2f}x | {'yes' if same else 'no'} |")
-    if args.decode_contexts:
-        decode_table(ops, [int(c) for c in args.decode_contexts.split(",")], args.rounds)
+    if contexts:
+        decode_table(ops, contexts, args.rounds)
 
 
 def time_decode_calls(op, layers, tables, context: int, cold: bool, repeats: int) -> float:
