@@ -10,7 +10,9 @@ hand (-march=native), and cached by torch under its extensions folder
 ($TORCH_EXTENSIONS_DIR, default ~/.cache/torch_extensions), keyed by the source, the compiler
 flags and the processor, so a second start loads them in milliseconds. Where no compiler is
 found or the build fails, `available()` is False, `status()` says why, and the engine keeps its
-plain torch paths.
+plain torch paths. EMBER_KERNEL_TARGET=avx2 builds them for AVX2 with FMA and F16C alone, the path
+of processors without AVX-512, so that path can be run and measured on an AVX-512 machine;
+`plain` builds them for the compiler's baseline (no vector path).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import fcntl
 import functools
 import hashlib
 import logging
+import os
 import platform
 import shutil
 import tempfile
@@ -34,8 +37,18 @@ _FOLDER = Path(__file__).parent
 _SOURCES = [_FOLDER / name for name in ("linear.cpp", "attention.cpp", "layer_ops.cpp", "sampling.cpp", "decoder.cpp",
                                         "tower_attention.cpp")]
 _HEADERS = sorted(_FOLDER.glob("*.h"))
-_FLAGS = ["-O3", "-march=native", "-fopenmp"]
+# The instructions a build may use: this processor's own, AVX2 with FMA and F16C only (the path
+# of processors without AVX-512), or the compiler's baseline (no vector path).
+_TARGETS = {"native": ["-O3", "-march=native"], "avx2": ["-O3", "-mavx2", "-mfma", "-mf16c"], "plain": ["-O2"]}
 _status = "not loaded yet"
+
+
+def build_flags() -> list[str]:
+    """The compiler flags of ember's own build, for the target EMBER_KERNEL_TARGET names."""
+    target = os.environ.get("EMBER_KERNEL_TARGET", "native")
+    if target not in _TARGETS:
+        raise ValueError(f"EMBER_KERNEL_TARGET={target!r}: expected one of {', '.join(_TARGETS)}")
+    return [*_TARGETS[target], "-fopenmp"]
 
 
 def _processor() -> str:
@@ -69,14 +82,15 @@ def available() -> bool:
         return True
     from torch.utils import cpp_extension
 
+    flags = build_flags()
     source = b"".join(path.read_bytes() for path in [*_SOURCES, *_HEADERS])
-    key = hashlib.sha256(source + " ".join(_FLAGS).encode() + _processor().encode() + torch.__version__.encode())
+    key = hashlib.sha256(source + " ".join(flags).encode() + _processor().encode() + torch.__version__.encode())
     name = f"ember_cpu_{key.hexdigest()[:16]}"
     began = time.perf_counter()
     try:
         build_directory = cpp_extension._get_build_directory(name, False)
         with _sole_builder(Path(build_directory)):
-            cpp_extension.load(name=name, sources=[str(p) for p in _SOURCES], extra_cflags=_FLAGS,
+            cpp_extension.load(name=name, sources=[str(p) for p in _SOURCES], extra_cflags=flags,
                                extra_ldflags=["-fopenmp"], extra_include_paths=[str(_FOLDER)],
                                build_directory=build_directory, is_python_module=False, verbose=False)
     except Exception as exc:  # no compiler, no ninja, a failed build: the torch paths serve instead
@@ -93,14 +107,9 @@ def status() -> str:
     return _status
 
 
-# A second build's instructions: this processor's own (as ember's build), AVX2 with FMA and F16C
-# only (the path of processors without AVX-512), or the compiler's baseline (no vector path).
-_COPY_TARGETS = {"native": ["-O3", "-march=native"], "avx2": ["-O3", "-mavx2", "-mfma", "-mf16c"], "plain": ["-O2"]}
-
-
 def kernel_copy(source: Path, namespace: str, target: str = "native"):
     """One kernel source built a second time, beside this tree's headers, under the op namespace
-    `namespace`, for a target of _COPY_TARGETS: for tests and benchmarks that hold one version or
+    `namespace`, for a target of _TARGETS: for tests and benchmarks that hold one version or
     build of a kernel against another in one process. Returns torch.ops.<namespace>."""
     from torch.utils import cpp_extension
 
@@ -108,7 +117,7 @@ def kernel_copy(source: Path, namespace: str, target: str = "native"):
     shutil.copy(source, folder / source.name)
     for header in _HEADERS:
         shutil.copy(header, folder / header.name)
-    flags = _COPY_TARGETS[target]
+    flags = _TARGETS[target]
     cpp_extension.load(name=f"{namespace}_{source.stem}", sources=[str(folder / source.name)],
                        extra_cflags=[*flags, "-fopenmp", f"-DEMBER_OPS={namespace}"], extra_ldflags=["-fopenmp"],
                        is_python_module=False, verbose=False)

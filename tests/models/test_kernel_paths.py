@@ -3,7 +3,7 @@ this processor has) gives the bits of its plain C++ path (a second copy of the k
 without vector instructions, under its own op namespace, and both copies run the same
 products), in every block format; on a processor with AVX-512, an AVX2 copy gives them too; on
 all, sums over K cut between blocks and continued give one call's bits; a build killed midway
-does not stall the next one."""
+does not stall the next one; EMBER_KERNEL_TARGET picks the build's instructions."""
 
 import subprocess
 import sys
@@ -93,3 +93,14 @@ def test_a_lock_left_by_a_killed_build_is_cleared_and_builders_take_turns(tmp_pa
         assert not (tmp_path / "lock").exists()
         assert subprocess.run([sys.executable, "-c", take, ours], capture_output=True).returncode != 0
     assert subprocess.run([sys.executable, "-c", take, ours], capture_output=True).returncode == 0
+
+
+def test_the_build_target_is_chosen_by_name_and_a_wrong_name_is_refused(monkeypatch):
+    monkeypatch.delenv("EMBER_KERNEL_TARGET", raising=False)
+    assert "-march=native" in kernels.build_flags()
+    monkeypatch.setenv("EMBER_KERNEL_TARGET", "avx2")
+    flags = kernels.build_flags()
+    assert "-mavx2" in flags and "-march=native" not in flags and "-fopenmp" in flags
+    monkeypatch.setenv("EMBER_KERNEL_TARGET", "avx512")
+    with pytest.raises(ValueError, match="EMBER_KERNEL_TARGET='avx512'"):
+        kernels.build_flags()
