@@ -16,12 +16,11 @@ if TYPE_CHECKING:  # imported where tensors are made: reading a file's metadata 
     import torch
 
 from ember.errors import ModelLoadError
+from ember.loaders.gguf_header import GGUF_MAGIC, read_header
 from ember.loaders.source import check_architecture, supported_architectures
 from ember.tokenization.fallback_templates import BY_GGUF_ARCHITECTURE
 
 logger = logging.getLogger("ember.loaders")
-
-GGUF_MAGIC = b"GGUF"
 
 # GGUF general.architecture -> HF model_type (Mistral GGUFs are written as "llama").
 GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe": "qwen3_moe",
@@ -112,31 +111,17 @@ class GGUFFile:
     checked to lie within the file."""
 
     def __init__(self, path: pathlib.Path) -> None:
-        import gguf
-
         self.path = path
         if not is_gguf_file(path):
             raise ModelLoadError(f"{path} is not a GGUF file (it does not start with the GGUF "
                                  f"magic bytes)", param="model", code="invalid_model")
         try:
-            reader = gguf.GGUFReader(path, "r")
-        except Exception as exc:  # the reader fails with ValueError/IndexError on a cut-off file
+            header = read_header(path)
+        except (ValueError, OSError) as exc:  # GGUFFormatError among them
             raise ModelLoadError(f"{path} is not a readable GGUF file (truncated or corrupt: "
                                  f"{_first_line(exc)})", param="model", code="invalid_model") from None
-        self.metadata: dict[str, Any] = {}
-        for key, value in reader.fields.items():
-            if key.startswith("GGUF."):
-                continue
-            try:
-                self.metadata[key] = value.contents()
-            except Exception:  # an unreadable value we do not need is not fatal
-                logger.debug("skipping unreadable GGUF field %s", key)
-        self.tensors = {t.name: t for t in reader.tensors}
-        self.file_size = path.stat().st_size
-        for t in reader.tensors:
-            if int(t.data_offset) + int(t.n_bytes) > self.file_size:
-                raise ModelLoadError(f"{path} is truncated: tensor {t.name} runs past the end of "
-                                     f"the file", param="model", code="invalid_model")
+        self.metadata: dict[str, Any] = header.metadata
+        self.tensors = header.tensors
 
     def torch_shape(self, name: str) -> tuple[int, ...]:
         # GGUF lists dimensions fastest-first (ne[0] = columns); torch wants them slowest-first.
