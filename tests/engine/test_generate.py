@@ -30,12 +30,23 @@ PROMPTS = [
 ]
 
 
-def _reference_model(llm, **config):
-    """transformers' model on the same GGUF file, in float32."""
+@pytest.fixture(scope="module")
+def reference(llm_fp32):
+    """transformers' model on the same GGUF file, in float32 (read once: transformers takes about
+    20 s over a GGUF file)."""
     import transformers
-    path = Path(llm.source.path)
+    path = Path(llm_fp32.source.path)
     return transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
-                                                             dtype=torch.float32, **config).eval()
+                                                             dtype=torch.float32).eval()
+
+
+def _reconfigured(reference, **config):
+    """The reference's weights in a model of its config with `config` changed."""
+    import transformers
+    model = transformers.AutoModelForCausalLM.from_config(
+        transformers.AutoConfig.for_model(**{**reference.config.to_dict(), **config}), dtype=torch.float32)
+    model.load_state_dict(reference.state_dict())
+    return model.eval()
 
 
 def _greedy_pair(llm, reference, chat, max_tokens: int) -> tuple[list[int], list[int]]:
@@ -48,24 +59,23 @@ def _greedy_pair(llm, reference, chat, max_tokens: int) -> tuple[list[int], list
     return ours.token_ids, theirs[0, len(prompt):].tolist()
 
 
-def test_greedy_matches_transformers_on_default_model(llm_fp32):
-    reference = _reference_model(llm_fp32)
+def test_greedy_matches_transformers_on_default_model(llm_fp32, reference):
     for chat in CHATS:
         ours, theirs = _greedy_pair(llm_fp32, reference, chat, 32)
         assert ours == theirs
 
 
-def test_rope_scaling_override_stretches_the_window_and_matches_transformers(llm_fp32):
+def test_rope_scaling_override_stretches_the_window_and_matches_transformers(llm_fp32, reference):
     from ember.llm import LLM
     yarn = {"rope_type": "yarn", "factor": 4.0}
     llm = LLM(dtype="float32", quantization="none", rope_scaling=yarn, kv_cache_tokens=4096)
     assert llm.engine.max_model_len == 4 * 8192  # SmolLM2-135M's trained length, times the factor
-    reference = _reference_model(llm, max_position_embeddings=4 * 8192, rope_scaling={
+    stretched = _reconfigured(reference, max_position_embeddings=4 * 8192, rope_scaling={
         **yarn, "original_max_position_embeddings": 8192, "rope_theta": llm.engine.model_config.rope_theta})
-    assert reference.config.rope_parameters["rope_type"] == "yarn"
+    assert stretched.config.rope_parameters["rope_type"] == "yarn"
     changed = 0
     for chat in CHATS[:2]:
-        ours, theirs = _greedy_pair(llm, reference, chat, 24)
+        ours, theirs = _greedy_pair(llm, stretched, chat, 24)
         assert ours == theirs
         plain = llm_fp32.generate([llm_fp32.encode_prompt(chat)], SamplingParams(temperature=0.0, max_tokens=24))[0]
         changed += ours != plain.token_ids
