@@ -6,9 +6,10 @@ token.
 One process, the engine alone (no HTTP). A prompt of --prompt-tokens tokens is prefilled with one
 token of output, --runs times, each prompt new to the prefix cache; then once more under torch's
 profiler, whose table of ops by their own time says what the prefill is made of (ember's
-kernels: the linear layers, paged attention, the row ops). Beside the attention, its arithmetic
-(two products of head_dim per query and visible key, for every head and layer) and the rate it
-ran at; beside the linear layers, theirs (a multiply-add per weight per token) and theirs.
+kernels: the linear layers, paged attention, the row ops). Beside the attention, the rate its
+arithmetic ran at (two products of head_dim per query and earlier key, for every head and layer:
+a sliding window's layers are counted as if they saw every key); beside the linear layers, theirs
+(a multiply-add per weight per token, the LM head left out: a prefill computes one row of it).
 """
 
 from __future__ import annotations
