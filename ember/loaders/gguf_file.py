@@ -3,7 +3,6 @@ under HF names (dequantized with the gguf package, llama.cpp's Q/K row order und
 
 from __future__ import annotations
 
-import logging
 import math
 import pathlib
 import re
@@ -20,7 +19,6 @@ from ember.loaders.gguf_header import GGUF_MAGIC, read_header
 from ember.loaders.source import check_architecture, supported_architectures
 from ember.tokenization.fallback_templates import BY_GGUF_ARCHITECTURE
 
-logger = logging.getLogger("ember.loaders")
 
 # GGUF general.architecture -> HF model_type (Mistral GGUFs are written as "llama").
 GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe": "qwen3_moe",
