@@ -98,6 +98,8 @@ def available() -> bool:
         logger.warning("ember's CPU kernels could not be built; using plain torch paths: %s", _status)
         return False
     vector = {512: "AVX-512 VNNI", 256: "AVX2"}.get(torch.ops.ember.vector_bits(), "plain C++")
+    if torch.ops.ember.attention_tiles():
+        vector += ", AMX tiles for bfloat16 attention"
     _status = f"loaded ({vector}, {time.perf_counter() - began:.1f} s to build or load)"
     logger.info("ember's CPU kernels: %s", _status)
     return True

@@ -15,17 +15,27 @@
 // partial results (max, sum, weighted values) are merged in order. A row's arithmetic depends on
 // its position and its data alone: it is the same alone or in a batch, decoded or inside a prompt
 // chunk, whatever rows share its tile. Sequences of one row spread their splits over the threads;
-// longer ones their tiles of ROW_TILE rows.
+// longer ones their tiles of ROW_TILE rows (TILES_ROW_TILE on AMX tiles: attention_tiles.h, a
+// bfloat16 path of its own, with one softmax step a split).
 //
 // An int8 cache (kv_int8.h) is read by the same splits and chunks, block by block, its rows
 // quantized as they are stored; q and the output stay in the model's dtype.
 
 #include <atomic>
 #include <memory>
+#include <optional>
+#include <tuple>
+#include <utility>
 #include <type_traits>
 
 #include "common.h"
 #include "kv_int8.h"
+
+#if EMBER_BF16_DOT  // attention_tiles.h asks the processor and Linux for AMX tiles
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 namespace ember_kernels {
 namespace {
@@ -33,7 +43,7 @@ namespace {
 constexpr int64_t BLOCK = 16;
 constexpr int64_t CHUNK = 64;  // keys per online-softmax step: 4 blocks
 constexpr int64_t SPLIT = 256;
-constexpr int64_t ROW_TILE = 8;
+constexpr int64_t ROW_TILE = 8, TILES_ROW_TILE = 16;  // on AMX tiles: 16 rows' heads fill whole passes
 
 // Where element (slot-in-block `key`, dim d) of a block lives.
 template <typename T> inline int64_t k_offset(int64_t key, int64_t d, int64_t D);
@@ -355,6 +365,34 @@ inline __mmask16 visible_keys(int64_t hidden, int64_t left) {
   return __mmask16(upto & ~before);
 }
 
+// One row-head's online-softmax step over `count` blocks (at most MOST_BLOCKS), `raw` their 16 dot
+// products each (not yet scaled), keys [first, valid) of them seen: the state's max and sum move on,
+// the weights go to prob_pairs (bfloat16, 8 pairs a block) and the factor the state's values must
+// take comes back. The one step of both bfloat16 paths (the dot instructions' and the tiles').
+template <int MOST_BLOCKS>
+inline float chunk_softmax(const __m512* raw, int count, int64_t first, int64_t valid, float scale, State& state,
+                           uint32_t* prob_pairs) {
+  __m512 scores[MOST_BLOCKS];
+  __m512 vmax = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int blk = 0; blk < count; ++blk) {
+    const __mmask16 mask = visible_keys(first - blk * BLOCK, valid - blk * BLOCK);
+    scores[blk] = _mm512_mul_ps(raw[blk], _mm512_set1_ps(scale));
+    vmax = _mm512_mask_max_ps(vmax, mask, vmax, scores[blk]);
+  }
+  const float max = std::max(state.max, _mm512_reduce_max_ps(vmax));
+  const float factor = std::exp(state.max - max);  // 0 on the first chunk (max was -inf)
+  __m512 sum = _mm512_setzero_ps();
+  for (int blk = 0; blk < count; ++blk) {
+    const __mmask16 mask = visible_keys(first - blk * BLOCK, valid - blk * BLOCK);
+    const __m512 probs = _mm512_maskz_mov_ps(mask, exp_nonpositive(_mm512_sub_ps(scores[blk], _mm512_set1_ps(max))));
+    sum = _mm512_add_ps(sum, probs);
+    _mm256_store_si256(reinterpret_cast<__m256i*>(prob_pairs + blk * BLOCK / 2), (__m256i)_mm512_cvtneps_pbh(probs));
+  }
+  state.sum = std::fma(state.sum, factor, _mm512_reduce_add_ps(sum));
+  state.max = max;
+  return factor;
+}
+
 template <int N, int C, int COUNT>
 inline void attend_chunk_heads(const uint32_t* const* q_pairs, const at::BFloat16* const* kblocks,
                                const at::BFloat16* const* vblocks, int64_t first, int64_t valid, float scale,
@@ -374,29 +412,8 @@ inline void attend_chunk_heads(const uint32_t* const* q_pairs, const at::BFloat1
   }
   alignas(32) uint32_t prob_pairs[N][CHUNK / 2];
   __m512 correction[N];
-  for (int h = 0; h < N; ++h) {
-    State& state = states[h];
-    __m512 scores[COUNT];
-    __m512 vmax = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-    for (int blk = 0; blk < count; ++blk) {
-      const __mmask16 mask = visible_keys(first - blk * BLOCK, valid - blk * BLOCK);
-      scores[blk] = _mm512_mul_ps(acc[h][blk], _mm512_set1_ps(scale));
-      vmax = _mm512_mask_max_ps(vmax, mask, vmax, scores[blk]);
-    }
-    const float max = std::max(state.max, _mm512_reduce_max_ps(vmax));
-    const float factor = std::exp(state.max - max);  // 0 on the first chunk (max was -inf)
-    __m512 sum = _mm512_setzero_ps();
-    for (int blk = 0; blk < count; ++blk) {
-      const __mmask16 mask = visible_keys(first - blk * BLOCK, valid - blk * BLOCK);
-      const __m512 probs = _mm512_maskz_mov_ps(mask, exp_nonpositive(_mm512_sub_ps(scores[blk], _mm512_set1_ps(max))));
-      sum = _mm512_add_ps(sum, probs);
-      _mm256_store_si256(reinterpret_cast<__m256i*>(prob_pairs[h] + blk * BLOCK / 2),
-                         (__m256i)_mm512_cvtneps_pbh(probs));
-    }
-    state.sum = std::fma(state.sum, factor, _mm512_reduce_add_ps(sum));
-    state.max = max;
-    correction[h] = _mm512_set1_ps(factor);
-  }
+  for (int h = 0; h < N; ++h)
+    correction[h] = _mm512_set1_ps(chunk_softmax<COUNT>(acc[h], count, first, valid, scale, states[h], prob_pairs[h]));
   __m512 values[N][C];
   for (int h = 0; h < N; ++h)
     for (int c = 0; c < C; ++c) values[h][c] = _mm512_mul_ps(_mm512_loadu_ps(states[h].values + 16 * c), correction[h]);
@@ -453,6 +470,8 @@ inline void attend_chunk_passes(const uint32_t* const* pairs, int64_t G, const a
     }
   }
 }
+
+#include "attention_tiles.h"
 
 template <>
 inline void attend_chunk<at::BFloat16>(const at::BFloat16* const* q, int64_t G, const at::BFloat16* const* kblocks,
@@ -535,9 +554,36 @@ struct Batch {
   int64_t window;  // keys a row sees, its own included; 0: every key before it
   float scale;
   void* out;
+  bool tiles;  // bfloat16 on AMX tiles (attention_tiles.h)
 };
 
 constexpr int64_t partial_floats(int64_t D) { return 2 + D; }  // max, sum, values
+
+// Each row-head's max and sum beside its values, in partials[i] = (max, sum, values).
+inline void keep_max_and_sum(const State* states, int64_t count, int64_t D, float* partials) {
+  for (int64_t i = 0; i < count; ++i) {
+    partials[i * partial_floats(D)] = states[i].max;
+    partials[i * partial_floats(D) + 1] = states[i].sum;
+  }
+}
+
+#if EMBER_BF16_DOT
+// A tile's R rows' G heads each (row-head i * G + g) over one split on AMX tiles, in passes of up to
+// 16 consecutive row-heads whose rows' chunks start at the same key.
+template <typename Prefetch, typename Blocks>
+void tile_passes(int64_t R, int64_t G, int64_t D, float scale, const at::BFloat16* const* rows, State* states,
+                 const int64_t* first_chunk, const int64_t* begin, const int64_t* end, Prefetch&& prefetch,
+                 Blocks&& blocks_at) {
+  int64_t row_of[tiles::MOST_ROWS];
+  for (int64_t a = 0; a < R * G;) {
+    int64_t z = a;
+    while (z < R * G && z - a < tiles::MOST_ROWS && first_chunk[z / G] == first_chunk[a / G]) row_of[z - a] = z / G, ++z;
+    tiles::attend(tiles::Pass{rows + a, states + a, row_of, begin, end, z - a, first_chunk[a / G]}, D, scale, prefetch,
+                  blocks_at);
+    a = z;
+  }
+}
+#endif
 
 // Partials of rows [r0, r1) of sequence s, KV head kvh, split `split`: for each row and head of the
 // group, (max, sum, values) into partials[(row - r0) * G + g]. T: q's dtype; C: the cache's (T or int8).
@@ -574,13 +620,28 @@ void split_partials(const Batch& b, int64_t s, int64_t kvh, int64_t split, int64
   // hardware's prefetcher loses the thread at each block's end where blocks do not lie in a run
   // (bench/attention_versions.py: cold, 1.02-1.09x; scattered, 1.35-1.64x; in the caches, 0.90-0.96x).
   const int64_t block_bytes = b.block_stride * int64_t(sizeof(C));
-  for (int64_t c = 0; c < chunks; ++c) {
-    const int64_t next = first_chunk[R - 1] + (c + 1) * CHUNK;
-    for (int64_t pos = c == 0 ? first_chunk[R - 1] : next; pos < std::min(end[R - 1], next + CHUNK); pos += BLOCK) {
+  const auto prefetch = [&](int64_t from, int64_t to) {  // the blocks of keys [from, to)
+    for (int64_t pos = from; pos < to; pos += BLOCK) {
       const int64_t base = int64_t(table[pos / BLOCK]) * b.block_stride;
       prefetch_bytes(keys + base, block_bytes);
       prefetch_bytes(vals + base, block_bytes);
     }
+  };
+#if EMBER_BF16_DOT
+  if constexpr (std::is_same_v<T, at::BFloat16> && std::is_same_v<C, at::BFloat16>) {
+    if (b.tiles) {
+      tile_passes(R, G, D, b.scale, rows.data(), states.data(), first_chunk.data(), begin.data(), end.data(), prefetch,
+                  [&](int64_t pos) {
+                    const int64_t base = int64_t(table[pos / BLOCK]) * b.block_stride;
+                    return std::make_pair(keys + base, vals + base);
+                  });
+      return keep_max_and_sum(states.data(), R * G, D, partials);
+    }
+  }
+#endif
+  for (int64_t c = 0; c < chunks; ++c) {
+    const int64_t next = first_chunk[R - 1] + (c + 1) * CHUNK;
+    prefetch(c == 0 ? first_chunk[R - 1] : next, std::min(end[R - 1], next + CHUNK));
     for (int64_t i = 0; i < R; ++i) {
       const int64_t chunk = first_chunk[i] + c * CHUNK;
       if (chunk >= end[i]) continue;
@@ -600,12 +661,7 @@ void split_partials(const Batch& b, int64_t s, int64_t kvh, int64_t split, int64
         attend_chunk<T>(rows.data() + i * G, G, kblocks, vblocks, count, D, first, valid, b.scale, states.data() + i * G);
     }
   }
-  for (int64_t i = 0; i < R; ++i)
-    for (int64_t g = 0; g < G; ++g) {
-      float* p = partials + (i * G + g) * partial_floats(D);
-      p[0] = states[i * G + g].max;
-      p[1] = states[i * G + g].sum;
-    }
+  keep_max_and_sum(states.data(), R * G, D, partials);
 }
 
 // out = sum_j e^(max_j - M) values_j / sum_j e^(max_j - M) sum_j over a row-head's splits, in order.
@@ -630,6 +686,7 @@ void attention_impl(const Batch& b, int64_t S) {
   const int64_t G = b.G, D = b.D, P = partial_floats(D);
   // Work items: (sequence, kv head, split) for one-row sequences, (sequence, kv head, tile) else.
   struct Item { int64_t s, kvh, part; };
+  const int64_t row_tile = b.tiles ? TILES_ROW_TILE : ROW_TILE;
   std::vector<Item> items;
   std::vector<int64_t> first_split(S, -1), splits_of(S, 0);
   int64_t single_partials = 0;
@@ -644,7 +701,7 @@ void attention_impl(const Batch& b, int64_t S) {
         for (int64_t j = 0; j < splits_of[s]; ++j) items.push_back({s, kvh, j});
     } else {
       for (int64_t kvh = 0; kvh < b.KVH; ++kvh)
-        for (int64_t tile = 0; tile * ROW_TILE < rows; ++tile) items.push_back({s, kvh, tile});
+        for (int64_t tile = 0; tile * row_tile < rows; ++tile) items.push_back({s, kvh, tile});
     }
   }
   std::vector<float> single(single_partials * G * P);
@@ -668,7 +725,7 @@ void attention_impl(const Batch& b, int64_t S) {
             merge<T>(first + g * P, splits_of[s], G * P, D, out + row0 * b.H * D + (kvh * G + g) * D);
         continue;
       }
-      const int64_t r0 = row0 + item.part * ROW_TILE, r1 = std::min<int64_t>(b.row_begin[s + 1], r0 + ROW_TILE);
+      const int64_t r0 = row0 + item.part * row_tile, r1 = std::min<int64_t>(b.row_begin[s + 1], r0 + row_tile);
       const int64_t splits = (b.first_pos[s] + (r1 - 1 - row0)) / SPLIT + 1;
       local.assign(splits * (r1 - r0) * G * P, 0.f);
       for (int64_t j = 0; j < splits; ++j)
@@ -680,7 +737,21 @@ void attention_impl(const Batch& b, int64_t S) {
                    out + r * b.H * D + (kvh * G + g) * D);
       }
     }
+#if EMBER_BF16_DOT
+    if (b.tiles) tiles::release();  // other code (oneDNN's kernels) may configure them its own way
+#endif
   });
+}
+
+// Whether bfloat16 attention takes AMX tiles from now on: `enable` turns them on or off (for tests
+// of the other path; every row of a process should take one path), None leaves them.
+bool attention_tiles(std::optional<bool> enable) {
+#if EMBER_BF16_DOT
+  if (enable) tiles::wanted.store(*enable);
+  return tiles::wanted.load() && tiles::granted();
+#else
+  return false;
+#endif
 }
 
 bool is_int8(const at::Tensor& cache) { return cache.scalar_type() == at::kChar; }
@@ -717,7 +788,10 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
   if (T == 0) return out;
   Batch b{q.data_ptr(), q.stride(0), H, KVH, H / KVH, D, k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(0),
           k_cache.stride(1), block_table.data_ptr<int32_t>(), block_table.size(1), row_begin.data_ptr<int32_t>(),
-          first_pos.data_ptr<int32_t>(), window, float(scale), out.data_ptr()};
+          first_pos.data_ptr<int32_t>(), window, float(scale), out.data_ptr(), false};
+#if EMBER_BF16_DOT
+  b.tiles = q.scalar_type() == at::kBFloat16 && k_cache.scalar_type() == at::kBFloat16 && tiles::apply(D);
+#endif
   dispatch_float_or_bf16(q.scalar_type(), [&](auto tag) {
     using T_ = decltype(tag);
     if (is_int8(k_cache))
@@ -839,6 +913,7 @@ TORCH_LIBRARY_FRAGMENT(EMBER_OPS, m) {
   m.def("rotary_store_(Tensor(a!) qkv, Tensor cos, Tensor sin, Tensor(b!) k_cache, Tensor(c!) v_cache, Tensor slots, "
         "int heads, int kv_heads) -> ()");
   m.def("unpack_cache(Tensor cache, bool values, int head_dim) -> Tensor");
+  m.def("attention_tiles(bool? enable=None) -> bool", &ember_kernels::attention_tiles);
 }
 
 TORCH_LIBRARY_IMPL(EMBER_OPS, CPU, m) {

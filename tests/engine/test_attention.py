@@ -138,12 +138,28 @@ KERNEL_HEADS, KERNEL_KV_HEADS, KERNEL_HEAD_DIM, KERNEL_BLOCK = 9, 3, 64, 16
 KERNEL_LENGTH = 700  # past two of the kernel's 256-key splits
 
 
-@pytest.fixture
-def kernel_case(request):
-    """A kernel-layout cache holding one sequence of KERNEL_LENGTH tokens in scattered blocks."""
+def _take_bfloat16_path(path: str) -> None:
+    """bfloat16 attention from now on on AMX tiles (where the processor has them and Linux grants
+    them: else the test is skipped) or on the dot-product instructions."""
     from ember import kernels
     assert kernels.available(), kernels.status()
-    dtype = request.param
+    tiles = path == "tiles"
+    if torch.ops.ember.attention_tiles(tiles) != tiles:
+        torch.ops.ember.attention_tiles(True)
+        pytest.skip("no AMX tiles here: this processor lacks them or Linux does not grant them")
+
+
+BFLOAT16_PATHS = ["dot products", "tiles"]
+KERNEL_DTYPES = [pytest.param((torch.float32, "dot products"), id="float32"),
+                 *(pytest.param((torch.bfloat16, path), id=f"bfloat16-{path}") for path in BFLOAT16_PATHS)]
+
+
+@pytest.fixture
+def kernel_case(request):
+    """A kernel-layout cache holding one sequence of KERNEL_LENGTH tokens in scattered blocks; every
+    slot past them (the last block's tail among them) holds NaN, which no row may read."""
+    dtype, path = request.param
+    _take_bfloat16_path(path)
     generator = torch.Generator().manual_seed(0)
     num_blocks = KERNEL_LENGTH // KERNEL_BLOCK + 8
     cache = KVCache(1, num_blocks, KERNEL_BLOCK, KERNEL_KV_HEADS, KERNEL_HEAD_DIM, dtype, torch.device("cpu"),
@@ -153,12 +169,15 @@ def kernel_case(request):
     keys, values = (torch.randn(KERNEL_LENGTH, KERNEL_KV_HEADS, KERNEL_HEAD_DIM, generator=generator).to(dtype)
                     for _ in range(2))
     k_cache, v_cache = cache.layers[0]
+    k_cache.fill_(float("nan"))
+    v_cache.fill_(float("nan"))
     torch.ops.ember.store_kv_(keys, values, k_cache, v_cache, slots)
     q = torch.randn(KERNEL_LENGTH, KERNEL_HEADS, KERNEL_HEAD_DIM, generator=generator).to(dtype)
-    return cache, blocks.tolist(), keys, values, q
+    yield cache, blocks.tolist(), keys, values, q
+    torch.ops.ember.attention_tiles(True)
 
 
-@pytest.mark.parametrize("kernel_case", [torch.float32, torch.bfloat16], indirect=True)
+@pytest.mark.parametrize("kernel_case", KERNEL_DTYPES, indirect=True)
 def test_the_cache_layout_round_trips(kernel_case):
     cache, blocks, keys, values, _ = kernel_case
     slots = (torch.tensor(blocks)[:, None] * KERNEL_BLOCK + torch.arange(KERNEL_BLOCK)).flatten()[:KERNEL_LENGTH]
@@ -167,7 +186,7 @@ def test_the_cache_layout_round_trips(kernel_case):
     assert torch.equal(torch.ops.ember.unpack_cache(v_cache, True, KERNEL_HEAD_DIM)[:, slots], values.transpose(0, 1))
 
 
-@pytest.mark.parametrize("kernel_case", [torch.float32, torch.bfloat16], indirect=True)
+@pytest.mark.parametrize("kernel_case", KERNEL_DTYPES, indirect=True)
 def test_the_attention_kernel_matches_plain_causal_attention(kernel_case):
     cache, blocks, keys, values, q = kernel_case
     out = _kernel(cache, [(blocks, 0, q)])
@@ -181,7 +200,7 @@ def test_the_attention_kernel_matches_plain_causal_attention(kernel_case):
     torch.testing.assert_close(out.float(), expected, rtol=tolerance, atol=tolerance)
 
 
-@pytest.mark.parametrize("kernel_case", [torch.float32, torch.bfloat16], indirect=True)
+@pytest.mark.parametrize("kernel_case", KERNEL_DTYPES, indirect=True)
 def test_a_row_gets_the_same_bits_decoded_chunked_batched_or_moved(kernel_case):
     cache, blocks, _, _, q = kernel_case
     assert_rows_keep_their_bits(cache, blocks, q)
@@ -208,7 +227,7 @@ def window(request, kernel_case) -> int:
     return request.param
 
 
-@pytest.mark.parametrize("kernel_case", [torch.float32, torch.bfloat16], indirect=True)
+@pytest.mark.parametrize("kernel_case", KERNEL_DTYPES, indirect=True)
 def test_the_attention_kernel_keeps_to_a_sliding_window(kernel_case, window):
     cache, blocks, keys, values, q = kernel_case
     out = _kernel(cache, [(blocks, 0, q)])
@@ -216,7 +235,7 @@ def test_the_attention_kernel_keeps_to_a_sliding_window(kernel_case, window):
     torch.testing.assert_close(out.float(), _windowed_reference(q, keys, values, window), rtol=tolerance, atol=tolerance)
 
 
-@pytest.mark.parametrize("kernel_case", [torch.float32, torch.bfloat16], indirect=True)
+@pytest.mark.parametrize("kernel_case", KERNEL_DTYPES, indirect=True)
 def test_a_windowed_row_keeps_its_bits_and_never_reads_blocks_before_its_window(kernel_case, window):
     cache, blocks, keys, values, q = kernel_case
     whole = _kernel(cache, [(blocks, 0, q)])
@@ -258,17 +277,23 @@ def test_torch_prefill_and_decode_keep_to_a_sliding_window(exact):
 
 # ---- other head shapes: a group's heads share each block's loads, in passes ---------------------
 
+@pytest.fixture(params=BFLOAT16_PATHS)
+def bfloat16_path(request):
+    _take_bfloat16_path(request.param)
+    yield request.param
+    torch.ops.ember.attention_tiles(True)
+
+
 @pytest.mark.parametrize("heads, kv_heads, head_dim", [(4, 4, 64), (8, 4, 64), (8, 2, 128), (10, 2, 80), (12, 2, 32)])
-def test_the_bfloat16_kernel_keeps_its_promises_for_other_head_shapes(heads, kv_heads, head_dim):
+def test_the_bfloat16_kernel_keeps_its_promises_for_other_head_shapes(heads, kv_heads, head_dim, bfloat16_path):
     """One, two, four, five and six query heads per KV head, head dims from 32 to 128: plain causal
-    attention's values, and a row's bits alone, in a prompt chunk, or among other sequences."""
-    from ember import kernels
-    assert kernels.available(), kernels.status()
+    attention's values, and a row's bits alone, in a prompt chunk, or among other sequences; the
+    slots past the last key hold NaN, which no row may read."""
     length, block = 300, KERNEL_BLOCK  # past the kernel's first split of 256 keys
     generator = torch.Generator().manual_seed(1)
     num_blocks = length // block + 1
-    k_cache = torch.zeros(kv_heads, num_blocks, block * head_dim, dtype=torch.bfloat16)
-    v_cache = torch.zeros_like(k_cache)
+    k_cache = torch.full((kv_heads, num_blocks, block * head_dim), float("nan"), dtype=torch.bfloat16)
+    v_cache = torch.full_like(k_cache, float("nan"))
     keys, values = (torch.randn(length, kv_heads, head_dim, generator=generator).bfloat16() for _ in range(2))
     torch.ops.ember.store_kv_(keys, values, k_cache, v_cache, torch.arange(length))
     q = torch.randn(length, heads, head_dim, generator=generator).bfloat16()

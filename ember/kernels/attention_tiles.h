@@ -1,0 +1,208 @@
+// bfloat16 attention on AMX tiles (Xeons since Sapphire Rapids): part of attention.cpp, which
+// includes it after State, chunk_softmax and the cache layout it reads.
+//
+// A tile product (tdpbf16ps) gives each element of its output from that element's row of A, its
+// column of B and its old value alone: neither the other rows nor the tile's shape change its
+// bits (tests/engine/test_attention.py holds the kernel to that). So a decode row (its group's
+// heads as the rows of A) and a prompt's rows (up to 16 row-heads at once) take the same
+// arithmetic per row-head, split by split (the splits and their merge are attention.cpp's):
+//   scores: each block's 16 keys against q, from zero, sixteen pairs of dims per product in
+//     order, then times the scale; one softmax step (chunk_softmax) over all the split's blocks.
+//   values: from zero, one product per block (its 16 keys as eight pairs) in order, sixteen dims
+//     per tile; then values = values * factor + those, in one rounding.
+// A block all of whose keys precede the row is read as it lies. The row's own last block, when it
+// reaches past the row, is read from a copy whose values past the row are zero: a slot past the
+// row may hold anything (NaN included) and a zero weight would not mask it. The blocks every
+// row-head of a pass reads whole are shared products; each row's last ones are its own, taken
+// after (its sums leave the tiles and come back: a move, not a rounding).
+//
+// These are not the dot-product path's bits (the tile unit rounds its sums its own way), so one
+// path serves a process: the tiles wherever the processor has them and Linux grants them
+// (arch_prctl's ARCH_REQ_XCOMP_PERM), head_dim a multiple of 32 up to 256; else the dot products.
+// attention_tiles(False) turns them off, for tests of the other path.
+
+namespace tiles {
+
+constexpr int64_t MOST_ROWS = 16, MOST_DIMS = 256, SPAN = SPLIT;  // keys of one softmax step
+
+bool granted() {
+  static const bool yes = [] {
+    unsigned eax, ebx, ecx, edx;
+    if (!__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx)) return false;
+    const bool tile = edx & (1u << 24), bf16 = edx & (1u << 22);
+    constexpr long REQUEST_PERMISSION = 0x1023, TILE_DATA = 18;
+    return tile && bf16 && syscall(SYS_arch_prctl, REQUEST_PERMISSION, TILE_DATA) == 0;
+  }();
+  return yes;
+}
+
+std::atomic<bool> wanted{true};  // attention_tiles(False) turns them off (tests of the other path)
+
+bool apply(int64_t D) { return D % 32 == 0 && D <= MOST_DIMS && wanted.load() && granted(); }
+
+// The registers' shapes: 0-3 C (M rows of 16 floats): four blocks' scores, then sixteen dims each
+// of the weighted values; 4 A: sixteen pairs of the rows' dims; 5 B: a K block's sixteen
+// pairs of dims, 16 keys each; 6 A: a block's eight pairs of weights; 7 B: a V block's eight pairs
+// of keys, sixteen dims each.
+struct alignas(64) Config {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t bytes[16] = {};
+  uint8_t rows[16] = {};
+};
+
+thread_local int64_t rows_configured = 0;  // 0: not configured (released at the end of each call's work)
+
+void configure(int64_t M) {
+  if (M == rows_configured) return;
+  Config config;
+  for (int t = 0; t < 5; ++t) config.rows[t] = uint8_t(M), config.bytes[t] = 64;
+  config.rows[5] = 16, config.bytes[5] = 64;
+  config.rows[6] = uint8_t(M), config.bytes[6] = 32;
+  config.rows[7] = 8, config.bytes[7] = 64;
+  asm volatile("ldtilecfg %0" ::"m"(config) : "memory");
+  rows_configured = M;
+}
+
+// Hands the tiles back (their state then costs a context switch nothing); configure takes them again.
+void release() {
+  if (rows_configured == 0) return;
+  asm volatile("tilerelease" ::: "memory");
+  rows_configured = 0;
+}
+
+// The compiler's own tile intrinsics do not tell it that a load reads memory; these do.
+template <int T> inline void load(const void* base, int64_t stride) {
+  asm volatile("tileloadd (%0,%1,1), %%tmm%c2" ::"r"(base), "r"(stride), "i"(T) : "memory");
+}
+template <int T> inline void store(void* base, int64_t stride) {
+  asm volatile("tilestored %%tmm%c2, (%0,%1,1)" ::"r"(base), "r"(stride), "i"(T) : "memory");
+}
+template <int T> inline void zero() { asm volatile("tilezero %%tmm%c0" ::"i"(T)); }
+template <int C, int A, int B> inline void dot() { asm volatile("tdpbf16ps %%tmm%c2, %%tmm%c1, %%tmm%c0" ::"i"(C), "i"(A), "i"(B)); }
+
+// f(std::integral_constant<int, t>) for t in [0, n), n <= 4: a tile's number must be a constant.
+template <typename F> inline void each_tile(int n, F&& f) {
+  if (n > 0) f(std::integral_constant<int, 0>{});
+  if (n > 1) f(std::integral_constant<int, 1>{});
+  if (n > 2) f(std::integral_constant<int, 2>{});
+  if (n > 3) f(std::integral_constant<int, 3>{});
+}
+
+// Adds to C tiles [0, n) one V block's products: the weights of block `blk` (tile 6) times its
+// dims [d0, d0 + 16 n) (tile 7, one load per tile).
+inline void add_block(const uint32_t* pairs, int64_t blk, const at::BFloat16* vblock, int64_t D, int64_t d0, int n) {
+  load<6>(pairs + blk * BLOCK / 2, SPAN / 2 * sizeof(uint32_t));
+  each_tile(n, [&](auto t) {
+    load<7>(vblock + (d0 + 16 * decltype(t)::value) * 2, D * 2 * sizeof(at::BFloat16));
+    dot<decltype(t)::value, 6, 7>();
+  });
+}
+
+// The block's first `keys` keys' values, the rest zero, in `copy` (16 D values).
+inline const at::BFloat16* values_up_to(const at::BFloat16* vblock, int64_t keys, int64_t D, at::BFloat16* copy) {
+  const int64_t kept = (keys + 1) / 2 * 2 * D;  // the pairs holding a kept key; the rest are zero
+  std::memcpy(copy, vblock, sizeof(at::BFloat16) * kept);
+  std::memset(static_cast<void*>(copy + kept), 0, sizeof(at::BFloat16) * (BLOCK * D - kept));
+  if (keys % 2)  // the last kept key's pair: its odd halves
+    for (int64_t d = 0; d < D; ++d) copy[v_offset<at::BFloat16>(keys, d, D)] = at::BFloat16(0.f);
+  return copy;
+}
+
+// Row-heads [0, M) of a pass, M <= 16: rows[m] its D query values, states[m] its state,
+// row_of[m] its row, which sees keys [begin[row], end[row]). Every row's keys in the split start
+// at `from` (a block's first key), and end within SPAN keys of it.
+struct Pass {
+  const at::BFloat16* const* rows;
+  State* states;
+  const int64_t* row_of;
+  const int64_t* begin;
+  const int64_t* end;
+  int64_t M, from;
+};
+
+// The pass over its rows' keys of one split, one softmax step for them all: `blocks_at(position)`
+// gives the K and V blocks holding a key, `prefetch(from, to)` asks for those of keys [from, to).
+template <typename Prefetch, typename Blocks>
+void attend(const Pass& p, int64_t D, float scale, Prefetch&& prefetch, Blocks&& blocks_at) {
+  const int64_t M = p.M;
+  int64_t last = p.from;
+  for (int64_t m = 0; m < M; ++m) last = std::max(last, p.end[p.row_of[m]]);
+  if (last <= p.from) return;  // no row of the pass reaches this split
+  configure(M);
+  alignas(64) at::BFloat16 q[MOST_ROWS * MOST_DIMS];
+  alignas(64) float scores[SPAN / BLOCK][MOST_ROWS][BLOCK];
+  alignas(64) uint32_t pairs[MOST_ROWS][SPAN / 2];
+  alignas(64) float weighted[MOST_ROWS * MOST_DIMS], own[MOST_ROWS * MOST_DIMS];
+  alignas(64) at::BFloat16 copy[BLOCK * MOST_DIMS];
+  float factor[MOST_ROWS];
+  for (int64_t m = 0; m < M; ++m) std::memcpy(q + m * D, p.rows[m], sizeof(at::BFloat16) * D);
+  const int64_t count = (last - p.from + BLOCK - 1) / BLOCK;
+  const at::BFloat16* kblocks[SPAN / BLOCK];
+  const at::BFloat16* vblocks[SPAN / BLOCK];
+  for (int64_t blk = 0; blk < count; ++blk) std::tie(kblocks[blk], vblocks[blk]) = blocks_at(p.from + blk * BLOCK);
+  // Scores, four blocks to a round of the C tiles.
+  const int64_t q_bytes = D * sizeof(at::BFloat16), sums_bytes = D * sizeof(float);
+  for (int64_t b0 = 0; b0 < count; b0 += 4) {  // the blocks of this round and the next asked for ahead
+    prefetch(b0 == 0 ? p.from : p.from + (b0 + 4) * BLOCK, std::min(last, p.from + (b0 + 8) * BLOCK));
+    const int n = int(std::min<int64_t>(4, count - b0));
+    each_tile(n, [&](auto t) { zero<decltype(t)::value>(); });
+    for (int64_t half = 0; half < D / 32; ++half) {
+      load<4>(q + half * 32, q_bytes);
+      each_tile(n, [&](auto t) {
+        load<5>(kblocks[b0 + decltype(t)::value] + half * 32 * BLOCK, 2 * BLOCK * sizeof(at::BFloat16));
+        dot<decltype(t)::value, 4, 5>();
+      });
+    }
+    each_tile(n, [&](auto t) { store<decltype(t)::value>(scores[b0 + decltype(t)::value], BLOCK * sizeof(float)); });
+  }
+  // Each row-head's softmax step over the blocks its row reaches; `whole`: the blocks every row
+  // of the pass reads whole.
+  int64_t whole = count;
+  for (int64_t m = 0; m < M; ++m) {
+    const int64_t row = p.row_of[m], seen = p.end[row] - p.from;
+    if (seen <= 0) {  // the row ends before this split: its sums are never kept
+      std::fill(pairs[m], pairs[m] + SPAN / 2, 0u);
+      continue;
+    }
+    whole = std::min(whole, seen / BLOCK);
+    __m512 raw[SPAN / BLOCK];
+    const int own_count = int((seen + BLOCK - 1) / BLOCK);
+    for (int blk = 0; blk < own_count; ++blk) raw[blk] = _mm512_load_ps(scores[blk][m]);
+    factor[m] = chunk_softmax<SPAN / BLOCK>(raw, own_count, std::max<int64_t>(0, p.begin[row] - p.from), seen, scale,
+                                            p.states[m], pairs[m]);
+  }
+  // Weighted values, sixty-four dims to a round of the C tiles.
+  for (int64_t d0 = 0; d0 < D; d0 += 64) {
+    const int n = int(std::min<int64_t>(4, (D - d0) / 16));
+    each_tile(n, [&](auto t) { zero<decltype(t)::value>(); });
+    for (int64_t blk = 0; blk < whole; ++blk) add_block(pairs[0], blk, vblocks[blk], D, d0, n);
+    each_tile(n, [&](auto t) { store<decltype(t)::value>(weighted + d0 + 16 * decltype(t)::value, sums_bytes); });
+    // Each row's blocks past the shared ones, row by row: the tiles take every row-head's sums
+    // and the row's own come back.
+    for (int64_t m0 = 0; m0 < M;) {
+      const int64_t row = p.row_of[m0];
+      int64_t m1 = m0;
+      while (m1 < M && p.row_of[m1] == row) ++m1;
+      const int64_t seen = p.end[row] - p.from;
+      if (seen > whole * BLOCK) {
+        each_tile(n, [&](auto t) { load<decltype(t)::value>(weighted + d0 + 16 * decltype(t)::value, sums_bytes); });
+        for (int64_t blk = whole; blk * BLOCK < seen; ++blk) {
+          const int64_t keys = std::min<int64_t>(BLOCK, seen - blk * BLOCK);
+          add_block(pairs[0], blk, keys == BLOCK ? vblocks[blk] : values_up_to(vblocks[blk], keys, D, copy), D, d0, n);
+        }
+        each_tile(n, [&](auto t) { store<decltype(t)::value>(own + d0 + 16 * decltype(t)::value, sums_bytes); });
+        for (int64_t m = m0; m < m1; ++m) std::memcpy(weighted + m * D + d0, own + m * D + d0, sizeof(float) * 16 * n);
+      }
+      m0 = m1;
+    }
+  }
+  for (int64_t m = 0; m < M; ++m) {
+    if (p.end[p.row_of[m]] <= p.from) continue;
+    const __m512 f = _mm512_set1_ps(factor[m]);
+    float* values = p.states[m].values;
+    for (int64_t d = 0; d < D; d += 16)
+      _mm512_storeu_ps(values + d, _mm512_fmadd_ps(_mm512_loadu_ps(values + d), f, _mm512_loadu_ps(weighted + m * D + d)));
+  }
+}
+
+}  // namespace tiles
