@@ -12,7 +12,9 @@ flags and the processor, so a second start loads them in milliseconds. Where no 
 found or the build fails, `available()` is False, `status()` says why, and the engine keeps its
 plain torch paths. EMBER_KERNEL_TARGET=avx2 builds them for AVX2 with FMA and F16C alone, the path
 of processors without AVX-512, so that path can be run and measured on an AVX-512 machine;
-`plain` builds them for the compiler's baseline (no vector path).
+`plain` builds them for the compiler's baseline (no vector path). Where the build has AMX tiles
+(a Xeon's own -march=native), bfloat16 attention runs on them; EMBER_ATTENTION_TILES=0 keeps it on
+the vector path's dot products instead (other bits, the same promises; docs/cpu-kernels.md).
 """
 
 from __future__ import annotations
@@ -83,6 +85,9 @@ def available() -> bool:
     from torch.utils import cpp_extension
 
     flags = build_flags()
+    tiles = os.environ.get("EMBER_ATTENTION_TILES", "1")
+    if tiles not in ("0", "1"):
+        raise ValueError(f"EMBER_ATTENTION_TILES={tiles!r}: expected 0 or 1")
     source = b"".join(path.read_bytes() for path in [*_SOURCES, *_HEADERS])
     key = hashlib.sha256(source + " ".join(flags).encode() + _processor().encode() + torch.__version__.encode())
     name = f"ember_cpu_{key.hexdigest()[:16]}"
@@ -98,7 +103,7 @@ def available() -> bool:
         logger.warning("ember's CPU kernels could not be built; using plain torch paths: %s", _status)
         return False
     vector = {512: "AVX-512 VNNI", 256: "AVX2"}.get(torch.ops.ember.vector_bits(), "plain C++")
-    if torch.ops.ember.attention_tiles():
+    if torch.ops.ember.attention_tiles(tiles == "1"):
         vector += ", AMX tiles for bfloat16 attention"
     _status = f"loaded ({vector}, {time.perf_counter() - began:.1f} s to build or load)"
     logger.info("ember's CPU kernels: %s", _status)

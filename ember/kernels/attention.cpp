@@ -31,7 +31,15 @@
 #include "common.h"
 #include "kv_int8.h"
 
-#if EMBER_BF16_DOT  // attention_tiles.h asks the processor and Linux for AMX tiles
+// AMX tiles for bfloat16 attention (attention_tiles.h), where the build targets a processor with
+// them (and so has a compiler and assembler that know them).
+#if EMBER_BF16_DOT && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define EMBER_AMX_TILES 1
+#else
+#define EMBER_AMX_TILES 0
+#endif
+
+#if EMBER_AMX_TILES
 #include <cpuid.h>
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -471,7 +479,9 @@ inline void attend_chunk_passes(const uint32_t* const* pairs, int64_t G, const a
   }
 }
 
+#if EMBER_AMX_TILES
 #include "attention_tiles.h"
+#endif
 
 template <>
 inline void attend_chunk<at::BFloat16>(const at::BFloat16* const* q, int64_t G, const at::BFloat16* const* kblocks,
@@ -567,7 +577,7 @@ inline void keep_max_and_sum(const State* states, int64_t count, int64_t D, floa
   }
 }
 
-#if EMBER_BF16_DOT
+#if EMBER_AMX_TILES
 // A tile's R rows' G heads each (row-head i * G + g) over one split on AMX tiles, in passes of up to
 // 16 consecutive row-heads whose rows' chunks start at the same key.
 template <typename Prefetch, typename Blocks>
@@ -627,7 +637,7 @@ void split_partials(const Batch& b, int64_t s, int64_t kvh, int64_t split, int64
       prefetch_bytes(vals + base, block_bytes);
     }
   };
-#if EMBER_BF16_DOT
+#if EMBER_AMX_TILES
   if constexpr (std::is_same_v<T, at::BFloat16> && std::is_same_v<C, at::BFloat16>) {
     if (b.tiles) {
       tile_passes(R, G, D, b.scale, rows.data(), states.data(), first_chunk.data(), begin.data(), end.data(), prefetch,
@@ -737,7 +747,7 @@ void attention_impl(const Batch& b, int64_t S) {
                    out + r * b.H * D + (kvh * G + g) * D);
       }
     }
-#if EMBER_BF16_DOT
+#if EMBER_AMX_TILES
     if (b.tiles) tiles::release();  // other code (oneDNN's kernels) may configure them its own way
 #endif
   });
@@ -746,7 +756,7 @@ void attention_impl(const Batch& b, int64_t S) {
 // Whether bfloat16 attention takes AMX tiles from now on: `enable` turns them on or off (for tests
 // of the other path; every row of a process should take one path), None leaves them.
 bool attention_tiles(std::optional<bool> enable) {
-#if EMBER_BF16_DOT
+#if EMBER_AMX_TILES
   if (enable) tiles::wanted.store(*enable);
   return tiles::wanted.load() && tiles::granted();
 #else
@@ -789,7 +799,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
   Batch b{q.data_ptr(), q.stride(0), H, KVH, H / KVH, D, k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(0),
           k_cache.stride(1), block_table.data_ptr<int32_t>(), block_table.size(1), row_begin.data_ptr<int32_t>(),
           first_pos.data_ptr<int32_t>(), window, float(scale), out.data_ptr(), false};
-#if EMBER_BF16_DOT
+#if EMBER_AMX_TILES
   b.tiles = q.scalar_type() == at::kBFloat16 && k_cache.scalar_type() == at::kBFloat16 && tiles::apply(D);
 #endif
   dispatch_float_or_bf16(q.scalar_type(), [&](auto tag) {

@@ -17,8 +17,9 @@
 // after (its sums leave the tiles and come back: a move, not a rounding).
 //
 // These are not the dot-product path's bits (the tile unit rounds its sums its own way), so one
-// path serves a process: the tiles wherever the processor has them and Linux grants them
-// (arch_prctl's ARCH_REQ_XCOMP_PERM), head_dim a multiple of 32 up to 256; else the dot products.
+// path serves a process: the tiles wherever the build targets them (EMBER_AMX_TILES), the
+// processor has them and Linux grants them (arch_prctl's ARCH_REQ_XCOMP_PERM), for head_dim a
+// multiple of 32 up to 256; else the dot products.
 // attention_tiles(False) turns them off, for tests of the other path.
 
 namespace tiles {

@@ -3,8 +3,10 @@ this processor has) gives the bits of its plain C++ path (a second copy of the k
 without vector instructions, under its own op namespace, and both copies run the same
 products), in every block format; on a processor with AVX-512, an AVX2 copy gives them too; on
 all, sums over K cut between blocks and continued give one call's bits; a build killed midway
-does not stall the next one; EMBER_KERNEL_TARGET picks the build's instructions."""
+does not stall the next one; EMBER_KERNEL_TARGET picks the build's instructions and
+EMBER_ATTENTION_TILES whether bfloat16 attention takes AMX tiles."""
 
+import os
 import subprocess
 import sys
 
@@ -104,3 +106,23 @@ def test_the_build_target_is_chosen_by_name_and_a_wrong_name_is_refused(monkeypa
     monkeypatch.setenv("EMBER_KERNEL_TARGET", "avx512")
     with pytest.raises(ValueError, match="EMBER_KERNEL_TARGET='avx512'"):
         kernels.build_flags()
+
+
+def _load_kernels_with(tiles: str) -> subprocess.CompletedProcess:
+    script = ("import torch; from ember import kernels; assert kernels.available(), kernels.status(); "
+              "print(torch.ops.ember.attention_tiles(), kernels.status())")
+    env = {**os.environ, "EMBER_ATTENTION_TILES": tiles}
+    return subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_attention_tiles_are_turned_off_by_name_and_a_wrong_value_is_refused():
+    assert kernels.available(), kernels.status()
+    off = _load_kernels_with("0")
+    assert off.returncode == 0, off.stderr
+    assert off.stdout.startswith("False") and "AMX" not in off.stdout
+    on = _load_kernels_with("1")
+    assert on.returncode == 0, on.stderr
+    has_tiles = torch.ops.ember.attention_tiles()  # this process's: the default, on where they are there
+    assert on.stdout.startswith(str(has_tiles)) and ("AMX tiles for bfloat16 attention" in on.stdout) == has_tiles
+    wrong = _load_kernels_with("yes")
+    assert wrong.returncode != 0 and "EMBER_ATTENTION_TILES='yes'" in wrong.stderr
