@@ -587,7 +587,8 @@ void tile_passes(int64_t R, int64_t G, int64_t D, float scale, const at::BFloat1
   int64_t row_of[tiles::MOST_ROWS];
   for (int64_t a = 0; a < R * G;) {
     int64_t z = a;
-    while (z < R * G && z - a < tiles::MOST_ROWS && first_chunk[z / G] == first_chunk[a / G]) row_of[z - a] = z / G, ++z;
+    for (; z < R * G && z - a < tiles::MOST_ROWS && first_chunk[z / G] == first_chunk[a / G]; ++z)
+      row_of[z - a] = z / G;
     tiles::attend(tiles::Pass{rows + a, states + a, row_of, begin, end, z - a, first_chunk[a / G]}, D, scale, prefetch,
                   blocks_at);
     a = z;

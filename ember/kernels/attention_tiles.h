@@ -9,7 +9,7 @@
 //   scores: each block's 16 keys against q, from zero, sixteen pairs of dims per product in
 //     order, then times the scale; one softmax step (chunk_softmax) over all the split's blocks.
 //   values: from zero, one product per block (its 16 keys as eight pairs) in order, sixteen dims
-//     per tile; then values = values * factor + those, in one rounding.
+//     per tile; they are the split's values (its one step starts from an empty state).
 // A block all of whose keys precede the row is read as it lies. The row's own last block, when it
 // reaches past the row, is read from a copy whose values past the row are zero: a slot past the
 // row may hold anything (NaN included) and a zero weight would not mask it. The blocks every
@@ -19,8 +19,8 @@
 // These are not the dot-product path's bits (the tile unit rounds its sums its own way), so one
 // path serves a process: the tiles wherever the build targets them (EMBER_AMX_TILES), the
 // processor has them and Linux grants them (arch_prctl's ARCH_REQ_XCOMP_PERM), for head_dim a
-// multiple of 32 up to 256; else the dot products.
-// attention_tiles(False) turns them off, for tests of the other path.
+// multiple of 32 up to 256; else the dot products. attention_tiles(False) (EMBER_ATTENTION_TILES=0
+// at load) turns them off.
 
 namespace tiles {
 
@@ -37,7 +37,7 @@ bool granted() {
   return yes;
 }
 
-std::atomic<bool> wanted{true};  // attention_tiles(False) turns them off (tests of the other path)
+std::atomic<bool> wanted{true};  // attention_tiles(False) turns them off
 
 bool apply(int64_t D) { return D % 32 == 0 && D <= MOST_DIMS && wanted.load() && granted(); }
 
@@ -79,7 +79,9 @@ template <int T> inline void store(void* base, int64_t stride) {
   asm volatile("tilestored %%tmm%c2, (%0,%1,1)" ::"r"(base), "r"(stride), "i"(T) : "memory");
 }
 template <int T> inline void zero() { asm volatile("tilezero %%tmm%c0" ::"i"(T)); }
-template <int C, int A, int B> inline void dot() { asm volatile("tdpbf16ps %%tmm%c2, %%tmm%c1, %%tmm%c0" ::"i"(C), "i"(A), "i"(B)); }
+template <int C, int A, int B> inline void dot() {
+  asm volatile("tdpbf16ps %%tmm%c2, %%tmm%c1, %%tmm%c0" ::"i"(C), "i"(A), "i"(B));
+}
 
 // f(std::integral_constant<int, t>) for t in [0, n), n <= 4: a tile's number must be a constant.
 template <typename F> inline void each_tile(int n, F&& f) {
@@ -109,9 +111,9 @@ inline const at::BFloat16* values_up_to(const at::BFloat16* vblock, int64_t keys
   return copy;
 }
 
-// Row-heads [0, M) of a pass, M <= 16: rows[m] its D query values, states[m] its state,
-// row_of[m] its row, which sees keys [begin[row], end[row]). Every row's keys in the split start
-// at `from` (a block's first key), and end within SPAN keys of it.
+// Row-heads [0, M) of a pass, M <= 16: rows[m] its D query values, states[m] its state (no keys
+// seen yet), row_of[m] its row, which sees keys [begin[row], end[row]). Every row's keys in the
+// split start at `from` (a block's first key) and end within SPAN keys of it.
 struct Pass {
   const at::BFloat16* const* rows;
   State* states;
@@ -135,7 +137,6 @@ void attend(const Pass& p, int64_t D, float scale, Prefetch&& prefetch, Blocks&&
   alignas(64) uint32_t pairs[MOST_ROWS][SPAN / 2];
   alignas(64) float weighted[MOST_ROWS * MOST_DIMS], own[MOST_ROWS * MOST_DIMS];
   alignas(64) at::BFloat16 copy[BLOCK * MOST_DIMS];
-  float factor[MOST_ROWS];
   for (int64_t m = 0; m < M; ++m) std::memcpy(q + m * D, p.rows[m], sizeof(at::BFloat16) * D);
   const int64_t count = (last - p.from + BLOCK - 1) / BLOCK;
   const at::BFloat16* kblocks[SPAN / BLOCK];
@@ -169,8 +170,8 @@ void attend(const Pass& p, int64_t D, float scale, Prefetch&& prefetch, Blocks&&
     __m512 raw[SPAN / BLOCK];
     const int own_count = int((seen + BLOCK - 1) / BLOCK);
     for (int blk = 0; blk < own_count; ++blk) raw[blk] = _mm512_load_ps(scores[blk][m]);
-    factor[m] = chunk_softmax<SPAN / BLOCK>(raw, own_count, std::max<int64_t>(0, p.begin[row] - p.from), seen, scale,
-                                            p.states[m], pairs[m]);
+    chunk_softmax<SPAN / BLOCK>(raw, own_count, std::max<int64_t>(0, p.begin[row] - p.from), seen, scale, p.states[m],
+                                pairs[m]);
   }
   // Weighted values, sixty-four dims to a round of the C tiles.
   for (int64_t d0 = 0; d0 < D; d0 += 64) {
@@ -197,13 +198,8 @@ void attend(const Pass& p, int64_t D, float scale, Prefetch&& prefetch, Blocks&&
       m0 = m1;
     }
   }
-  for (int64_t m = 0; m < M; ++m) {
-    if (p.end[p.row_of[m]] <= p.from) continue;
-    const __m512 f = _mm512_set1_ps(factor[m]);
-    float* values = p.states[m].values;
-    for (int64_t d = 0; d < D; d += 16)
-      _mm512_storeu_ps(values + d, _mm512_fmadd_ps(_mm512_loadu_ps(values + d), f, _mm512_loadu_ps(weighted + m * D + d)));
-  }
+  for (int64_t m = 0; m < M; ++m)  // the split's one step: its state held no values before
+    if (p.end[p.row_of[m]] > p.from) std::memcpy(p.states[m].values, weighted + m * D, sizeof(float) * D);
 }
 
 }  // namespace tiles
