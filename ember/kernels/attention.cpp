@@ -376,9 +376,10 @@ inline __mmask16 visible_keys(int64_t hidden, int64_t left) {
 // One row-head's online-softmax step over `count` blocks (at most MOST_BLOCKS), `raw` their 16 dot
 // products each (not yet scaled), keys [first, valid) of them seen: the state's max and sum move on,
 // the weights go to prob_pairs (bfloat16, 8 pairs a block) and the factor the state's values must
-// take comes back. The one step of both bfloat16 paths (the dot instructions' and the tiles').
+// take comes back. The one step of both bfloat16 paths (the dot instructions' and the tiles'),
+// inlined so that the dot path's sums stay in registers.
 template <int MOST_BLOCKS>
-inline float chunk_softmax(const __m512* raw, int count, int64_t first, int64_t valid, float scale, State& state,
+__attribute__((always_inline)) inline float chunk_softmax(const __m512* raw, int count, int64_t first, int64_t valid, float scale, State& state,
                            uint32_t* prob_pairs) {
   __m512 scores[MOST_BLOCKS];
   __m512 vmax = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
