@@ -25,8 +25,8 @@
 #include <memory>
 #include <optional>
 #include <tuple>
-#include <utility>
 #include <type_traits>
+#include <utility>
 
 #include "common.h"
 #include "kv_int8.h"
@@ -379,8 +379,8 @@ inline __mmask16 visible_keys(int64_t hidden, int64_t left) {
 // take comes back. The one step of both bfloat16 paths (the dot instructions' and the tiles'),
 // inlined so that the dot path's sums stay in registers.
 template <int MOST_BLOCKS>
-__attribute__((always_inline)) inline float chunk_softmax(const __m512* raw, int count, int64_t first, int64_t valid, float scale, State& state,
-                           uint32_t* prob_pairs) {
+__attribute__((always_inline)) inline float chunk_softmax(const __m512* raw, int count, int64_t first, int64_t valid,
+                                                          float scale, State& state, uint32_t* prob_pairs) {
   __m512 scores[MOST_BLOCKS];
   __m512 vmax = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   for (int blk = 0; blk < count; ++blk) {
