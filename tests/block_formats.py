@@ -1,29 +1,38 @@
 """Blocks of each of the kernel's formats (models.weights.QuantBlocks) from float weights, for
 tests that run every format: 4 and 8 are quantized as ember quantizes; 20, 24 and 28 (with steps,
 as GGUF's Q4_K, Q6_K and Q5_K are held) take random integer steps, their scales divided to keep
-the weights' size."""
+the weights' size; 52 is 20 with one scale and minimum per super-block of 8 blocks, as a Q4_K
+tensor's (its width must be a multiple of 256 for the kernel to take that layout)."""
 
 import torch
 
 from ember.models.weights import QuantBlocks
 
-FORMATS = [4, 8, 20, 24, 28]
+FORMATS = [4, 8, 20, 24, 28, 52]
 
 
 def blocks_of_format(weight: torch.Tensor, format: int, seed: int = 0) -> QuantBlocks:
-    blocks = QuantBlocks.quantize(weight, 4 if format in (4, 20, 28) else 8)
+    blocks = QuantBlocks.quantize(weight, 4 if format in (4, 20, 28, 52) else 8)
     if format in (4, 8):
         return blocks
     generator = torch.Generator().manual_seed(seed)
     out, count = blocks.scales.shape
     scales = (blocks.scales.float() / 40).to(torch.float16)
-    if format in (20, 28):  # 6-bit steps, as Q4_K's and Q5_K's; a minimum's step of 0 in some blocks
+    if format in (20, 28, 52):  # 6-bit steps, as Q4_K's and Q5_K's; a minimum's step of 0 in some blocks
         steps = torch.randint(1, 64, (out, count), generator=generator, dtype=torch.uint8)
         min_steps = torch.randint(0, 64, (out, count), generator=generator, dtype=torch.uint8)
         mins = (blocks.mins.float() / 40).to(torch.float16)
         if format == 28:  # codes in bytes up to the format's 127 (Q5_K's reach 31)
             codes = blocks.codes * 8 + torch.randint(0, 8, blocks.codes.shape, generator=generator, dtype=torch.uint8)
             return QuantBlocks(8, codes, (scales.float() / 8).to(torch.float16), mins, steps, min_steps)
+        if format == 52:
+            scales, mins = per_super_block(scales), per_super_block(mins)
         return QuantBlocks(4, blocks.codes, scales, mins, steps, min_steps)
     steps = torch.randint(-128, 128, (out, 2 * count), generator=generator, dtype=torch.int8)  # signed, as Q6_K's
     return QuantBlocks(8, blocks.codes, scales, None, steps)
+
+
+def per_super_block(values: torch.Tensor) -> torch.Tensor:
+    """Each row's first value of every 8 blocks, repeated over the 8."""
+    out, count = values.shape
+    return values.view(out, count // 8, 8)[..., :1].expand(out, count // 8, 8).reshape(out, count)

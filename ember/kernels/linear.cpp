@@ -1,6 +1,6 @@
 // Block-quantized linear layers: y = x W^T with W in ember's 4- or 8-bit blocks (models/weights.py).
 //
-// Five block formats (the `format` argument, QuantBlocks.format in models/weights.py), a block being
+// Six block formats (the `format` argument, BlockWeights.format in models/weights.py), a block being
 // 32 weights of one column along K:
 //   Q4  (4):  w = d * q + m, q in 0..15 (GGUF's Q4_0 and Q4_1 exactly)
 //   Q8  (8):  w = d * (b - 128) (Q8_0 and Q5_0 exactly)
@@ -8,6 +8,8 @@
 //             of its super-block, its sub-block's 6-bit scale and minimum)
 //   Q8S (24): w = d * s_h * (b - 128), a signed step s_h for each half h of 16 (Q6_K exactly)
 //   Q8M (28): w = d * s * q + m * t, q in 0..127 in a byte (Q5_K and Q5_1 exactly)
+//   Q4K (52): Q4S whose d and m are the same for 8 blocks in a row (a Q4_K super-block of 256),
+//             held once before the 8 (4.625 bits a weight against Q4S's 5.5 and Q4_K's 4.5)
 // d, m are float16; d * s and m * t are exact in float32, so a step costs no rounding.
 //
 // Activations are quantized per row in blocks of 32; a block's dot product is exact integer
@@ -30,8 +32,10 @@ namespace {
 constexpr int64_t QBLOCK = 32;         // weights and activations are quantized in blocks of 32 along K
 constexpr int64_t NBLOCK = 16;         // output columns per packed column block
 constexpr int64_t HALF = 16;           // a Q8S step covers half a block
+constexpr int64_t SUPER = 8;           // Q4K's k blocks per super-block
 // Per (column block, k block): the codes (nibbles, or bytes), d (fp16 x16), m where the format has
 // one (fp16 x16), then the steps: s and t (u8 x16 each), or Q8S's s of each half (i8 x16 each).
+// Q4K, per (column block, super-block): d and m, then its 8 k blocks' codes and steps (s, t).
 
 // ---- activations: rows quantized to int8 in blocks of 32 ---------------------------------------
 // xq (M, K) int8; dx (M, K/32): each block's scale; sx (M, K/32): dx * sum(xq) of the block;
@@ -134,19 +138,46 @@ void quantize_rows(const T* x, int64_t M, int64_t K, int8_t* xq, float* dx, floa
 
 // Q4S, Q8S: as Q4, Q8, their steps after the scales (and minimums).
 
-enum class Format : int64_t { Q4 = 4, Q8 = 8, Q4S = 20, Q8S = 24, Q8M = 28 };
-template <Format F> constexpr bool NIBBLES = F == Format::Q4 || F == Format::Q4S;  // else bytes
+enum class Format : int64_t { Q4 = 4, Q8 = 8, Q4S = 20, Q8S = 24, Q8M = 28, Q4K = 52 };
+template <Format F> constexpr bool NIBBLES = F == Format::Q4 || F == Format::Q4S || F == Format::Q4K;  // else bytes
 template <Format F> constexpr bool OFFSET = F == Format::Q8 || F == Format::Q8S;   // bytes b = code + 128
 template <Format F> constexpr bool HAS_MIN = !OFFSET<F>;
-template <Format F> constexpr bool STEPPED = F == Format::Q4S || F == Format::Q8S || F == Format::Q8M;
-template <Format F> constexpr bool STEP_AND_MIN = F == Format::Q4S || F == Format::Q8M;  // s and t
+template <Format F> constexpr bool STEP_AND_MIN = F == Format::Q4S || F == Format::Q8M || F == Format::Q4K;  // s and t
+template <Format F> constexpr bool STEPPED = STEP_AND_MIN<F> || F == Format::Q8S;
+template <Format F> constexpr bool PER_SUPER = F == Format::Q4K;  // d and m once per super-block
 
 // Within a block: the codes, then the 16 columns' scales d, then their minimums m, float16, then
 // the steps: s then t, or Q8S's s of the first half then of the second.
 template <Format F> constexpr int64_t SCALES_AT = NIBBLES<F> ? 256 : 512;
 template <Format F> constexpr int64_t MINS_AT = SCALES_AT<F> + 32;
 template <Format F> constexpr int64_t STEPS_AT = MINS_AT<F> + (HAS_MIN<F> ? 32 : 0);
-template <Format F> constexpr int64_t BLOCK_BYTES = STEPS_AT<F> + (STEPPED<F> ? 32 : 0);
+template <Format F> constexpr int64_t BLOCK_BYTES = PER_SUPER<F> ? 256 + 32 : STEPS_AT<F> + (STEPPED<F> ? 32 : 0);
+// Q4K's super-block: d and m (64 bytes), then its 8 blocks, each its codes and then its steps s
+// and t.
+constexpr int64_t Q4K_HEADER = 64, Q4K_SUPER = Q4K_HEADER + SUPER * BLOCK_BYTES<Format::Q4K>;
+
+// A column block's bytes over KB k blocks (a multiple of SUPER where the format has super-blocks).
+template <Format F> constexpr int64_t column_bytes(int64_t KB) {
+  return PER_SUPER<F> ? KB / SUPER * Q4K_SUPER : KB * BLOCK_BYTES<F>;
+}
+
+// Where k block kb's codes, its 16 scales d (float16; their minimums m follow them) and its steps
+// start in its column block. (kb counted unsigned: a division and a remainder by SUPER are then a
+// shift and a mask, where a signed one takes more instructions in the kernel's busiest loop.)
+struct Offsets {
+  int64_t codes, scales, steps;
+};
+template <Format F> constexpr Offsets offsets(int64_t kb) {
+  if constexpr (PER_SUPER<F>) {
+    const uint64_t k = uint64_t(kb);
+    const int64_t super = int64_t(k / SUPER) * Q4K_SUPER;
+    const int64_t codes = super + Q4K_HEADER + int64_t(k % SUPER) * BLOCK_BYTES<F>;
+    return {codes, super, codes + 256};
+  } else {
+    const int64_t codes = kb * BLOCK_BYTES<F>;
+    return {codes, codes + SCALES_AT<F>, codes + STEPS_AT<F>};
+  }
+}
 
 // fn(std::integral_constant<Format, F>) for the run-time format; false for an unknown one.
 template <typename Fn> bool with_format(int64_t format, Fn&& fn) {
@@ -156,14 +187,19 @@ template <typename Fn> bool with_format(int64_t format, Fn&& fn) {
     case 20: fn(std::integral_constant<Format, Format::Q4S>{}); return true;
     case 24: fn(std::integral_constant<Format, Format::Q8S>{}); return true;
     case 28: fn(std::integral_constant<Format, Format::Q8M>{}); return true;
+    case 52: fn(std::integral_constant<Format, Format::Q4K>{}); return true;
     default: return false;
   }
 }
 
-// A block's bytes at run time (0: no such format).
-inline int64_t block_bytes(int64_t format) {
+// A column block's bytes at run time over KB k blocks (0: no such format, or KB does not split
+// into its super-blocks).
+inline int64_t column_block_bytes(int64_t format, int64_t KB) {
   int64_t bytes = 0;
-  with_format(format, [&](auto f) { bytes = BLOCK_BYTES<decltype(f)::value>; });
+  with_format(format, [&](auto f) {
+    constexpr Format F = decltype(f)::value;
+    if (!PER_SUPER<F> || KB % SUPER == 0) bytes = column_bytes<F>(KB);
+  });
   return bytes;
 }
 
@@ -184,18 +220,37 @@ inline float half_at(const uint8_t* p) {
   return half_to_float(bits);
 }
 
-// Column j's scale for the codes of half h of a block (d, times s or s_h where stepped) and its
-// minimum (m, times t where stepped; the formats with one): each an exact product.
-template <Format F> inline float scale_at(const uint8_t* block, int64_t j, int64_t h) {
-  const float d = half_at(block + SCALES_AT<F> + 2 * j);
-  if constexpr (STEP_AND_MIN<F>) return d * float(block[STEPS_AT<F> + j]);
-  if constexpr (F == Format::Q8S) return d * float(int8_t(block[STEPS_AT<F> + HALF * h + j]));
+// Column j's scale for the codes of half h of k block kb (d, times s or s_h where stepped) and its
+// minimum (m, times t where stepped; the formats with one): each an exact product. `column`: the
+// column block's first byte.
+template <Format F> inline float scale_at(const uint8_t* column, int64_t kb, int64_t j, int64_t h) {
+  const Offsets at = offsets<F>(kb);
+  const float d = half_at(column + at.scales + 2 * j);
+  if constexpr (STEP_AND_MIN<F>) return d * float(column[at.steps + j]);
+  if constexpr (F == Format::Q8S) return d * float(int8_t(column[at.steps + HALF * h + j]));
   return d;
 }
-template <Format F> inline float min_at(const uint8_t* block, int64_t j) {
-  const float m = half_at(block + MINS_AT<F> + 2 * j);
-  return STEP_AND_MIN<F> ? m * float(block[STEPS_AT<F> + NBLOCK + j]) : m;
+template <Format F> inline float min_at(const uint8_t* column, int64_t kb, int64_t j) {
+  const Offsets at = offsets<F>(kb);
+  const float m = half_at(column + at.scales + 32 + 2 * j);
+  return STEP_AND_MIN<F> ? m * float(column[at.steps + NBLOCK + j]) : m;
 }
+
+#if EMBER_AVX512 || EMBER_AVX2
+
+// The kb-th of the KB equal shares of each of `count` column blocks from `next` (k block kb where
+// the blocks are all alike; an eighth of a Q4K super-block), fetched into L2 line by line.
+// (Inlined: left to itself, the compiler kept Q4K's prefetches out of the kernel's loop.)
+template <Format F>
+__attribute__((always_inline)) inline void prefetch_share(const uint8_t* next, int64_t column, int count, int64_t kb) {
+  constexpr int64_t SHARE = PER_SUPER<F> ? Q4K_SUPER / SUPER : BLOCK_BYTES<F>;
+  const int64_t first = kb * SHARE / 64 * 64, end = (kb + 1) * SHARE;
+  for (int c = 0; c < count; ++c)
+    for (int64_t line = first; line < end; line += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(next + c * column + line), _MM_HINT_T1);
+}
+
+#endif
 
 #if EMBER_AVX512
 
@@ -219,7 +274,6 @@ template <Format F, int MR, int NB, typename T>
 inline void tile(const uint8_t* w, int64_t KB, int64_t nb0, int64_t N, const int8_t* xq, const float* dx,
                  const float* sx, const int32_t* qsum, const int32_t* qlow, int64_t K, int64_t m0, T* y,
                  const float* start, const uint8_t* next) {
-  constexpr int64_t BYTES = BLOCK_BYTES<F>;
   __m512 acc[MR][NB];
   for (int r = 0; r < MR; ++r)
     for (int c = 0; c < NB; ++c) {
@@ -228,21 +282,26 @@ inline void tile(const uint8_t* w, int64_t KB, int64_t nb0, int64_t N, const int
                                    : _mm512_maskz_loadu_ps(first_lanes(N - n0), start + (m0 + r) * N + n0);
     }
   const __m512i low = _mm512_set1_epi8(0x0f);
+  const int64_t column = column_bytes<F>(KB);
   for (int64_t kb = 0; kb < KB; ++kb) {
     __m512i dots[MR][NB];
     for (int r = 0; r < MR; ++r)
       for (int c = 0; c < NB; ++c) dots[r][c] = _mm512_setzero_si512();
     const int32_t* xk[MR];
     for (int r = 0; r < MR; ++r) xk[r] = reinterpret_cast<const int32_t*>(xq + (m0 + r) * K + kb * QBLOCK);
-    if (next != nullptr)
-      for (int c = 0; c < NB; ++c)
-        for (int64_t line = 0; line < BYTES; line += 64)
-          _mm_prefetch(reinterpret_cast<const char*>(next + (c * KB + kb) * BYTES + line), _MM_HINT_T1);
+    const Offsets at = offsets<F>(kb);
+    const uint8_t *blocks[NB], *scales[NB], *steps[NB];
+    for (int c = 0; c < NB; ++c) {
+      blocks[c] = w + (nb0 + c) * column + at.codes;
+      scales[c] = w + (nb0 + c) * column + at.scales;
+      steps[c] = w + (nb0 + c) * column + at.steps;
+    }
+    if (next != nullptr) prefetch_share<F>(next, column, NB, kb);
     if constexpr (NIBBLES<F>) {
       for (int p = 0; p < 4; ++p) {
         __m512i lo[NB], hi[NB];
         for (int c = 0; c < NB; ++c) {
-          const __m512i packed = _mm512_loadu_si512(w + ((nb0 + c) * KB + kb) * BYTES + p * 64);
+          const __m512i packed = _mm512_loadu_si512(blocks[c] + p * 64);
           lo[c] = _mm512_and_si512(packed, low);
           hi[c] = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low);
         }
@@ -259,7 +318,7 @@ inline void tile(const uint8_t* w, int64_t KB, int64_t nb0, int64_t N, const int
       for (int h = 0; h < HALVES; ++h) {
         for (int g = h * 8 / HALVES; g < (h + 1) * 8 / HALVES; ++g) {
           __m512i b[NB];
-          for (int c = 0; c < NB; ++c) b[c] = _mm512_loadu_si512(w + ((nb0 + c) * KB + kb) * BYTES + g * 64);
+          for (int c = 0; c < NB; ++c) b[c] = _mm512_loadu_si512(blocks[c] + g * 64);
           for (int r = 0; r < MR; ++r) {
             const __m512i xa = _mm512_set1_epi32(xk[r][g]);
             for (int c = 0; c < NB; ++c) dots[r][c] = _mm512_dpbusd_epi32(dots[r][c], b[c], xa);
@@ -267,9 +326,8 @@ inline void tile(const uint8_t* w, int64_t KB, int64_t nb0, int64_t N, const int
         }
         if constexpr (F == Format::Q8S) {
           for (int c = 0; c < NB; ++c) {
-            const uint8_t* block = w + ((nb0 + c) * KB + kb) * BYTES;
-            const __m512 d = _mm512_mul_ps(load_halves(block + SCALES_AT<F>),
-                                           load_steps(block + STEPS_AT<F> + HALF * h, true));
+            const __m512 d = _mm512_mul_ps(load_halves(scales[c]),
+                                           load_steps(steps[c] + HALF * h, true));
             for (int r = 0; r < MR; ++r) {
               const int64_t row = (m0 + r) * KB + kb;
               const int32_t codes_sum = h == 0 ? qlow[row] : qsum[row] - qlow[row];
@@ -284,12 +342,11 @@ inline void tile(const uint8_t* w, int64_t KB, int64_t nb0, int64_t N, const int
     }
     if constexpr (F != Format::Q8S) {
       for (int c = 0; c < NB; ++c) {
-        const uint8_t* block = w + ((nb0 + c) * KB + kb) * BYTES;
-        __m512 d = load_halves(block + SCALES_AT<F>);
-        __m512 mins = HAS_MIN<F> ? load_halves(block + MINS_AT<F>) : _mm512_setzero_ps();
+        __m512 d = load_halves(scales[c]);
+        __m512 mins = HAS_MIN<F> ? load_halves(scales[c] + 32) : _mm512_setzero_ps();
         if constexpr (STEP_AND_MIN<F>) {
-          d = _mm512_mul_ps(d, load_steps(block + STEPS_AT<F>, false));
-          mins = _mm512_mul_ps(mins, load_steps(block + STEPS_AT<F> + NBLOCK, false));
+          d = _mm512_mul_ps(d, load_steps(steps[c], false));
+          mins = _mm512_mul_ps(mins, load_steps(steps[c] + NBLOCK, false));
         }
         for (int r = 0; r < MR; ++r) {
           const int64_t row = (m0 + r) * KB + kb;
@@ -366,7 +423,6 @@ inline __m256 load_steps(const uint8_t* p, bool is_signed) {
 template <Format F, int MR, int H, int HALVES, typename T>
 inline void tile(const uint8_t* w, int64_t KB, int64_t nb, int64_t N, const int8_t* xq, const float* dx,
                  const float* sx, int64_t K, int64_t m0, T* y, const float* start, const uint8_t* next) {
-  constexpr int64_t BYTES = BLOCK_BYTES<F>;
   __m256 acc[MR][HALVES];
   const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
   for (int r = 0; r < MR; ++r)
@@ -376,13 +432,14 @@ inline void tile(const uint8_t* w, int64_t KB, int64_t nb, int64_t N, const int8
       acc[r][h] = start == nullptr ? _mm256_setzero_ps() : _mm256_maskload_ps(start + (m0 + r) * N + n0, inside);
     }
   const __m256i low = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
+  const int64_t column = column_bytes<F>(KB);
   for (int64_t kb = 0; kb < KB; ++kb) {
-    const uint8_t* block = w + (nb * KB + kb) * BYTES;
+    const Offsets at = offsets<F>(kb);
+    const uint8_t *block = w + nb * column + at.codes, *scales = w + nb * column + at.scales,
+                  *steps = w + nb * column + at.steps;
     const int32_t* xk[MR];
     for (int r = 0; r < MR; ++r) xk[r] = reinterpret_cast<const int32_t*>(xq + (m0 + r) * K + kb * QBLOCK);
-    if (next != nullptr)
-      for (int64_t line = 0; line < BYTES; line += 64)
-        _mm_prefetch(reinterpret_cast<const char*>(next + kb * BYTES + line), _MM_HINT_T1);
+    if (next != nullptr) prefetch_share<F>(next, column, 1, kb);
 #pragma GCC unroll 2
     for (int h = 0; h < HALVES; ++h) {
       const int64_t half = (H + h) * 32;  // the half's bytes in each 64 of codes
@@ -427,8 +484,8 @@ inline void tile(const uint8_t* w, int64_t KB, int64_t nb, int64_t N, const int8
             }
           }
           if constexpr (F == Format::Q8S) {
-            const __m256 d = _mm256_mul_ps(load_halves(block + SCALES_AT<F> + (H + h) * 16),
-                                           load_steps(block + STEPS_AT<F> + HALF * k_half + (H + h) * 8, true));
+            const __m256 d = _mm256_mul_ps(load_halves(scales + (H + h) * 16),
+                                           load_steps(steps + HALF * k_half + (H + h) * 8, true));
             for (int r = 0; r < MR; ++r) {
               const int64_t row = (m0 + r) * KB + kb;
               const __m256 scale = _mm256_mul_ps(d, _mm256_set1_ps(dx[row]));
@@ -439,11 +496,11 @@ inline void tile(const uint8_t* w, int64_t KB, int64_t nb, int64_t N, const int8
         }
       }
       if constexpr (F != Format::Q8S) {
-        __m256 d = load_halves(block + SCALES_AT<F> + (H + h) * 16);
-        __m256 mins = HAS_MIN<F> ? load_halves(block + MINS_AT<F> + (H + h) * 16) : _mm256_setzero_ps();
+        __m256 d = load_halves(scales + (H + h) * 16);
+        __m256 mins = HAS_MIN<F> ? load_halves(scales + 32 + (H + h) * 16) : _mm256_setzero_ps();
         if constexpr (STEP_AND_MIN<F>) {
-          d = _mm256_mul_ps(d, load_steps(block + STEPS_AT<F> + (H + h) * 8, false));
-          mins = _mm256_mul_ps(mins, load_steps(block + STEPS_AT<F> + NBLOCK + (H + h) * 8, false));
+          d = _mm256_mul_ps(d, load_steps(steps + (H + h) * 8, false));
+          mins = _mm256_mul_ps(mins, load_steps(steps + NBLOCK + (H + h) * 8, false));
         }
         for (int r = 0; r < MR; ++r) {
           const int64_t row = (m0 + r) * KB + kb;
@@ -499,21 +556,21 @@ template <Format F, typename T>
 void columns_plain(const uint8_t* w, int64_t KB, int64_t nb_begin, int64_t nb_end, int64_t N, const int8_t* xq,
                    const float* dx, const float* sx, const int32_t* qsum, int64_t K, int64_t M, T* y,
                    const float* start) {
-  constexpr int64_t BYTES = BLOCK_BYTES<F>;
   for (int64_t m = 0; m < M; ++m) {
     for (int64_t nb = nb_begin; nb < nb_end; ++nb) {
+      const uint8_t* column = w + nb * column_bytes<F>(KB);
       for (int64_t j = 0; j < NBLOCK && nb * NBLOCK + j < N; ++j) {
         float acc = start == nullptr ? 0.f : start[m * N + nb * NBLOCK + j];
         for (int64_t kb = 0; kb < KB; ++kb) {
-          const uint8_t* block = w + (nb * KB + kb) * BYTES;
+          const uint8_t* block = column + offsets<F>(kb).codes;
           const int8_t* xk = xq + m * K + kb * QBLOCK;
           constexpr int64_t SPAN = F == Format::Q8S ? HALF : QBLOCK;  // the codes one scale covers
           for (int64_t h = 0; h < QBLOCK / SPAN; ++h) {
             int32_t dot = 0;
             for (int64_t k = h * SPAN; k < (h + 1) * SPAN; ++k) dot += code_at<F>(block, j, k) * int32_t(xk[k]);
-            acc = std::fma(float(dot), scale_at<F>(block, j, h) * dx[m * KB + kb], acc);
+            acc = std::fma(float(dot), scale_at<F>(column, kb, j, h) * dx[m * KB + kb], acc);
           }
-          if constexpr (HAS_MIN<F>) acc = std::fma(min_at<F>(block, j), sx[m * KB + kb], acc);
+          if constexpr (HAS_MIN<F>) acc = std::fma(min_at<F>(column, kb, j), sx[m * KB + kb], acc);
         }
         y[m * N + nb * NBLOCK + j] = from_float<T>(acc);
       }
@@ -540,22 +597,27 @@ void linear_impl(const T* x, const uint8_t* w, int64_t M, int64_t K, int64_t N, 
   const int64_t pairs = (NBS + 1) / 2;
   at::parallel_for(0, pairs, 1, [&](int64_t begin, int64_t end) {
     const int64_t nb_begin = begin * 2, nb_end = std::min(end * 2, NBS);
+    [[maybe_unused]] const int64_t column = column_bytes<F>(KB);
 #if EMBER_AVX512
-    constexpr int64_t BYTES = BLOCK_BYTES<F>;
     int64_t nb = nb_begin;
     for (; nb + 2 <= nb_end; nb += 2)  // a pair fetches the next pair, when there is one
       column_blocks<F, 2>(w, KB, nb, N, xq, dx, sx, qsum, qlow, K, M, y, start,
-                          nb + 4 <= nb_end ? w + (nb + 2) * KB * BYTES : nullptr);
+                          nb + 4 <= nb_end ? w + (nb + 2) * column : nullptr);
     if (nb < nb_end)
       column_blocks<F, 1>(w, KB, nb, N, xq, dx, sx, qsum, qlow, K, M, y, start, nullptr);
 #elif EMBER_AVX2
-    constexpr int64_t BYTES = BLOCK_BYTES<F>;
     for (int64_t nb = nb_begin; nb < nb_end; ++nb)  // a block fetches the next, when there is one
-      column_block<F>(w, KB, nb, N, xq, dx, sx, K, M, y, start, nb + 1 < nb_end ? w + (nb + 1) * KB * BYTES : nullptr);
+      column_block<F>(w, KB, nb, N, xq, dx, sx, K, M, y, start, nb + 1 < nb_end ? w + (nb + 1) * column : nullptr);
 #else
     columns_plain<F>(w, KB, nb_begin, nb_end, N, xq, dx, sx, qsum, K, M, y, start);
 #endif
   });
+}
+
+void check_packed(const at::Tensor& packed, int64_t K, int64_t N, int64_t format) {
+  const int64_t bytes = column_block_bytes(format, K / QBLOCK);
+  TORCH_CHECK(bytes > 0, "unknown block format ", format, " (or in_features not in its super-blocks)");
+  TORCH_CHECK(packed.numel() == (N + NBLOCK - 1) / NBLOCK * bytes, "packed weights of the wrong size");
 }
 
 at::Tensor quantized_linear(const at::Tensor& x, const at::Tensor& packed, int64_t out_features, int64_t format) {
@@ -563,9 +625,7 @@ at::Tensor quantized_linear(const at::Tensor& x, const at::Tensor& packed, int64
   TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous(), "packed weights must be contiguous bytes");
   const int64_t M = x.size(0), K = x.size(1), N = out_features;
   TORCH_CHECK(K % QBLOCK == 0, "in_features must be a multiple of 32");
-  const int64_t bytes = block_bytes(format);
-  TORCH_CHECK(bytes > 0, "unknown block format ", format);
-  TORCH_CHECK(packed.numel() == (N + NBLOCK - 1) / NBLOCK * (K / QBLOCK) * bytes, "packed weights of the wrong size");
+  check_packed(packed, K, N, format);
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat, "x must be bfloat16 or float32");
   auto y = at::empty({M, N}, x.options());
   if (M == 0) return y;
@@ -588,9 +648,7 @@ void quantized_linear_accumulate_(const at::Tensor& x, const at::Tensor& packed,
   TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous(), "packed weights must be contiguous bytes");
   const int64_t M = x.size(0), K = x.size(1), N = out_features;
   TORCH_CHECK(K % QBLOCK == 0, "in_features must be a multiple of 32");
-  TORCH_CHECK(block_bytes(format) > 0, "unknown block format ", format);
-  TORCH_CHECK(packed.numel() == (N + NBLOCK - 1) / NBLOCK * (K / QBLOCK) * block_bytes(format),
-              "packed weights of the wrong size");
+  check_packed(packed, K, N, format);
   TORCH_CHECK(sums.scalar_type() == at::kFloat && sums.is_contiguous() && sums.dim() == 2 && sums.size(0) == M &&
                   sums.size(1) == N, "sums must be a contiguous (rows, out_features) float32 tensor");
   if (M == 0) return;
@@ -604,12 +662,11 @@ void quantized_linear_accumulate_(const at::Tensor& x, const at::Tensor& packed,
 // its scale (and a minimum) are computed as QuantBlocks.dequantize computes them: its bits.
 template <Format F, typename T>
 void dequantize_row(const uint8_t* column_block, int64_t j, int64_t KB, T* out) {
-  constexpr int64_t BYTES = BLOCK_BYTES<F>;
   for (int64_t kb = 0; kb < KB; ++kb, out += QBLOCK) {
-    const uint8_t* block = column_block + kb * BYTES;
-    const float m = HAS_MIN<F> ? min_at<F>(block, j) : 0.f;
+    const uint8_t* block = column_block + offsets<F>(kb).codes;
+    const float m = HAS_MIN<F> ? min_at<F>(column_block, kb, j) : 0.f;
     for (int64_t k = 0; k < QBLOCK; ++k) {
-      const float w = float(code_at<F>(block, j, k)) * scale_at<F>(block, j, k / HALF);
+      const float w = float(code_at<F>(block, j, k)) * scale_at<F>(column_block, kb, j, k / HALF);
       out[k] = from_float<T>(HAS_MIN<F> ? w + m : w);
     }
   }
@@ -618,13 +675,13 @@ void dequantize_row(const uint8_t* column_block, int64_t j, int64_t KB, T* out) 
 // ids (T,) int64 -> (T, in_features) in `dtype` (bfloat16 or float32).
 at::Tensor block_rows(const at::Tensor& packed, const at::Tensor& ids, int64_t in_features, int64_t format,
                       at::ScalarType dtype) {
-  TORCH_CHECK(block_bytes(format) > 0, "unknown block format ", format);
   TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous() && packed.dim() == 3,
-              "packed weights must be contiguous (column blocks, k blocks, bytes)");
+              "packed weights must be contiguous (column blocks, k blocks or super-blocks, bytes)");
   TORCH_CHECK(ids.dim() == 1 && ids.scalar_type() == at::kLong, "ids must be (T,) int64");
-  const int64_t KB = in_features / QBLOCK, bytes = block_bytes(format);
-  TORCH_CHECK(in_features % QBLOCK == 0 && packed.size(1) == KB && packed.size(2) == bytes,
-              "packed weights of another shape or format");
+  TORCH_CHECK(in_features % QBLOCK == 0, "in_features must be a multiple of 32");
+  const int64_t KB = in_features / QBLOCK, bytes = column_block_bytes(format, KB);
+  TORCH_CHECK(bytes > 0, "unknown block format ", format, " (or in_features not in its super-blocks)");
+  TORCH_CHECK(packed.size(1) * packed.size(2) == bytes, "packed weights of another shape or format");
   auto out = at::empty({ids.size(0), in_features}, packed.options().dtype(dtype));
   const auto index = ids.contiguous();
   const int64_t* id = index.data_ptr<int64_t>();
@@ -635,7 +692,7 @@ at::Tensor block_rows(const at::Tensor& packed, const at::Tensor& ids, int64_t i
     using T = decltype(tag);
     T* o = static_cast<T*>(out.data_ptr());
     for (int64_t t = 0; t < ids.size(0); ++t) {
-      const uint8_t* column_block = w + (id[t] / NBLOCK) * KB * bytes;
+      const uint8_t* column_block = w + (id[t] / NBLOCK) * bytes;
       T* row = o + t * in_features;
       with_format(format, [&](auto f) { dequantize_row<decltype(f)::value>(column_block, id[t] % NBLOCK, KB, row); });
     }

@@ -32,6 +32,7 @@ import torch.nn.functional as F
 
 QBLOCK = 32  # weights per scale, along the input dimension
 _NBLOCK = 16  # output rows per packed column block of the kernel
+_SUPER = 8  # blocks per super-block (GGUF's K-quants: 256 weights)
 
 
 @dataclass
@@ -145,11 +146,26 @@ class QuantBlocks:
         return QuantBlocks(8, codes.to(torch.uint8).view(out, width), scales)
 
 
-def pack_blocks(blocks: QuantBlocks) -> torch.Tensor:
+def kernel_format(blocks: QuantBlocks) -> int:
+    """The layout the kernel gets: the blocks' format, or 52 for 4-bit blocks with steps whose
+    scale and minimum stay the same over each super-block of 8 blocks along every row (a Q4_K
+    tensor's), held once for the 8."""
+    if blocks.format != 20 or blocks.scales.shape[1] % _SUPER:
+        return blocks.format
+    def constant(values: torch.Tensor) -> bool:  # bit for bit: -0.0 is not 0.0 here
+        bits = values.view(torch.int16).view(values.shape[0], -1, _SUPER)
+        return bool((bits == bits[..., :1]).all())
+    return 52 if constant(blocks.scales) and constant(blocks.mins) else 20
+
+
+def pack_blocks(blocks: QuantBlocks, format: int | None = None) -> torch.Tensor:
     """The kernel's layout (see ember/kernels/linear.cpp): per column block of 16 output
     rows and k block of 32 inputs, the codes arranged for 4-byte dot products (4 bits: two codes
     a byte), then the 16 scales (and minimums) as float16, then any steps, a byte each.
-    (column blocks, k blocks, bytes) uint8."""
+    (column blocks, k blocks, bytes) uint8. Format 52 (`kernel_format`): per column block and
+    super-block, its 16 scales and minimums, then its 8 blocks' codes and steps:
+    (column blocks, super-blocks, bytes)."""
+    format = blocks.format if format is None else format
     out, width = blocks.shape
     padded = -(-out // _NBLOCK) * _NBLOCK
     pad = lambda t: F.pad(t, (0, 0, 0, padded - out))
@@ -161,12 +177,17 @@ def pack_blocks(blocks: QuantBlocks) -> torch.Tensor:
     codes = codes.permute(0, 2, 3, 1, 4).reshape(column_blocks, k_blocks, -1)
 
     def halves(values: torch.Tensor) -> torch.Tensor:
-        return pad(values).view(column_blocks, _NBLOCK, k_blocks).transpose(1, 2).contiguous().view(torch.uint8)
+        return pad(values).view(column_blocks, _NBLOCK, -1).transpose(1, 2).contiguous().view(torch.uint8)
 
     def steps(values: torch.Tensor, per_block: int) -> torch.Tensor:  # (out, blocks * per_block) bytes
         return (pad(values).view(column_blocks, _NBLOCK, k_blocks, per_block).permute(0, 2, 3, 1)
                 .contiguous().view(torch.uint8).reshape(column_blocks, k_blocks, -1))
 
+    if format == 52:
+        shape = (column_blocks, k_blocks // _SUPER, -1)
+        core = torch.cat([codes, steps(blocks.steps, 1), steps(blocks.min_steps, 1)], dim=-1).reshape(shape)
+        scales, mins = (halves(v[:, ::_SUPER]).reshape(shape) for v in (blocks.scales, blocks.mins))
+        return torch.cat([scales, mins, core], dim=-1).contiguous()
     parts = [codes, halves(blocks.scales)] + ([halves(blocks.mins)] if blocks.mins is not None else [])
     if blocks.min_steps is not None:
         parts += [steps(blocks.steps, 1), steps(blocks.min_steps, 1)]
@@ -232,9 +253,9 @@ class BlockWeights:
     continues_sums = True  # the kernel sums K's blocks in order, from zero or from the sums it is given
 
     def __init__(self, blocks: QuantBlocks, bias: torch.Tensor | None, dtype: torch.dtype) -> None:
-        self.bits, self.format = blocks.bits, blocks.format
+        self.bits, self.format = blocks.bits, kernel_format(blocks)
         self.name = f"int{blocks.bits} blocks" + (" with steps" if blocks.steps is not None else "")
-        self.packed = pack_blocks(blocks)
+        self.packed = pack_blocks(blocks, self.format)
         self.bias = bias
         self.out_features, self.in_features = blocks.shape
         self.dtype = dtype

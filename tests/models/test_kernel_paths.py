@@ -40,10 +40,11 @@ def avx2_ops():
 def check_vector_against_plain(vector_ops, plain_ops, format, dtype):
     generator = torch.Generator().manual_seed(format)
     # 200 outputs: a partial last column block; 13 column blocks: an odd one out of the pairs
-    weight = torch.randn(200, 320, generator=generator) * 0.05
+    weight = torch.randn(200, 512, generator=generator) * 0.05
     weight[3, :32] = 0  # an all-zero block: scale 0
     layer = BlockWeights(blocks_of_format(weight, format), None, dtype)
-    x = torch.randn(14, 320, generator=generator) * 3
+    assert layer.format == format
+    x = torch.randn(14, 512, generator=generator) * 3
     x[1, 32:64] = 0  # an all-zero activation block
     x[2, :32] *= 100  # codes at the int8 limits
     x = x.to(dtype)
@@ -52,8 +53,8 @@ def check_vector_against_plain(vector_ops, plain_ops, format, dtype):
         plain = plain_ops.quantized_linear(x[:rows], layer.packed, 200, format)
         assert torch.equal(vector, plain), rows
     ids = torch.tensor([0, 3, 15, 16, 199])
-    assert torch.equal(vector_ops.block_rows(layer.packed, ids, 320, format, dtype),
-                       plain_ops.block_rows(layer.packed, ids, 320, format, dtype))
+    assert torch.equal(vector_ops.block_rows(layer.packed, ids, 512, format, dtype),
+                       plain_ops.block_rows(layer.packed, ids, 512, format, dtype))
 
 
 @pytest.mark.parametrize("format", FORMATS)
@@ -72,12 +73,14 @@ def test_sums_continued_across_block_edges_give_one_calls_bits(plain_ops, format
     """Tensor parallelism's row-parallel layers: consecutive slices of K, the first summed from
     zero and each next one continuing the sums, against one call over all of K."""
     generator = torch.Generator().manual_seed(format)
-    blocks = blocks_of_format(torch.randn(200, 320, generator=generator) * 0.05, format)
-    x = torch.randn(14, 320, generator=generator) * 3
-    cuts = [0, 64, 96, 320]  # slices of 2, 1 and 7 blocks
+    blocks = blocks_of_format(torch.randn(200, 768, generator=generator) * 0.05, format)
+    x = torch.randn(14, 768, generator=generator) * 3
+    # slices of 2, 1 and 21 blocks; of whole super-blocks where the format has them
+    cuts = [0, 256, 512, 768] if format == 52 else [0, 64, 96, 768]
     slices = [BlockWeights(blocks.narrow_blocks(a // 32, b // 32), None, torch.float32)
               for a, b in zip(cuts, cuts[1:])]
     whole = BlockWeights(blocks, None, torch.float32)
+    assert {part.format for part in slices} == {whole.format} == {format}
     assert torch.equal(torch.cat([part.packed for part in slices], dim=1), whole.packed)
     for ops in (torch.ops.ember, plain_ops):
         for rows in (1, 3, 5, 6, 14):

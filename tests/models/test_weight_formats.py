@@ -10,7 +10,8 @@ from reference_attention import ReferenceAttention
 
 from ember import kernels
 from ember.models.layers import Linear, RowPlan, linear, prepare_linears
-from ember.models.weights import BlockWeights, DenseWeights, PackedBF16Weights, QuantBlocks
+from ember.models.weights import (BlockWeights, DenseWeights, PackedBF16Weights, QuantBlocks, kernel_format,
+                                  pack_blocks)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -18,7 +19,7 @@ def _kernels():
     assert kernels.available(), kernels.status()  # the suite needs a C++ compiler (see README)
 
 
-def _weights(out=200, width=192, seed=0):
+def _weights(out=200, width=512, seed=0):
     generator = torch.Generator().manual_seed(seed)
     return torch.randn(out, width, generator=generator) * 0.05
 
@@ -39,7 +40,7 @@ def _block_reference(x: torch.Tensor, blocks: QuantBlocks) -> torch.Tensor:
 def test_quantized_blocks_round_trip_within_half_a_step(bits):
     w = _weights()
     blocks = QuantBlocks.quantize(w, bits)
-    assert blocks.codes.dtype == torch.uint8 and blocks.scales.shape == (200, 6)
+    assert blocks.codes.dtype == torch.uint8 and blocks.scales.shape == (200, 16)
     step = blocks.scales.float().repeat_interleave(32, dim=1)
     assert ((blocks.dequantize() - w).abs() <= 0.5 * step + 1e-6).all()
 
@@ -49,7 +50,8 @@ def test_quantized_blocks_round_trip_within_half_a_step(bits):
 def test_block_kernel_computes_the_block_arithmetic(format, dtype):
     blocks = blocks_of_format(_weights(out=200), format)  # 200 rows: a partial last column block
     layer = BlockWeights(blocks, None, dtype)
-    x = torch.randn(9, 192).to(dtype)
+    assert layer.format == format
+    x = torch.randn(9, 512).to(dtype)
     expected = _block_reference(x.float(), blocks)
     got = layer.matmul(x)
     assert got.dtype == dtype and got.shape == (9, 200)
@@ -94,9 +96,32 @@ def test_a_tied_table_is_looked_up_from_its_blocks(format, dtype):
     layer = BlockWeights(blocks, None, dtype)
     ids = torch.tensor([0, 15, 16, 17, 99, 16])
     assert torch.equal(layer.rows(ids), blocks.dequantize()[ids].to(dtype))
-    assert layer.rows(ids[:0]).shape == (0, 192)
+    assert layer.rows(ids[:0]).shape == (0, 512)
     with pytest.raises(RuntimeError, match="outside the table"):
         layer.rows(torch.tensor([112]))  # past the last column block's padding
+
+
+def test_one_scale_per_super_block_is_a_layout_not_a_change_of_bits():
+    """Q4_K's blocks (steps, one scale and minimum per 8 blocks) are held with those once per 8
+    (format 52): 4.625 bits a weight against 5.5, and the same bits as format 20 in every path.
+    Blocks whose scales differ within a super-block, or a width that does not split into
+    super-blocks, keep format 20."""
+    blocks = blocks_of_format(_weights(out=200, width=768), 52)
+    compact, stepped = BlockWeights(blocks, None, torch.bfloat16), BlockWeights(blocks, None, torch.bfloat16)
+    stepped.format, stepped.packed = 20, pack_blocks(blocks, 20)
+    assert compact.format == 52 and compact.packed.numel() * 8 / (208 * 768) == 4.625
+    assert stepped.packed.numel() * 8 / (208 * 768) == 5.5
+    x = (torch.randn(9, 768) * 3).to(torch.bfloat16)
+    assert torch.equal(compact.matmul(x), stepped.matmul(x))
+    ids = torch.tensor([0, 17, 199])
+    assert torch.equal(compact.rows(ids), stepped.rows(ids))
+    sums = [torch.zeros(9, 200), torch.zeros(9, 200)]
+    compact.accumulate(x, sums[0]), stepped.accumulate(x, sums[1])
+    assert torch.equal(*sums)
+    varied = QuantBlocks(4, blocks.codes, blocks.scales.clone(), blocks.mins, blocks.steps, blocks.min_steps)
+    varied.scales[5, 9] = varied.scales[5, 8] * 2
+    assert kernel_format(varied) == 20 and kernel_format(blocks.narrow_blocks(0, 12)) == 20
+    assert kernel_format(blocks.narrow_blocks(8, 24)) == 52
 
 
 def test_fused_shards_and_row_selection_keep_every_row():
@@ -126,7 +151,7 @@ def test_fused_shards_of_several_formats_share_one():
     assert torch.equal(mixed.dequantize()[24:], values[24:])
     assert ((mixed.dequantize()[:24] - values[:24]).abs() <= 0.5 * step + 1e-7).all()
     layer = BlockWeights(mixed, None, torch.float32)
-    x = torch.randn(3, 192)
+    x = torch.randn(3, 512)
     torch.testing.assert_close(layer.matmul(x), _block_reference(x, mixed).float(), rtol=1e-5, atol=1e-5)
 
 

@@ -1,0 +1,96 @@
+"""Q4_K weights in their two layouts, in one process: a scale and minimum with every block of 32
+(format 20, 5.5 bits a weight) against one per super-block of 256 (format 52, 4.625 bits).
+
+    python bench/q4_k_layout.py [--rows 1,4,16,128] [--rounds 20]
+
+One decode step's linear layers of a Qwen3-0.6B-shaped model (28 layers: q/k/v, o, gate/up and
+down, all Q4_K as a Q4_K_M file holds most of them), random weights with 6-bit steps, bfloat16
+rows. The layouts are timed in alternation, in a new random order each round; the table gives
+each one's median time for the step's layers, the median of the per-round ratios and whether
+every output has the same bits (it must: the layout changes no arithmetic). Each layout's weights
+lie side by side on huge pages, as the engine places a model's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import time
+
+import torch
+
+from ember import kernels
+from ember.engine.host_memory import move_to_huge_pages
+from ember.models.weights import BlockWeights, QuantBlocks, pack_blocks
+
+LAYERS = 28
+SHAPES = ((4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072))  # (out_features, in_features)
+
+
+def q4_k_blocks(out: int, width: int, generator: torch.Generator) -> QuantBlocks:
+    """Q4_K-like blocks: codes 0..15, 6-bit steps, a scale and minimum per row and super-block."""
+    blocks, supers = width // 32, width // 256
+    per_super = lambda t: t.repeat_interleave(8, dim=1)
+    scales = per_super((torch.rand(out, supers, generator=generator) * 1e-3 + 1e-4).to(torch.float16))
+    mins = per_super((-torch.rand(out, supers, generator=generator) * 1e-3).to(torch.float16))
+    return QuantBlocks(4, torch.randint(0, 16, (out, width), generator=generator, dtype=torch.uint8), scales, mins,
+                       torch.randint(1, 64, (out, blocks), generator=generator, dtype=torch.uint8),
+                       torch.randint(0, 64, (out, blocks), generator=generator, dtype=torch.uint8))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", default="1,4,16,128")
+    parser.add_argument("--rounds", type=int, default=20)
+    args = parser.parse_args()
+    assert kernels.available(), kernels.status()
+    generator = torch.Generator().manual_seed(0)
+    held: dict[int, list[BlockWeights]] = {20: [], 52: []}
+    for _ in range(LAYERS):
+        for n, k in SHAPES:
+            blocks = q4_k_blocks(n, k, generator)
+            for format, layers in held.items():
+                layer = BlockWeights(blocks, None, torch.bfloat16)
+                assert layer.format == 52
+                layer.format, layer.packed = format, pack_blocks(blocks, format)
+                layers.append(layer)
+    for layers in held.values():
+        move_to_huge_pages(layers, "packed")
+    layouts = {format: [(layer.packed, layer.out_features, layer.in_features) for layer in layers]
+               for format, layers in held.items()}
+    size = {format: sum(p.numel() for p, _, _ in layers) for format, layers in layouts.items()}
+    weights = sum(n * k for n, k in SHAPES) * LAYERS
+    print(f"{LAYERS} layers, {weights / 1e6:.0f} M weights: "
+          + ", ".join(f"format {f} {size[f] / 1e6:.1f} MB ({size[f] * 8 / weights:.3f} bits a weight)" for f in size))
+    widest = max(k for _, k in SHAPES)
+
+    def step(format: int, x: torch.Tensor) -> tuple[float, list[torch.Tensor]]:
+        inputs = {k: x[:, :k].contiguous() for _, k in SHAPES}
+        began = time.perf_counter()
+        outputs = [torch.ops.ember.quantized_linear(inputs[k], packed, n, format) for packed, n, k in layouts[format]]
+        return time.perf_counter() - began, outputs
+
+    print(f"one step's linear layers, bfloat16 rows; median of {args.rounds} rounds")
+    print("| rows | format 20 (ms) | format 52 (ms) | 52 / 20 | same bits |")
+    print("| --- | --- | --- | --- | --- |")
+    for rows in map(int, args.rows.split(",")):
+        x = torch.randn(rows, widest, generator=generator).to(torch.bfloat16)
+        times: dict[int, list[float]] = {20: [], 52: []}
+        same = True
+        for format in layouts:  # warm up
+            step(format, x)
+        for _ in range(args.rounds):
+            order = list(layouts)
+            random.shuffle(order)
+            results = {format: step(format, x) for format in order}
+            for format, (seconds, _) in results.items():
+                times[format].append(seconds)
+            same &= all(torch.equal(a, b) for a, b in zip(results[20][1], results[52][1]))
+        ratio = statistics.median(b / a for a, b in zip(times[20], times[52]))
+        print(f"| {rows} | {statistics.median(times[20]) * 1e3:.2f} | {statistics.median(times[52]) * 1e3:.2f} "
+              f"| {ratio:.3f} | {'yes' if same else 'NO'} |")
+
+
+if __name__ == "__main__":
+    main()
