@@ -1,6 +1,6 @@
 // Block-quantized linear layers: y = x W^T with W in ember's 4- or 8-bit blocks (models/weights.py).
 //
-// Six block formats (the `format` argument, BlockWeights.format in models/weights.py), a block being
+// Seven block formats (the `format` argument, BlockWeights.format in models/weights.py), a block being
 // 32 weights of one column along K:
 //   Q4  (4):  w = d * q + m, q in 0..15 (GGUF's Q4_0 and Q4_1 exactly)
 //   Q8  (8):  w = d * (b - 128) (Q8_0 and Q5_0 exactly)
@@ -8,6 +8,8 @@
 //             of its super-block, its sub-block's 6-bit scale and minimum)
 //   Q8S (24): w = d * s_h * (b - 128), a signed step s_h for each half h of 16 (Q6_K exactly)
 //   Q8M (28): w = d * s * q + m * t, q in 0..127 in a byte (Q5_K and Q5_1 exactly)
+//   Q8SM (40): w = d * s_h * (b - 128) + m * t: any of the others exactly (a fused projection's
+//             parts in formats of both families, as a Q4_K_M file's Q4_K queries beside Q6_K values)
 //   Q4K (52): Q4S whose d and m are the same for 8 blocks in a row (a Q4_K super-block of 256),
 //             held once before the 8 (4.625 bits a weight against Q4S's 5.5 and Q4_K's 4.5)
 // d, m are float16; d * s and m * t are exact in float32, so a step costs no rounding.
@@ -31,10 +33,11 @@ namespace {
 
 constexpr int64_t QBLOCK = 32;         // weights and activations are quantized in blocks of 32 along K
 constexpr int64_t NBLOCK = 16;         // output columns per packed column block
-constexpr int64_t HALF = 16;           // a Q8S step covers half a block
+constexpr int64_t HALF = 16;           // a Q8S or Q8SM step covers half a block
 constexpr int64_t SUPER = 8;           // Q4K's k blocks per super-block
 // Per (column block, k block): the codes (nibbles, or bytes), d (fp16 x16), m where the format has
-// one (fp16 x16), then the steps: s and t (u8 x16 each), or Q8S's s of each half (i8 x16 each).
+// one (fp16 x16), then the steps: s and t (u8 x16 each), or the s of each half (i8 x16 each; Q8S,
+// and Q8SM with its t after them).
 // Q4K, per (column block, super-block): d and m, then its 8 k blocks' codes and steps (s, t).
 
 // ---- activations: rows quantized to int8 in blocks of 32 ---------------------------------------
@@ -138,20 +141,25 @@ void quantize_rows(const T* x, int64_t M, int64_t K, int8_t* xq, float* dx, floa
 
 // Q4S, Q8S: as Q4, Q8, their steps after the scales (and minimums).
 
-enum class Format : int64_t { Q4 = 4, Q8 = 8, Q4S = 20, Q8S = 24, Q8M = 28, Q4K = 52 };
+enum class Format : int64_t { Q4 = 4, Q8 = 8, Q4S = 20, Q8S = 24, Q8M = 28, Q8SM = 40, Q4K = 52 };
 template <Format F> constexpr bool NIBBLES = F == Format::Q4 || F == Format::Q4S || F == Format::Q4K;  // else bytes
-template <Format F> constexpr bool OFFSET = F == Format::Q8 || F == Format::Q8S;   // bytes b = code + 128
-template <Format F> constexpr bool HAS_MIN = !OFFSET<F>;
+// bytes b = code + 128
+template <Format F> constexpr bool OFFSET = F == Format::Q8 || F == Format::Q8S || F == Format::Q8SM;
+template <Format F> constexpr bool HALF_STEPS = F == Format::Q8S || F == Format::Q8SM;  // a signed s for each half
+template <Format F> constexpr bool HAS_MIN = !OFFSET<F> || F == Format::Q8SM;
 template <Format F> constexpr bool STEP_AND_MIN = F == Format::Q4S || F == Format::Q8M || F == Format::Q4K;  // s and t
-template <Format F> constexpr bool STEPPED = STEP_AND_MIN<F> || F == Format::Q8S;
+template <Format F> constexpr bool MIN_STEP = STEP_AND_MIN<F> || F == Format::Q8SM;  // t
+template <Format F> constexpr bool STEPPED = STEP_AND_MIN<F> || HALF_STEPS<F>;
 template <Format F> constexpr bool PER_SUPER = F == Format::Q4K;  // d and m once per super-block
 
 // Within a block: the codes, then the 16 columns' scales d, then their minimums m, float16, then
-// the steps: s then t, or Q8S's s of the first half then of the second.
+// the steps: s then t, or the s of the first half then of the second (then t).
 template <Format F> constexpr int64_t SCALES_AT = NIBBLES<F> ? 256 : 512;
 template <Format F> constexpr int64_t MINS_AT = SCALES_AT<F> + 32;
 template <Format F> constexpr int64_t STEPS_AT = MINS_AT<F> + (HAS_MIN<F> ? 32 : 0);
-template <Format F> constexpr int64_t BLOCK_BYTES = PER_SUPER<F> ? 256 + 32 : STEPS_AT<F> + (STEPPED<F> ? 32 : 0);
+template <Format F> constexpr int64_t MIN_STEPS_AT = HALF_STEPS<F> ? 2 * NBLOCK : NBLOCK;  // t, from the steps
+template <Format F> constexpr int64_t BLOCK_BYTES =
+    PER_SUPER<F> ? 256 + 32 : STEPS_AT<F> + (STEPPED<F> ? 32 : 0) + (F == Format::Q8SM ? NBLOCK : 0);
 // Q4K's super-block: d and m (64 bytes), then its 8 blocks, each its codes and then its steps s
 // and t.
 constexpr int64_t Q4K_HEADER = 64, Q4K_SUPER = Q4K_HEADER + SUPER * BLOCK_BYTES<Format::Q4K>;
@@ -187,6 +195,7 @@ template <typename Fn> bool with_format(int64_t format, Fn&& fn) {
     case 20: fn(std::integral_constant<Format, Format::Q4S>{}); return true;
     case 24: fn(std::integral_constant<Format, Format::Q8S>{}); return true;
     case 28: fn(std::integral_constant<Format, Format::Q8M>{}); return true;
+    case 40: fn(std::integral_constant<Format, Format::Q8SM>{}); return true;
     case 52: fn(std::integral_constant<Format, Format::Q4K>{}); return true;
     default: return false;
   }
@@ -203,7 +212,7 @@ inline int64_t column_block_bytes(int64_t format, int64_t KB) {
   return bytes;
 }
 
-// Column j's code k of a block: q of the nibble formats and Q8M, b - 128 of Q8 and Q8S.
+// Column j's code k of a block: q of the nibble formats and Q8M, b - 128 of the others.
 template <Format F> inline int32_t code_at(const uint8_t* block, int64_t j, int64_t k) {
   const int64_t g = k / 4, i = k % 4;
   if constexpr (NIBBLES<F>) {
@@ -227,13 +236,13 @@ template <Format F> inline float scale_at(const uint8_t* column, int64_t kb, int
   const Offsets at = offsets<F>(kb);
   const float d = half_at(column + at.scales + 2 * j);
   if constexpr (STEP_AND_MIN<F>) return d * float(column[at.steps + j]);
-  if constexpr (F == Format::Q8S) return d * float(int8_t(column[at.steps + HALF * h + j]));
+  if constexpr (HALF_STEPS<F>) return d * float(int8_t(column[at.steps + HALF * h + j]));
   return d;
 }
 template <Format F> inline float min_at(const uint8_t* column, int64_t kb, int64_t j) {
   const Offsets at = offsets<F>(kb);
   const float m = half_at(column + at.scales + 32 + 2 * j);
-  return STEP_AND_MIN<F> ? m * float(column[at.steps + NBLOCK + j]) : m;
+  return MIN_STEP<F> ? m * float(column[at.steps + MIN_STEPS_AT<F> + j]) : m;
 }
 
 #if EMBER_AVX512 || EMBER_AVX2
@@ -313,8 +322,8 @@ inline void tile(const uint8_t* w, int64_t KB, int64_t nb0, int64_t N, const int
           }
         }
       }
-    } else {  // Q8S sums each half apart, with its own step; Q8 and Q8M the block at once
-      constexpr int HALVES = F == Format::Q8S ? 2 : 1;
+    } else {  // Q8S and Q8SM sum each half apart, with its own step; Q8 and Q8M the block at once
+      constexpr int HALVES = HALF_STEPS<F> ? 2 : 1;
       for (int h = 0; h < HALVES; ++h) {
         for (int g = h * 8 / HALVES; g < (h + 1) * 8 / HALVES; ++g) {
           __m512i b[NB];
@@ -324,7 +333,7 @@ inline void tile(const uint8_t* w, int64_t KB, int64_t nb0, int64_t N, const int
             for (int c = 0; c < NB; ++c) dots[r][c] = _mm512_dpbusd_epi32(dots[r][c], b[c], xa);
           }
         }
-        if constexpr (F == Format::Q8S) {
+        if constexpr (HALF_STEPS<F>) {
           for (int c = 0; c < NB; ++c) {
             const __m512 d = _mm512_mul_ps(load_halves(scales[c]),
                                            load_steps(steps[c] + HALF * h, true));
@@ -340,13 +349,19 @@ inline void tile(const uint8_t* w, int64_t KB, int64_t nb0, int64_t N, const int
         }
       }
     }
-    if constexpr (F != Format::Q8S) {
+    if constexpr (HALF_STEPS<F> && HAS_MIN<F>) {  // Q8SM's minimum, after the halves
+      for (int c = 0; c < NB; ++c) {
+        const __m512 mins = _mm512_mul_ps(load_halves(scales[c] + 32), load_steps(steps[c] + MIN_STEPS_AT<F>, false));
+        for (int r = 0; r < MR; ++r)
+          acc[r][c] = _mm512_fmadd_ps(mins, _mm512_set1_ps(sx[(m0 + r) * KB + kb]), acc[r][c]);
+      }
+    } else if constexpr (!HALF_STEPS<F>) {
       for (int c = 0; c < NB; ++c) {
         __m512 d = load_halves(scales[c]);
         __m512 mins = HAS_MIN<F> ? load_halves(scales[c] + 32) : _mm512_setzero_ps();
         if constexpr (STEP_AND_MIN<F>) {
           d = _mm512_mul_ps(d, load_steps(steps[c], false));
-          mins = _mm512_mul_ps(mins, load_steps(steps[c] + NBLOCK, false));
+          mins = _mm512_mul_ps(mins, load_steps(steps[c] + MIN_STEPS_AT<F>, false));
         }
         for (int r = 0; r < MR; ++r) {
           const int64_t row = (m0 + r) * KB + kb;
@@ -464,8 +479,8 @@ inline void tile(const uint8_t* w, int64_t KB, int64_t nb, int64_t N, const int8
           for (int p = 0; p < 4; ++p) pairs(p);
         }
         for (int r = 0; r < MR; ++r) dots[r] = _mm256_madd_epi16(dots[r], ones);
-      } else {  // Q8S sums each half of the block apart, with its own step; Q8 and Q8M the block at once
-        constexpr int HALVES_K = F == Format::Q8S ? 2 : 1;
+      } else {  // Q8S and Q8SM sum each half of the block apart, with its own step; Q8 and Q8M at once
+        constexpr int HALVES_K = HALF_STEPS<F> ? 2 : 1;
         for (int k_half = 0; k_half < HALVES_K; ++k_half) {
           for (int g = k_half * 8 / HALVES_K; g < (k_half + 1) * 8 / HALVES_K; ++g) {
             const __m256i codes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + g * 64 + half));
@@ -483,7 +498,7 @@ inline void tile(const uint8_t* w, int64_t KB, int64_t nb, int64_t N, const int8
               }
             }
           }
-          if constexpr (F == Format::Q8S) {
+          if constexpr (HALF_STEPS<F>) {
             const __m256 d = _mm256_mul_ps(load_halves(scales + (H + h) * 16),
                                            load_steps(steps + HALF * k_half + (H + h) * 8, true));
             for (int r = 0; r < MR; ++r) {
@@ -495,12 +510,17 @@ inline void tile(const uint8_t* w, int64_t KB, int64_t nb, int64_t N, const int8
           }
         }
       }
-      if constexpr (F != Format::Q8S) {
+      if constexpr (HALF_STEPS<F> && HAS_MIN<F>) {  // Q8SM's minimum, after the halves
+        const __m256 mins = _mm256_mul_ps(load_halves(scales + 32 + (H + h) * 16),
+                                          load_steps(steps + MIN_STEPS_AT<F> + (H + h) * 8, false));
+        for (int r = 0; r < MR; ++r)
+          acc[r][h] = _mm256_fmadd_ps(mins, _mm256_set1_ps(sx[(m0 + r) * KB + kb]), acc[r][h]);
+      } else if constexpr (!HALF_STEPS<F>) {
         __m256 d = load_halves(scales + (H + h) * 16);
         __m256 mins = HAS_MIN<F> ? load_halves(scales + 32 + (H + h) * 16) : _mm256_setzero_ps();
         if constexpr (STEP_AND_MIN<F>) {
           d = _mm256_mul_ps(d, load_steps(steps + (H + h) * 8, false));
-          mins = _mm256_mul_ps(mins, load_steps(steps + NBLOCK + (H + h) * 8, false));
+          mins = _mm256_mul_ps(mins, load_steps(steps + MIN_STEPS_AT<F> + (H + h) * 8, false));
         }
         for (int r = 0; r < MR; ++r) {
           const int64_t row = (m0 + r) * KB + kb;
@@ -564,7 +584,7 @@ void columns_plain(const uint8_t* w, int64_t KB, int64_t nb_begin, int64_t nb_en
         for (int64_t kb = 0; kb < KB; ++kb) {
           const uint8_t* block = column + offsets<F>(kb).codes;
           const int8_t* xk = xq + m * K + kb * QBLOCK;
-          constexpr int64_t SPAN = F == Format::Q8S ? HALF : QBLOCK;  // the codes one scale covers
+          constexpr int64_t SPAN = HALF_STEPS<F> ? HALF : QBLOCK;  // the codes one scale covers
           for (int64_t h = 0; h < QBLOCK / SPAN; ++h) {
             int32_t dot = 0;
             for (int64_t k = h * SPAN; k < (h + 1) * SPAN; ++k) dot += code_at<F>(block, j, k) * int32_t(xk[k]);

@@ -10,10 +10,11 @@ format once the checkpoint is loaded (`prepare_linears`).
   without a reorder of the whole weight at every call.
 - BlockWeights: ember's block-quantized layouts for its CPU kernel
   (ember.kernels): 4-bit codes with a float16 scale and minimum per 32 weights (GGUF's Q4_0 and
-  Q4_1 map onto it exactly; Q4_K with integer steps), or 8-bit codes with a float16 scale per 32
-  (Q8_0 and Q5_0 exactly; Q6_K with a step per half block; Q5_K and Q5_1 with a minimum and
-  steps). Activations are quantized per row in blocks of 32 inside the kernel, so a layer reads 5
-  to 9.5 bits per weight instead of 16, and its results are batch-invariant by construction.
+  Q4_1 map onto it exactly; Q4_K with integer steps, its scale and minimum once per 256), or 8-bit
+  codes with a float16 scale per 32 (Q8_0 and Q5_0 exactly; Q6_K with a step per half block; Q5_K
+  and Q5_1 with a minimum and steps; a fused layer of mixed parts with both). Activations are
+  quantized per row in blocks of 32 inside the kernel, so a layer reads 4.6 to 9.75 bits per
+  weight instead of 16, and its results are batch-invariant by construction.
 
 Dense and packed results depend on the row plan (models.layers.RowPlan); block formats do not.
 
@@ -42,16 +43,17 @@ class QuantBlocks:
     4 bits: w = scale * code + min, code in 0..15; with steps (GGUF's Q4_K),
     w = scale * step * code + min * min_step. 8 bits: w = scale * (code - 128); with steps (Q6_K),
     a signed step for each half of 16: w = scale * step_h * (code - 128); or with a minimum and
-    steps (Q5_K, Q5_1), w = scale * step * code + min * min_step, code in 0..127. A scale (or
-    minimum) times its integer step is exact in float32: the steps hold a file's sub-block scales
-    without a rounding. `format` names the kernel's layout (ember/kernels/linear.cpp).
+    steps (Q5_K, Q5_1), w = scale * step * code + min * min_step, code in 0..127; or with both
+    (`with_half_steps_and_min`: any of the others), w = scale * step_h * (code - 128) + min * min_step.
+    A scale (or minimum) times its integer step is exact in float32: the steps hold a file's
+    sub-block scales without a rounding. `format` names the kernel's layout (ember/kernels/linear.cpp).
     """
 
     bits: int
     codes: torch.Tensor  # (out, in) uint8
     scales: torch.Tensor  # (out, in // 32) float16
     mins: torch.Tensor | None = None  # (out, in // 32) float16: 4 bits, or 8 bits with min_steps
-    steps: torch.Tensor | None = None  # (out, in // 32) uint8, or for 8 bits without a minimum (out, in // 16) int8
+    steps: torch.Tensor | None = None  # (out, in // 32) uint8, or the halves' (out, in // 16) int8 (8 bits)
     min_steps: torch.Tensor | None = None  # (out, in // 32) uint8, where both mins and steps are
 
     @property
@@ -60,14 +62,19 @@ class QuantBlocks:
 
     @property
     def format(self) -> int:
-        """The kernel's format: 4 or 8; 20 or 24 with steps; 28 with steps and a minimum (8 bits)."""
+        """The kernel's format: 4 or 8; 20 or 24 with steps; 28 with steps and a minimum (8 bits);
+        40 with the halves' steps and a minimum."""
         if self.steps is None:
             return self.bits
-        return 28 if self.bits == 8 and self.mins is not None else self.bits + 16
+        if self.bits == 4:
+            return 20
+        if self._half_steps:
+            return 24 if self.mins is None else 40
+        return 28
 
     @property
     def _half_steps(self) -> bool:
-        return self.format == 24
+        return self.steps is not None and self.steps.dtype == torch.int8
 
     def _parts(self) -> tuple[torch.Tensor | None, ...]:
         return self.scales, self.mins, self.steps, self.min_steps
@@ -84,10 +91,12 @@ class QuantBlocks:
         scales = self.scales.float().repeat_interleave(QBLOCK // span, dim=1)
         if self.steps is not None:
             scales = scales * self.steps.float()
+        if self.bits == 8 and (self.mins is None or self._half_steps):
+            codes = codes - 128
         if self.mins is None:
-            return ((codes - 128) * scales[..., None]).view(out, width)
+            return (codes * scales[..., None]).view(out, width)
         mins = self.mins.float() if self.min_steps is None else self.mins.float() * self.min_steps.float()
-        return (codes * scales[..., None] + mins[..., None]).view(out, width)
+        return (codes * scales[..., None] + mins.repeat_interleave(QBLOCK // span, dim=1)[..., None]).view(out, width)
 
     def select_rows(self, index: torch.Tensor | slice) -> "QuantBlocks":
         return self._with_parts(self.codes[index], [None if p is None else p[index] for p in self._parts()])
@@ -112,14 +121,41 @@ class QuantBlocks:
             return QuantBlocks(4, self.codes, self.scales, self.mins, ones, ones.clone())
         return QuantBlocks(8, self.codes, self.scales, None, torch.ones(out, 2 * blocks, dtype=torch.int8))
 
+    def with_half_steps_and_min(self) -> "QuantBlocks | None":
+        """The same weights in format 40 (8-bit codes, a signed step for each half, a minimum with
+        its step), exactly; None where a step does not fit a signed byte."""
+        if self.format == 40:
+            return self
+        out, blocks = self.scales.shape
+        if self._half_steps:
+            steps = self.steps
+        else:  # a step for the block, unsigned: both its halves take it
+            steps = torch.ones(out, blocks, dtype=torch.uint8) if self.steps is None else self.steps
+            if steps.max() > 127:
+                return None
+            steps = steps.to(torch.int8).repeat_interleave(2, dim=1)
+        offset = self.bits == 4 or self.mins is not None  # codes without 128 added
+        codes = (self.codes.to(torch.int16) + 128).to(torch.uint8) if offset else self.codes
+        if self.mins is None:
+            mins, min_steps = torch.zeros_like(self.scales), torch.zeros(out, blocks, dtype=torch.uint8)
+        else:
+            mins = self.mins
+            min_steps = torch.ones(out, blocks, dtype=torch.uint8) if self.min_steps is None else self.min_steps
+        return QuantBlocks(8, codes, self.scales, mins, steps, min_steps)
+
     @staticmethod
     def cat(parts: list["QuantBlocks"]) -> "QuantBlocks":
         """Stack along the output dimension (fused projections). Plain parts beside stepped ones of
         their family (4 and 20; 8 and 24) take steps of 1, exactly; parts of formats that share no
-        family are quantized to 8 bits again."""
+        family all go to format 40, exactly, or where a step does not fit it, are quantized to 8
+        bits again."""
         formats = {p.format for p in parts}
         if len(formats) > 1 and not (formats <= {4, 20} or formats <= {8, 24}):
-            parts = [p if p.format in (8, 24) else QuantBlocks.quantize(p.dequantize(), 8) for p in parts]
+            joined = [p.with_half_steps_and_min() for p in parts]
+            if all(p is not None for p in joined):
+                parts = joined
+            else:
+                parts = [p if p.format in (8, 24) else QuantBlocks.quantize(p.dequantize(), 8) for p in parts]
         if len({p.format for p in parts}) > 1:
             parts = [p.with_steps() for p in parts]
         stacked = [None if parts[0]._parts()[i] is None else torch.cat([p._parts()[i] for p in parts])
@@ -189,10 +225,10 @@ def pack_blocks(blocks: QuantBlocks, format: int | None = None) -> torch.Tensor:
         scales, mins = (halves(v[:, ::_SUPER]).reshape(shape) for v in (blocks.scales, blocks.mins))
         return torch.cat([scales, mins, core], dim=-1).contiguous()
     parts = [codes, halves(blocks.scales)] + ([halves(blocks.mins)] if blocks.mins is not None else [])
+    if blocks.steps is not None:  # the halves': each column's first halves, then its second halves
+        parts.append(steps(blocks.steps, 2 if blocks.steps.dtype == torch.int8 else 1))
     if blocks.min_steps is not None:
-        parts += [steps(blocks.steps, 1), steps(blocks.min_steps, 1)]
-    elif blocks.steps is not None:
-        parts.append(steps(blocks.steps, 2))  # each column's first halves, then its second halves
+        parts.append(steps(blocks.min_steps, 1))
     return torch.cat(parts, dim=-1).contiguous()
 
 

@@ -135,7 +135,7 @@ def test_fused_shards_and_row_selection_keep_every_row():
 def test_fused_shards_of_several_formats_share_one():
     """A GGUF's projections fused into one layer may come in several formats (Q4_K queries and
     keys beside Q6_K values): blocks of one width join with steps, exactly; 4-bit blocks beside
-    8-bit ones are quantized to 8 bits, within half an 8-bit step."""
+    8-bit ones go to 8-bit codes with the halves' steps and a minimum (format 40), exactly too."""
     plain4, stepped4 = blocks_of_format(_weights(out=40), 4), blocks_of_format(_weights(out=24, seed=1), 20)
     joined = QuantBlocks.cat([plain4, stepped4])
     assert joined.format == 20
@@ -144,15 +144,26 @@ def test_fused_shards_of_several_formats_share_one():
     joined = QuantBlocks.cat([plain8, stepped8])
     assert joined.format == 24
     assert torch.equal(joined.dequantize(), torch.cat((plain8.dequantize(), stepped8.dequantize())))
-    mixed = QuantBlocks.cat([stepped4, stepped8])
-    assert mixed.format == 24
-    values = torch.cat((stepped4.dequantize(), stepped8.dequantize()))
-    step = QuantBlocks.quantize(stepped4.dequantize(), 8).scales.float().repeat_interleave(32, dim=1)
-    assert torch.equal(mixed.dequantize()[24:], values[24:])
-    assert ((mixed.dequantize()[:24] - values[:24]).abs() <= 0.5 * step + 1e-7).all()
+    parts = [blocks_of_format(_weights(out=16 + 8 * i, seed=i), format) for i, format in enumerate(FORMATS)]
+    mixed = QuantBlocks.cat(parts)
+    assert mixed.format == 40
+    assert torch.equal(mixed.dequantize(), torch.cat([part.dequantize() for part in parts]))
     layer = BlockWeights(mixed, None, torch.float32)
     x = torch.randn(3, 512)
     torch.testing.assert_close(layer.matmul(x), _block_reference(x, mixed).float(), rtol=1e-5, atol=1e-5)
+
+
+def test_parts_whose_steps_do_not_fit_format_40_are_quantized_to_8_bits():
+    """A block's unsigned step past 127 (not a GGUF file's: theirs have 6 bits) has no signed
+    byte in format 40: such a mix is quantized to plain 8-bit blocks, within half a step."""
+    wide = blocks_of_format(_weights(out=24, seed=1), 20)
+    wide.steps[0, 0] = 200
+    values = torch.cat((wide.dequantize(), blocks_of_format(_weights(out=40), 24).dequantize()))
+    mixed = QuantBlocks.cat([wide, blocks_of_format(_weights(out=40), 24)])
+    assert mixed.format == 24
+    step = QuantBlocks.quantize(wide.dequantize(), 8).scales.float().repeat_interleave(32, dim=1)
+    assert torch.equal(mixed.dequantize()[24:], values[24:])
+    assert ((mixed.dequantize()[:24] - values[:24]).abs() <= 0.5 * step + 1e-7).all()
 
 
 def test_packed_bfloat16_gives_the_dense_bits_in_calls_of_up_to_32_rows():
