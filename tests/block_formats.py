@@ -3,13 +3,14 @@ tests that run every format: 4 and 8 are quantized as ember quantizes; 20, 24 an
 as GGUF's Q4_K, Q6_K and Q5_K are held) take random integer steps, their scales divided to keep
 the weights' size; 52 is 20 with one scale and minimum per super-block of 8 blocks, as a Q4_K
 tensor's (its width must be a multiple of 256 for the kernel to take that layout); 40 is 24 with a
-minimum and its step as well (fused projections of mixed families)."""
+minimum and its step as well (fused projections of mixed families); 44 is 24 with codes of 6 bits,
+as a Q6_K tensor's."""
 
 import torch
 
 from ember.models.weights import QuantBlocks
 
-FORMATS = [4, 8, 20, 24, 28, 40, 52]
+FORMATS = [4, 8, 20, 24, 28, 40, 44, 52]
 
 
 def blocks_of_format(weight: torch.Tensor, format: int, seed: int = 0) -> QuantBlocks:
@@ -30,6 +31,9 @@ def blocks_of_format(weight: torch.Tensor, format: int, seed: int = 0) -> QuantB
             scales, mins = per_super_block(scales), per_super_block(mins)
         return QuantBlocks(4, blocks.codes, scales, mins, steps, min_steps)
     steps = torch.randint(-128, 128, (out, 2 * count), generator=generator, dtype=torch.int8)  # signed, as Q6_K's
+    if format == 44:  # 6-bit codes q, held as q + 96, and scales to keep the weights' size
+        codes = (blocks.codes.to(torch.int16) - 128).div(4, rounding_mode="floor").clamp(-32, 31) + 128
+        return QuantBlocks(8, codes.to(torch.uint8), (scales.float() * 4).to(torch.float16), None, steps)
     if format == 40:
         mins = (scales.float() * torch.randn(out, count, generator=generator) * 100).to(torch.float16)
         min_steps = torch.randint(0, 64, (out, count), generator=generator, dtype=torch.uint8)

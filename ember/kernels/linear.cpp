@@ -1,12 +1,13 @@
 // Block-quantized linear layers: y = x W^T with W in ember's 4- or 8-bit blocks (models/weights.py).
 //
-// Seven block formats (the `format` argument, BlockWeights.format in models/weights.py), a block being
+// Eight block formats (the `format` argument, BlockWeights.format in models/weights.py), a block being
 // 32 weights of one column along K:
 //   Q4  (4):  w = d * q + m, q in 0..15 (GGUF's Q4_0 and Q4_1 exactly)
 //   Q8  (8):  w = d * (b - 128) (Q8_0 and Q5_0 exactly)
 //   Q4S (20): w = d * s * q + m * t with integer steps s, t in 0..255 (Q4_K exactly: d and -dmin
 //             of its super-block, its sub-block's 6-bit scale and minimum)
 //   Q8S (24): w = d * s_h * (b - 128), a signed step s_h for each half h of 16 (Q6_K exactly)
+//   Q6S (44): Q8S with 6-bit codes, w = d * s_h * (q - 32) (Q6_K exactly, in 7 bits a weight)
 //   Q8M (28): w = d * s * q + m * t, q in 0..127 in a byte (Q5_K and Q5_1 exactly)
 //   Q8SM (40): w = d * s_h * (b - 128) + m * t: any of the others exactly (a fused projection's
 //             parts in formats of both families, as a Q4_K_M file's Q4_K queries beside Q6_K values)
@@ -35,10 +36,12 @@ constexpr int64_t QBLOCK = 32;         // weights and activations are quantized 
 constexpr int64_t NBLOCK = 16;         // output columns per packed column block
 constexpr int64_t HALF = 16;           // a Q8S or Q8SM step covers half a block
 constexpr int64_t SUPER = 8;           // Q4K's k blocks per super-block
+constexpr int64_t UNPACK_ROWS = 24;    // past these rows, Q6S and Q4K column blocks are unpacked once (below)
 // Per (column block, k block): the codes (nibbles, or bytes), d (fp16 x16), m where the format has
 // one (fp16 x16), then the steps: s and t (u8 x16 each), or the s of each half (i8 x16 each; Q8S,
 // and Q8SM with its t after them).
 // Q4K, per (column block, super-block): d and m, then its 8 k blocks' codes and steps (s, t).
+// Q6S: the codes' low 4 bits as Q4's nibbles, then their high 2 bits (128 bytes), d, the steps.
 
 // ---- activations: rows quantized to int8 in blocks of 32 ---------------------------------------
 // xq (M, K) int8; dx (M, K/32): each block's scale; sx (M, K/32): dx * sum(xq) of the block;
@@ -141,11 +144,13 @@ void quantize_rows(const T* x, int64_t M, int64_t K, int8_t* xq, float* dx, floa
 
 // Q4S, Q8S: as Q4, Q8, their steps after the scales (and minimums).
 
-enum class Format : int64_t { Q4 = 4, Q8 = 8, Q4S = 20, Q8S = 24, Q8M = 28, Q8SM = 40, Q4K = 52 };
+enum class Format : int64_t { Q4 = 4, Q8 = 8, Q4S = 20, Q8S = 24, Q8M = 28, Q8SM = 40, Q6S = 44, Q4K = 52 };
 template <Format F> constexpr bool NIBBLES = F == Format::Q4 || F == Format::Q4S || F == Format::Q4K;  // else bytes
-// bytes b = code + 128
-template <Format F> constexpr bool OFFSET = F == Format::Q8 || F == Format::Q8S || F == Format::Q8SM;
-template <Format F> constexpr bool HALF_STEPS = F == Format::Q8S || F == Format::Q8SM;  // a signed s for each half
+// The stored code of a zero: bytes b = code + 128, Q6S's q = code + 32; the others unsigned
+template <Format F> constexpr int32_t ZERO =
+    F == Format::Q8 || F == Format::Q8S || F == Format::Q8SM ? 128 : F == Format::Q6S ? 32 : 0;
+template <Format F> constexpr bool OFFSET = ZERO<F> != 0;
+template <Format F> constexpr bool HALF_STEPS = F == Format::Q8S || F == Format::Q8SM || F == Format::Q6S;  // s_h
 template <Format F> constexpr bool HAS_MIN = !OFFSET<F> || F == Format::Q8SM;
 template <Format F> constexpr bool STEP_AND_MIN = F == Format::Q4S || F == Format::Q8M || F == Format::Q4K;  // s and t
 template <Format F> constexpr bool MIN_STEP = STEP_AND_MIN<F> || F == Format::Q8SM;  // t
@@ -154,7 +159,7 @@ template <Format F> constexpr bool PER_SUPER = F == Format::Q4K;  // d and m onc
 
 // Within a block: the codes, then the 16 columns' scales d, then their minimums m, float16, then
 // the steps: s then t, or the s of the first half then of the second (then t).
-template <Format F> constexpr int64_t SCALES_AT = NIBBLES<F> ? 256 : 512;
+template <Format F> constexpr int64_t SCALES_AT = NIBBLES<F> ? 256 : F == Format::Q6S ? 256 + 128 : 512;
 template <Format F> constexpr int64_t MINS_AT = SCALES_AT<F> + 32;
 template <Format F> constexpr int64_t STEPS_AT = MINS_AT<F> + (HAS_MIN<F> ? 32 : 0);
 template <Format F> constexpr int64_t MIN_STEPS_AT = HALF_STEPS<F> ? 2 * NBLOCK : NBLOCK;  // t, from the steps
@@ -196,6 +201,7 @@ template <typename Fn> bool with_format(int64_t format, Fn&& fn) {
     case 24: fn(std::integral_constant<Format, Format::Q8S>{}); return true;
     case 28: fn(std::integral_constant<Format, Format::Q8M>{}); return true;
     case 40: fn(std::integral_constant<Format, Format::Q8SM>{}); return true;
+    case 44: fn(std::integral_constant<Format, Format::Q6S>{}); return true;
     case 52: fn(std::integral_constant<Format, Format::Q4K>{}); return true;
     default: return false;
   }
@@ -212,14 +218,23 @@ inline int64_t column_block_bytes(int64_t format, int64_t KB) {
   return bytes;
 }
 
-// Column j's code k of a block: q of the nibble formats and Q8M, b - 128 of the others.
+// Where Q6S's high bits of group g (codes 4g to 4g + 3) lie: in the 64 bytes at 256 + 64 * (g % 4 / 2),
+// each byte holding 2 bits of groups 2k, 2k + 4, 2k + 1 and 2k + 5 (k = g % 4 / 2) from its low end.
+constexpr int high_bits_shift(int g) { return (g % 2) * 4 + (g < 4 ? 0 : 2); }
+
+// Column j's code k of a block: q of the nibble formats and Q8M, less the zero's code in the others.
 template <Format F> inline int32_t code_at(const uint8_t* block, int64_t j, int64_t k) {
   const int64_t g = k / 4, i = k % 4;
-  if constexpr (NIBBLES<F>) {
+  if constexpr (NIBBLES<F> || F == Format::Q6S) {
     const uint8_t byte = block[(g % 4) * 64 + j * 4 + i];
-    return g < 4 ? (byte & 0x0f) : (byte >> 4);
+    const int32_t low = g < 4 ? (byte & 0x0f) : (byte >> 4);
+    if constexpr (F == Format::Q6S) {
+      const uint8_t high = block[256 + (g % 4 / 2) * 64 + j * 4 + i];
+      return (low | ((high >> high_bits_shift(int(g))) & 3) << 4) - ZERO<F>;
+    }
+    return low;
   } else {
-    return int32_t(block[g * 64 + j * 4 + i]) - (OFFSET<F> ? 128 : 0);
+    return int32_t(block[g * 64 + j * 4 + i]) - ZERO<F>;
   }
 }
 
@@ -267,14 +282,36 @@ inline __m512 load_halves(const uint8_t* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 
+// Q6S's codes of group g, 64 of them (4 of each of 16 columns), as bytes 0 to 63.
+template <int g> inline __m512i six_bit_codes(const uint8_t* block) {
+  const __m512i nibbles = _mm512_loadu_si512(block + (g % 4) * 64);
+  const __m512i low = _mm512_and_si512(g < 4 ? nibbles : _mm512_srli_epi16(nibbles, 4), _mm512_set1_epi8(0x0f));
+  const __m512i high = _mm512_loadu_si512(block + 256 + (g % 4 / 2) * 64);
+  constexpr int shift = high_bits_shift(g);  // the group's 2 bits, moved to bits 4 and 5
+  const __m512i moved = shift <= 4 ? _mm512_slli_epi16(high, 4 - shift) : _mm512_srli_epi16(high, shift - 4);
+  return _mm512_or_si512(low, _mm512_and_si512(moved, _mm512_set1_epi8(0x30)));
+}
+inline __m512i six_bit_codes(const uint8_t* block, int g) {  // g known once the caller's loop unrolls
+  switch (g) {
+    case 0: return six_bit_codes<0>(block);
+    case 1: return six_bit_codes<1>(block);
+    case 2: return six_bit_codes<2>(block);
+    case 3: return six_bit_codes<3>(block);
+    case 4: return six_bit_codes<4>(block);
+    case 5: return six_bit_codes<5>(block);
+    case 6: return six_bit_codes<6>(block);
+    default: return six_bit_codes<7>(block);
+  }
+}
+
 // 16 steps as floats: unsigned (Q4S) or signed (Q8S) bytes.
 inline __m512 load_steps(const uint8_t* p, bool is_signed) {
   const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   return _mm512_cvtepi32_ps(is_signed ? _mm512_cvtepi8_epi32(bytes) : _mm512_cvtepu8_epi32(bytes));
 }
 
-// Rows [m0, m0 + MR) against column blocks [nb0, nb0 + NB); accumulators stay in registers.
-// `next` (or nullptr): the NB column blocks the thread takes after these, fetched into L2 (L1
+// Rows [m0, m0 + MR) against column blocks [nb0, nb0 + NB), whose bytes start at `w` (column block
+// nb0's); accumulators stay in registers. `next` (or nullptr): the NB column blocks the thread takes after these, fetched into L2 (L1
 // keeps the blocks in use) block by block as the tile goes along K. Without it memory idles while
 // a tile computes from L1 and the next tile then waits on memory: the time is the sum of the two
 // rather than the larger.
@@ -301,9 +338,9 @@ inline void tile(const uint8_t* w, int64_t KB, int64_t nb0, int64_t N, const int
     const Offsets at = offsets<F>(kb);
     const uint8_t *blocks[NB], *scales[NB], *steps[NB];
     for (int c = 0; c < NB; ++c) {
-      blocks[c] = w + (nb0 + c) * column + at.codes;
-      scales[c] = w + (nb0 + c) * column + at.scales;
-      steps[c] = w + (nb0 + c) * column + at.steps;
+      blocks[c] = w + c * column + at.codes;
+      scales[c] = w + c * column + at.scales;
+      steps[c] = w + c * column + at.steps;
     }
     if (next != nullptr) prefetch_share<F>(next, column, NB, kb);
     if constexpr (NIBBLES<F>) {
@@ -327,7 +364,8 @@ inline void tile(const uint8_t* w, int64_t KB, int64_t nb0, int64_t N, const int
       for (int h = 0; h < HALVES; ++h) {
         for (int g = h * 8 / HALVES; g < (h + 1) * 8 / HALVES; ++g) {
           __m512i b[NB];
-          for (int c = 0; c < NB; ++c) b[c] = _mm512_loadu_si512(blocks[c] + g * 64);
+          for (int c = 0; c < NB; ++c)
+            b[c] = F == Format::Q6S ? six_bit_codes(blocks[c], g) : _mm512_loadu_si512(blocks[c] + g * 64);
           for (int r = 0; r < MR; ++r) {
             const __m512i xa = _mm512_set1_epi32(xk[r][g]);
             for (int c = 0; c < NB; ++c) dots[r][c] = _mm512_dpbusd_epi32(dots[r][c], b[c], xa);
@@ -340,7 +378,7 @@ inline void tile(const uint8_t* w, int64_t KB, int64_t nb0, int64_t N, const int
             for (int r = 0; r < MR; ++r) {
               const int64_t row = (m0 + r) * KB + kb;
               const int32_t codes_sum = h == 0 ? qlow[row] : qsum[row] - qlow[row];
-              const __m512i dot = _mm512_sub_epi32(dots[r][c], _mm512_set1_epi32(128 * codes_sum));
+              const __m512i dot = _mm512_sub_epi32(dots[r][c], _mm512_set1_epi32(ZERO<F> * codes_sum));
               const __m512 scale = _mm512_mul_ps(d, _mm512_set1_ps(dx[row]));
               acc[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, acc[r][c]);
               dots[r][c] = _mm512_setzero_si512();
@@ -386,7 +424,7 @@ inline void tile(const uint8_t* w, int64_t KB, int64_t nb0, int64_t N, const int
   }
 }
 
-// Column blocks [nb, nb + NB) against every row, in tiles of four rows; a remainder of one or two
+// Column blocks [nb, nb + NB) (their bytes from `w`) against every row, in tiles of four rows; a remainder of one or two
 // joins the first tile (five or six rows) rather than taking a pass of its own, which would unpack
 // the weights once more for it, and a remainder of three takes the last tile. The blocks' weights
 // stay in L1 while the rows pass, and each tile unpacks them once (a few rows, as in a drafted
@@ -413,10 +451,55 @@ inline void column_blocks(const uint8_t* w, int64_t KB, int64_t nb, int64_t N, c
   }
 }
 
+// Column blocks [nb, nb + count) (count 1 or 2; their bytes from `w`) against every row.
+template <Format F, typename T>
+inline void columns(const uint8_t* w, int64_t KB, int64_t nb, int count, int64_t N, const int8_t* xq, const float* dx,
+                    const float* sx, const int32_t* qsum, const int32_t* qlow, int64_t K, int64_t M, T* y,
+                    const float* start, const uint8_t* next) {
+  if (count == 2)
+    column_blocks<F, 2>(w, KB, nb, N, xq, dx, sx, qsum, qlow, K, M, y, start, next);
+  else
+    column_blocks<F, 1>(w, KB, nb, N, xq, dx, sx, qsum, qlow, K, M, y, start, next);
+}
+
+// A Q6S column block's KB blocks as Q8S's, into `out`: codes q + 96, then d and the steps.
+inline void unpack_six_bits(const uint8_t* column, int64_t KB, uint8_t* out) {
+  for (int64_t kb = 0; kb < KB; ++kb) {
+    const uint8_t* block = column + kb * BLOCK_BYTES<Format::Q6S>;
+    uint8_t* to = out + kb * BLOCK_BYTES<Format::Q8S>;
+    for (int g = 0; g < 8; ++g)
+      _mm512_storeu_si512(to + g * 64, _mm512_add_epi8(six_bit_codes(block, g), _mm512_set1_epi8(96)));
+    std::memcpy(to + SCALES_AT<Format::Q8S>, block + SCALES_AT<Format::Q6S>, 32);
+    std::memcpy(to + STEPS_AT<Format::Q8S>, block + STEPS_AT<Format::Q6S>, 32);
+  }
+}
+
 #elif EMBER_AVX2
 
 inline __m256 load_halves(const uint8_t* p) {
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
+// Q6S's codes of group g for the 8 columns at `half` (0 or 32) of each 64 bytes, as bytes 0 to 63.
+template <int g> inline __m256i six_bit_codes(const uint8_t* block, int64_t half) {
+  const __m256i nibbles = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + (g % 4) * 64 + half));
+  const __m256i low = _mm256_and_si256(g < 4 ? nibbles : _mm256_srli_epi16(nibbles, 4), _mm256_set1_epi8(0x0f));
+  const __m256i high = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 256 + (g % 4 / 2) * 64 + half));
+  constexpr int shift = high_bits_shift(g);  // the group's 2 bits, moved to bits 4 and 5
+  const __m256i moved = shift <= 4 ? _mm256_slli_epi16(high, 4 - shift) : _mm256_srli_epi16(high, shift - 4);
+  return _mm256_or_si256(low, _mm256_and_si256(moved, _mm256_set1_epi8(0x30)));
+}
+inline __m256i six_bit_codes(const uint8_t* block, int g, int64_t half) {  // g known once the loop unrolls
+  switch (g) {
+    case 0: return six_bit_codes<0>(block, half);
+    case 1: return six_bit_codes<1>(block, half);
+    case 2: return six_bit_codes<2>(block, half);
+    case 3: return six_bit_codes<3>(block, half);
+    case 4: return six_bit_codes<4>(block, half);
+    case 5: return six_bit_codes<5>(block, half);
+    case 6: return six_bit_codes<6>(block, half);
+    default: return six_bit_codes<7>(block, half);
+  }
 }
 
 // 8 steps as floats: unsigned (Q4S) or signed (Q8S) bytes.
@@ -426,7 +509,7 @@ inline __m256 load_steps(const uint8_t* p, bool is_signed) {
 }
 
 // Rows [m0, m0 + MR) against halves [H, H + HALVES) of column block nb (half h: columns 8h to
-// 8h + 7), a register of eight float sums per row and half. Both halves in one pass along K read
+// 8h + 7; its bytes from `w`), a register of eight float sums per row and half. Both halves in one pass along K read
 // each line of the block once; one half a pass keeps more rows' sums, codes and pair sums in the
 // sixteen registers. Without dpbusd a block's dot products are maddubs (unsigned codes times
 // signed activations, in pairs, to int16) then madd (pairs to int32): exact, as no int16
@@ -450,8 +533,7 @@ inline void tile(const uint8_t* w, int64_t KB, int64_t nb, int64_t N, const int8
   const int64_t column = column_bytes<F>(KB);
   for (int64_t kb = 0; kb < KB; ++kb) {
     const Offsets at = offsets<F>(kb);
-    const uint8_t *block = w + nb * column + at.codes, *scales = w + nb * column + at.scales,
-                  *steps = w + nb * column + at.steps;
+    const uint8_t *block = w + at.codes, *scales = w + at.scales, *steps = w + at.steps;
     const int32_t* xk[MR];
     for (int r = 0; r < MR; ++r) xk[r] = reinterpret_cast<const int32_t*>(xq + (m0 + r) * K + kb * QBLOCK);
     if (next != nullptr) prefetch_share<F>(next, column, 1, kb);
@@ -483,9 +565,12 @@ inline void tile(const uint8_t* w, int64_t KB, int64_t nb, int64_t N, const int8
         constexpr int HALVES_K = HALF_STEPS<F> ? 2 : 1;
         for (int k_half = 0; k_half < HALVES_K; ++k_half) {
           for (int g = k_half * 8 / HALVES_K; g < (k_half + 1) * 8 / HALVES_K; ++g) {
-            const __m256i codes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + g * 64 + half));
+            const __m256i codes = F == Format::Q6S
+                                      ? six_bit_codes(block, g, half)
+                                      : _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + g * 64 + half));
             if constexpr (OFFSET<F>) {
-              const __m256i signed_w = _mm256_xor_si256(codes, _mm256_set1_epi8(char(0x80)));
+              const __m256i signed_w = F == Format::Q6S ? _mm256_sub_epi8(codes, _mm256_set1_epi8(32))
+                                                        : _mm256_xor_si256(codes, _mm256_set1_epi8(char(0x80)));
               const __m256i magnitude = _mm256_sign_epi8(signed_w, signed_w);  // -128 stays 0x80: 128 unsigned
               for (int r = 0; r < MR; ++r) {
                 const __m256i x = _mm256_sign_epi8(_mm256_set1_epi32(xk[r][g]), signed_w);
@@ -570,6 +655,28 @@ inline void column_block(const uint8_t* w, int64_t KB, int64_t nb, int64_t N, co
   }
 }
 
+// Column block nb (count 1; its bytes from `w`) against every row.
+template <Format F, typename T>
+inline void columns(const uint8_t* w, int64_t KB, int64_t nb, int count, int64_t N, const int8_t* xq, const float* dx,
+                    const float* sx, const int32_t*, const int32_t*, int64_t K, int64_t M, T* y, const float* start,
+                    const uint8_t* next) {
+  column_block<F>(w, KB, nb, N, xq, dx, sx, K, M, y, start, next);
+}
+
+// A Q6S column block's KB blocks as Q8S's, into `out`: codes q + 96, then d and the steps.
+inline void unpack_six_bits(const uint8_t* column, int64_t KB, uint8_t* out) {
+  for (int64_t kb = 0; kb < KB; ++kb) {
+    const uint8_t* block = column + kb * BLOCK_BYTES<Format::Q6S>;
+    uint8_t* to = out + kb * BLOCK_BYTES<Format::Q8S>;
+    for (int g = 0; g < 8; ++g)
+      for (int64_t half = 0; half < 64; half += 32)
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(to + g * 64 + half),
+                            _mm256_add_epi8(six_bit_codes(block, g, half), _mm256_set1_epi8(96)));
+    std::memcpy(to + SCALES_AT<Format::Q8S>, block + SCALES_AT<Format::Q6S>, 32);
+    std::memcpy(to + STEPS_AT<Format::Q8S>, block + STEPS_AT<Format::Q6S>, 32);
+  }
+}
+
 #else  // plain C++: the same sums, element by element
 
 template <Format F, typename T>
@@ -600,6 +707,29 @@ void columns_plain(const uint8_t* w, int64_t KB, int64_t nb_begin, int64_t nb_en
 
 #endif
 
+#if EMBER_AVX512 || EMBER_AVX2
+
+// The format a column block is unpacked into for many rows: Q6S's codes as Q8S's bytes, Q4K's
+// blocks each with its super-block's d and m as Q4S's.
+template <Format F> constexpr Format UNPACKED = F == Format::Q6S ? Format::Q8S : F == Format::Q4K ? Format::Q4S : F;
+
+template <Format F> inline void unpack(const uint8_t* column, int64_t KB, uint8_t* out) {
+  if constexpr (F == Format::Q6S) {
+    unpack_six_bits(column, KB, out);
+  } else {
+    static_assert(F == Format::Q4K && SCALES_AT<Format::Q4S> == 256 && STEPS_AT<Format::Q4S> == 320);
+    for (int64_t kb = 0; kb < KB; ++kb) {
+      const Offsets at = offsets<F>(kb);
+      uint8_t* to = out + kb * BLOCK_BYTES<Format::Q4S>;
+      std::memcpy(to, column + at.codes, 256);
+      std::memcpy(to + 256, column + at.scales, 64);  // d, then m
+      std::memcpy(to + 320, column + at.steps, 32);   // s, then t
+    }
+  }
+}
+
+#endif
+
 // `start` (or nullptr: zero): the (M, N) float32 sums to continue; it may be y itself.
 template <Format F, typename T>
 void linear_impl(const T* x, const uint8_t* w, int64_t M, int64_t K, int64_t N, T* y, const float* start) {
@@ -618,16 +748,33 @@ void linear_impl(const T* x, const uint8_t* w, int64_t M, int64_t K, int64_t N, 
   at::parallel_for(0, pairs, 1, [&](int64_t begin, int64_t end) {
     const int64_t nb_begin = begin * 2, nb_end = std::min(end * 2, NBS);
     [[maybe_unused]] const int64_t column = column_bytes<F>(KB);
+#if EMBER_AVX512 || EMBER_AVX2
+    // Q6S and Q4K for many rows: each column block unpacked once into Q8S's or Q4S's bytes, then
+    // that format's tiles, whose integer sums and float steps are the same: the same bits, without
+    // unpacking the codes (or finding the super-block's d and m) again for every tile of rows.
+    constexpr Format U = UNPACKED<F>;
+    std::unique_ptr<uint8_t[]> unpacked;
+    if constexpr (U != F)
+      if (M > UNPACK_ROWS) unpacked.reset(new uint8_t[2 * column_bytes<U>(KB)]);
+    const auto pass = [&](int64_t nb, int count, const uint8_t* next) {
+      if constexpr (U != F) {
+        if (unpacked) {
+          for (int c = 0; c < count; ++c) unpack<F>(w + (nb + c) * column, KB, unpacked.get() + c * column_bytes<U>(KB));
+          columns<U>(unpacked.get(), KB, nb, count, N, xq, dx, sx, qsum, qlow, K, M, y, start, nullptr);
+          return;
+        }
+      }
+      columns<F>(w + nb * column, KB, nb, count, N, xq, dx, sx, qsum, qlow, K, M, y, start, next);
+    };
+#endif
 #if EMBER_AVX512
     int64_t nb = nb_begin;
     for (; nb + 2 <= nb_end; nb += 2)  // a pair fetches the next pair, when there is one
-      column_blocks<F, 2>(w, KB, nb, N, xq, dx, sx, qsum, qlow, K, M, y, start,
-                          nb + 4 <= nb_end ? w + (nb + 2) * column : nullptr);
-    if (nb < nb_end)
-      column_blocks<F, 1>(w, KB, nb, N, xq, dx, sx, qsum, qlow, K, M, y, start, nullptr);
+      pass(nb, 2, nb + 4 <= nb_end ? w + (nb + 2) * column : nullptr);
+    if (nb < nb_end) pass(nb, 1, nullptr);
 #elif EMBER_AVX2
     for (int64_t nb = nb_begin; nb < nb_end; ++nb)  // a block fetches the next, when there is one
-      column_block<F>(w, KB, nb, N, xq, dx, sx, K, M, y, start, nb + 1 < nb_end ? w + (nb + 1) * column : nullptr);
+      pass(nb, 1, nb + 1 < nb_end ? w + (nb + 1) * column : nullptr);
 #else
     columns_plain<F>(w, KB, nb_begin, nb_end, N, xq, dx, sx, qsum, K, M, y, start);
 #endif

@@ -11,10 +11,10 @@ format once the checkpoint is loaded (`prepare_linears`).
 - BlockWeights: ember's block-quantized layouts for its CPU kernel
   (ember.kernels): 4-bit codes with a float16 scale and minimum per 32 weights (GGUF's Q4_0 and
   Q4_1 map onto it exactly; Q4_K with integer steps, its scale and minimum once per 256), or 8-bit
-  codes with a float16 scale per 32 (Q8_0 and Q5_0 exactly; Q6_K with a step per half block; Q5_K
-  and Q5_1 with a minimum and steps; a fused layer of mixed parts with both). Activations are
-  quantized per row in blocks of 32 inside the kernel, so a layer reads 4.6 to 9.75 bits per
-  weight instead of 16, and its results are batch-invariant by construction.
+  codes with a float16 scale per 32 (Q8_0 and Q5_0 exactly; Q6_K with a step per half block, its
+  codes in 6 bits; Q5_K and Q5_1 with a minimum and steps; a fused layer of mixed parts with both).
+  Activations are quantized per row in blocks of 32 inside the kernel, so a layer reads 4.6 to
+  9.75 bits per weight instead of 16, and its results are batch-invariant by construction.
 
 Dense and packed results depend on the row plan (models.layers.RowPlan); block formats do not.
 
@@ -183,9 +183,12 @@ class QuantBlocks:
 
 
 def kernel_format(blocks: QuantBlocks) -> int:
-    """The layout the kernel gets: the blocks' format, or 52 for 4-bit blocks with steps whose
+    """The layout the kernel gets: the blocks' format; or 52 for 4-bit blocks with steps whose
     scale and minimum stay the same over each super-block of 8 blocks along every row (a Q4_K
-    tensor's), held once for the 8."""
+    tensor's), held once for the 8; or 44 for 8-bit blocks with the halves' steps whose codes
+    all lie within 64 of each other around the zero's, 96 to 159 (a Q6_K tensor's), in 6 bits."""
+    if blocks.format == 24:
+        return 44 if int(blocks.codes.min()) >= 96 and int(blocks.codes.max()) < 160 else 24
     if blocks.format != 20 or blocks.scales.shape[1] % _SUPER:
         return blocks.format
     def constant(values: torch.Tensor) -> bool:  # bit for bit: -0.0 is not 0.0 here
@@ -219,6 +222,14 @@ def pack_blocks(blocks: QuantBlocks, format: int | None = None) -> torch.Tensor:
         return (pad(values).view(column_blocks, _NBLOCK, k_blocks, per_block).permute(0, 2, 3, 1)
                 .contiguous().view(torch.uint8).reshape(column_blocks, k_blocks, -1))
 
+    if format == 44:  # the codes' low 4 bits as 4-bit blocks' nibbles, then their high 2 bits
+        six = pad(blocks.codes - 96).view(column_blocks, _NBLOCK, k_blocks, 8, 4)
+        low = (six[:, :, :, :4] & 15) | ((six[:, :, :, 4:] & 15) << 4)
+        high = six >> 4  # byte k of a pair of groups: groups 2k, 2k + 4, 2k + 1, 2k + 5 from its low end
+        high = torch.stack([high[:, :, :, 2 * k] | high[:, :, :, 2 * k + 4] << 2 | high[:, :, :, 2 * k + 1] << 4
+                            | high[:, :, :, 2 * k + 5] << 6 for k in (0, 1)], dim=3)
+        planes = torch.cat([low, high], dim=3).permute(0, 2, 3, 1, 4).reshape(column_blocks, k_blocks, -1)
+        return torch.cat([planes, halves(blocks.scales), steps(blocks.steps, 2)], dim=-1).contiguous()
     if format == 52:
         shape = (column_blocks, k_blocks // _SUPER, -1)
         core = torch.cat([codes, steps(blocks.steps, 1), steps(blocks.min_steps, 1)], dim=-1).reshape(shape)

@@ -44,11 +44,12 @@ def check_vector_against_plain(vector_ops, plain_ops, format, dtype):
     weight[3, :32] = 0  # an all-zero block: scale 0
     layer = BlockWeights(blocks_of_format(weight, format), None, dtype)
     assert layer.format == format
-    x = torch.randn(14, 512, generator=generator) * 3
+    x = torch.randn(32, 512, generator=generator) * 3
     x[1, 32:64] = 0  # an all-zero activation block
     x[2, :32] *= 100  # codes at the int8 limits
     x = x.to(dtype)
-    for rows in (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 13, 14):  # every tile shape and mix of them
+    # every tile shape and mix of them; past 24 rows, Q6_K's and Q4_K's blocks unpacked once
+    for rows in (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 13, 14, 25, 32):
         vector = vector_ops.quantized_linear(x[:rows], layer.packed, 200, format)
         plain = plain_ops.quantized_linear(x[:rows], layer.packed, 200, format)
         assert torch.equal(vector, plain), rows
@@ -74,7 +75,7 @@ def test_sums_continued_across_block_edges_give_one_calls_bits(plain_ops, format
     zero and each next one continuing the sums, against one call over all of K."""
     generator = torch.Generator().manual_seed(format)
     blocks = blocks_of_format(torch.randn(200, 768, generator=generator) * 0.05, format)
-    x = torch.randn(14, 768, generator=generator) * 3
+    x = torch.randn(30, 768, generator=generator) * 3
     # slices of 2, 1 and 21 blocks; of whole super-blocks where the format has them
     cuts = [0, 256, 512, 768] if format == 52 else [0, 64, 96, 768]
     slices = [BlockWeights(blocks.narrow_blocks(a // 32, b // 32), None, torch.float32)
@@ -83,7 +84,7 @@ def test_sums_continued_across_block_edges_give_one_calls_bits(plain_ops, format
     assert {part.format for part in slices} == {whole.format} == {format}
     assert torch.equal(torch.cat([part.packed for part in slices], dim=1), whole.packed)
     for ops in (torch.ops.ember, plain_ops):
-        for rows in (1, 3, 5, 6, 14):
+        for rows in (1, 3, 5, 6, 14, 30):
             sums = torch.zeros(rows, 200)
             for (a, b), part in zip(zip(cuts, cuts[1:]), slices):
                 ops.quantized_linear_accumulate_(x[:rows, a:b].contiguous(), part.packed, 200, format, sums)

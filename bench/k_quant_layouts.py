@@ -1,14 +1,16 @@
-"""Q4_K weights in their two layouts, in one process: a scale and minimum with every block of 32
-(format 20, 5.5 bits a weight) against one per super-block of 256 (format 52, 4.625 bits).
+"""GGUF K-quant weights in two of the kernel's layouts, in one process: Q4_K with a scale and
+minimum in every block of 32 (format 20, 5.5 bits a weight) against once per super-block of 256
+(format 52, 4.625 bits); Q6_K with 8-bit codes (format 24, 9 bits) against 6-bit ones (format 44,
+7 bits).
 
-    python bench/q4_k_layout.py [--rows 1,4,16,128] [--rounds 20]
+    python bench/k_quant_layouts.py [--type q4_k|q6_k] [--rows 1,4,16,128] [--rounds 20]
 
 One decode step's linear layers of a Qwen3-0.6B-shaped model (28 layers: q/k/v, o, gate/up and
-down, all Q4_K as a Q4_K_M file holds most of them), random weights with 6-bit steps, bfloat16
-rows. The layouts are timed in alternation, in a new random order each round; the table gives
-each one's median time for the step's layers, the median of the per-round ratios and whether
-every output has the same bits (it must: the layout changes no arithmetic). Each layout's weights
-lie side by side on huge pages, as the engine places a model's.
+down, all of the one type), random codes and steps, bfloat16 rows. The layouts are timed in
+alternation, in a new random order each round; the table gives each one's median time for the
+step's layers, the median of the per-round ratios and whether every output has the same bits (it
+must: the layout changes no arithmetic). Each layout's weights lie side by side on huge pages, as
+the engine places a model's.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from ember.models.weights import BlockWeights, QuantBlocks, pack_blocks
 
 LAYERS = 28
 SHAPES = ((4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072))  # (out_features, in_features)
+LAYOUTS = {"q4_k": (20, 52), "q6_k": (24, 44)}  # (before, compact)
 
 
 def q4_k_blocks(out: int, width: int, generator: torch.Generator) -> QuantBlocks:
@@ -39,20 +42,30 @@ def q4_k_blocks(out: int, width: int, generator: torch.Generator) -> QuantBlocks
                        torch.randint(0, 64, (out, blocks), generator=generator, dtype=torch.uint8))
 
 
+def q6_k_blocks(out: int, width: int, generator: torch.Generator) -> QuantBlocks:
+    """Q6_K-like blocks: 6-bit codes held as 96..159, a signed step for each half of 16."""
+    scales = (torch.rand(out, width // 32, generator=generator) * 1e-4 + 1e-5).to(torch.float16)
+    return QuantBlocks(8, torch.randint(96, 160, (out, width), generator=generator, dtype=torch.uint8), scales,
+                       None, torch.randint(-128, 128, (out, width // 16), generator=generator, dtype=torch.int8))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--type", choices=sorted(LAYOUTS), default="q4_k")
     parser.add_argument("--rows", default="1,4,16,128")
     parser.add_argument("--rounds", type=int, default=20)
     args = parser.parse_args()
     assert kernels.available(), kernels.status()
     generator = torch.Generator().manual_seed(0)
-    held: dict[int, list[BlockWeights]] = {20: [], 52: []}
+    make = q4_k_blocks if args.type == "q4_k" else q6_k_blocks
+    before, compact = LAYOUTS[args.type]
+    held: dict[int, list[BlockWeights]] = {before: [], compact: []}
     for _ in range(LAYERS):
         for n, k in SHAPES:
-            blocks = q4_k_blocks(n, k, generator)
+            blocks = make(n, k, generator)
             for format, layers in held.items():
                 layer = BlockWeights(blocks, None, torch.bfloat16)
-                assert layer.format == 52
+                assert layer.format == compact
                 layer.format, layer.packed = format, pack_blocks(blocks, format)
                 layers.append(layer)
     for layers in held.values():
@@ -61,7 +74,7 @@ def main() -> None:
                for format, layers in held.items()}
     size = {format: sum(p.numel() for p, _, _ in layers) for format, layers in layouts.items()}
     weights = sum(n * k for n, k in SHAPES) * LAYERS
-    print(f"{LAYERS} layers, {weights / 1e6:.0f} M weights: "
+    print(f"{args.type}: {LAYERS} layers, {weights / 1e6:.0f} M weights: "
           + ", ".join(f"format {f} {size[f] / 1e6:.1f} MB ({size[f] * 8 / weights:.3f} bits a weight)" for f in size))
     widest = max(k for _, k in SHAPES)
 
@@ -72,11 +85,11 @@ def main() -> None:
         return time.perf_counter() - began, outputs
 
     print(f"one step's linear layers, bfloat16 rows; median of {args.rounds} rounds")
-    print("| rows | format 20 (ms) | format 52 (ms) | 52 / 20 | same bits |")
+    print(f"| rows | format {before} (ms) | format {compact} (ms) | {compact} / {before} | same bits |")
     print("| --- | --- | --- | --- | --- |")
     for rows in map(int, args.rows.split(",")):
         x = torch.randn(rows, widest, generator=generator).to(torch.bfloat16)
-        times: dict[int, list[float]] = {20: [], 52: []}
+        times: dict[int, list[float]] = {before: [], compact: []}
         same = True
         for format in layouts:  # warm up
             step(format, x)
@@ -86,9 +99,9 @@ def main() -> None:
             results = {format: step(format, x) for format in order}
             for format, (seconds, _) in results.items():
                 times[format].append(seconds)
-            same &= all(torch.equal(a, b) for a, b in zip(results[20][1], results[52][1]))
-        ratio = statistics.median(b / a for a, b in zip(times[20], times[52]))
-        print(f"| {rows} | {statistics.median(times[20]) * 1e3:.2f} | {statistics.median(times[52]) * 1e3:.2f} "
+            same &= all(torch.equal(a, b) for a, b in zip(results[before][1], results[compact][1]))
+        ratio = statistics.median(b / a for a, b in zip(times[before], times[compact]))
+        print(f"| {rows} | {statistics.median(times[before]) * 1e3:.2f} | {statistics.median(times[compact]) * 1e3:.2f} "
               f"| {ratio:.3f} | {'yes' if same else 'NO'} |")
 
 
