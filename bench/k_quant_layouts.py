@@ -1,9 +1,9 @@
-"""GGUF K-quant weights in two of the kernel's layouts, in one process: Q4_K with a scale and
+"""GGUF quantized weights in two of the kernel's layouts, in one process: Q4_K with a scale and
 minimum in every block of 32 (format 20, 5.5 bits a weight) against once per super-block of 256
-(format 52, 4.625 bits); Q6_K with 8-bit codes (format 24, 9 bits) against 6-bit ones (format 44,
-7 bits).
+(format 52, 4.625 bits); Q6_K, Q5_K and Q5_0 with 8-bit codes (formats 24, 28 and 8: 9, 9.5 and
+8.5 bits) against 6-bit ones (formats 88, 92 and 72: 7, 7.5 and 6.5 bits).
 
-    python bench/k_quant_layouts.py [--type q4_k|q6_k] [--rows 1,4,16,128] [--rounds 20]
+    python bench/k_quant_layouts.py [--type q4_k|q6_k|q5_k|q5_0] [--rows 1,4,16,128] [--rounds 20]
 
 One decode step's linear layers of a Qwen3-0.6B-shaped model (28 layers: q/k/v, o, gate/up and
 down, all of the one type), random codes and steps, bfloat16 rows. The layouts are timed in
@@ -28,7 +28,7 @@ from ember.models.weights import BlockWeights, QuantBlocks, pack_blocks
 
 LAYERS = 28
 SHAPES = ((4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072))  # (out_features, in_features)
-LAYOUTS = {"q4_k": (20, 52), "q6_k": (24, 44)}  # (before, compact)
+LAYOUTS = {"q4_k": (20, 52), "q6_k": (24, 88), "q5_k": (28, 92), "q5_0": (8, 72)}  # (wider, compact)
 
 
 def q4_k_blocks(out: int, width: int, generator: torch.Generator) -> QuantBlocks:
@@ -49,6 +49,25 @@ def q6_k_blocks(out: int, width: int, generator: torch.Generator) -> QuantBlocks
                        None, torch.randint(-128, 128, (out, width // 16), generator=generator, dtype=torch.int8))
 
 
+def q5_k_blocks(out: int, width: int, generator: torch.Generator) -> QuantBlocks:
+    """Q5_K-like blocks: codes 0..31, a scale and minimum with 6-bit steps."""
+    blocks = width // 32
+    scales = (torch.rand(out, blocks, generator=generator) * 1e-4 + 1e-5).to(torch.float16)
+    mins = (-torch.rand(out, blocks, generator=generator) * 1e-3).to(torch.float16)
+    return QuantBlocks(8, torch.randint(0, 32, (out, width), generator=generator, dtype=torch.uint8), scales, mins,
+                       torch.randint(1, 64, (out, blocks), generator=generator, dtype=torch.uint8),
+                       torch.randint(0, 64, (out, blocks), generator=generator, dtype=torch.uint8))
+
+
+def q5_0_blocks(out: int, width: int, generator: torch.Generator) -> QuantBlocks:
+    """Q5_0-like blocks: codes q + 112 (q in 0..31), a scale."""
+    scales = (torch.rand(out, width // 32, generator=generator) * 1e-3 + 1e-4).to(torch.float16)
+    return QuantBlocks(8, torch.randint(112, 144, (out, width), generator=generator, dtype=torch.uint8), scales)
+
+
+MAKERS = {"q4_k": q4_k_blocks, "q6_k": q6_k_blocks, "q5_k": q5_k_blocks, "q5_0": q5_0_blocks}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--type", choices=sorted(LAYOUTS), default="q4_k")
@@ -57,7 +76,7 @@ def main() -> None:
     args = parser.parse_args()
     assert kernels.available(), kernels.status()
     generator = torch.Generator().manual_seed(0)
-    make = q4_k_blocks if args.type == "q4_k" else q6_k_blocks
+    make = MAKERS[args.type]
     before, compact = LAYOUTS[args.type]
     held: dict[int, list[BlockWeights]] = {before: [], compact: []}
     for _ in range(LAYERS):

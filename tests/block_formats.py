@@ -3,17 +3,25 @@ tests that run every format: 4 and 8 are quantized as ember quantizes; 20, 24 an
 as GGUF's Q4_K, Q6_K and Q5_K are held) take random integer steps, their scales divided to keep
 the weights' size; 52 is 20 with one scale and minimum per super-block of 8 blocks, as a Q4_K
 tensor's (its width must be a multiple of 256 for the kernel to take that layout); 40 is 24 with a
-minimum and its step as well (fused projections of mixed families); 44 is 24 with codes of 6 bits,
-as a Q6_K tensor's."""
+minimum and its step as well (fused projections of mixed families); 72, 88, 92 and 104 are 8, 24,
+28 and 40 whose codes lie within 64 (held in 6 bits), as Q5_0's, Q6_K's and Q5_K's do."""
 
 import torch
 
 from ember.models.weights import QuantBlocks
 
-FORMATS = [4, 8, 20, 24, 28, 40, 44, 52]
+FORMATS = [4, 8, 20, 24, 28, 40, 52, 72, 88, 92, 104]
 
 
 def blocks_of_format(weight: torch.Tensor, format: int, seed: int = 0) -> QuantBlocks:
+    if format > 64:  # the byte format's codes squeezed into 64, the scales widened to match
+        blocks = blocks_of_format(weight, format - 64, seed)
+        if format == 92:  # Q8M's unsigned codes, 0..63
+            codes, widen = blocks.codes // 2, 2
+        else:  # around the zero's 128: 96..159
+            codes, widen = (blocks.codes.to(torch.int16) - 128).div(4, rounding_mode="floor").clamp(-32, 31) + 128, 4
+        return QuantBlocks(8, codes.to(torch.uint8), (blocks.scales.float() * widen).to(torch.float16),
+                           blocks.mins, blocks.steps, blocks.min_steps)
     blocks = QuantBlocks.quantize(weight, 4 if format in (4, 20, 28, 52) else 8)
     if format in (4, 8):
         return blocks
@@ -31,9 +39,6 @@ def blocks_of_format(weight: torch.Tensor, format: int, seed: int = 0) -> QuantB
             scales, mins = per_super_block(scales), per_super_block(mins)
         return QuantBlocks(4, blocks.codes, scales, mins, steps, min_steps)
     steps = torch.randint(-128, 128, (out, 2 * count), generator=generator, dtype=torch.int8)  # signed, as Q6_K's
-    if format == 44:  # 6-bit codes q, held as q + 96, and scales to keep the weights' size
-        codes = (blocks.codes.to(torch.int16) - 128).div(4, rounding_mode="floor").clamp(-32, 31) + 128
-        return QuantBlocks(8, codes.to(torch.uint8), (scales.float() * 4).to(torch.float16), None, steps)
     if format == 40:
         mins = (scales.float() * torch.randn(out, count, generator=generator) * 100).to(torch.float16)
         min_steps = torch.randint(0, 64, (out, count), generator=generator, dtype=torch.uint8)

@@ -1,18 +1,20 @@
 // Block-quantized linear layers: y = x W^T with W in ember's 4- or 8-bit blocks (models/weights.py).
 //
-// Eight block formats (the `format` argument, BlockWeights.format in models/weights.py), a block being
+// Block formats (the `format` argument, BlockWeights.format in models/weights.py), a block being
 // 32 weights of one column along K:
 //   Q4  (4):  w = d * q + m, q in 0..15 (GGUF's Q4_0 and Q4_1 exactly)
 //   Q8  (8):  w = d * (b - 128) (Q8_0 and Q5_0 exactly)
 //   Q4S (20): w = d * s * q + m * t with integer steps s, t in 0..255 (Q4_K exactly: d and -dmin
 //             of its super-block, its sub-block's 6-bit scale and minimum)
 //   Q8S (24): w = d * s_h * (b - 128), a signed step s_h for each half h of 16 (Q6_K exactly)
-//   Q6S (44): Q8S with 6-bit codes, w = d * s_h * (q - 32) (Q6_K exactly, in 7 bits a weight)
 //   Q8M (28): w = d * s * q + m * t, q in 0..127 in a byte (Q5_K and Q5_1 exactly)
 //   Q8SM (40): w = d * s_h * (b - 128) + m * t: any of the others exactly (a fused projection's
 //             parts in formats of both families, as a Q4_K_M file's Q4_K queries beside Q6_K values)
 //   Q4K (52): Q4S whose d and m are the same for 8 blocks in a row (a Q4_K super-block of 256),
 //             held once before the 8 (4.625 bits a weight against Q4S's 5.5 and Q4_K's 4.5)
+//   Q6 (72), Q6S (88), Q6M (92), Q6SM (104): Q8, Q8S, Q8M and Q8SM (the format + 64) whose codes
+//             all lie within 64 of each other (b - 96 in 0..63; Q6M's q in 0..63) in 6 bits, the
+//             same arithmetic: Q5_0, Q6_K and Q5_K exactly in 6.5, 7 and 7.5 bits a weight
 // d, m are float16; d * s and m * t are exact in float32, so a step costs no rounding.
 //
 // Activations are quantized per row in blocks of 32; a block's dot product is exact integer
@@ -34,14 +36,14 @@ namespace {
 
 constexpr int64_t QBLOCK = 32;         // weights and activations are quantized in blocks of 32 along K
 constexpr int64_t NBLOCK = 16;         // output columns per packed column block
-constexpr int64_t HALF = 16;           // a Q8S or Q8SM step covers half a block
+constexpr int64_t HALF = 16;           // a step of Q8S or Q8SM (and their six-bit forms) covers half a block
 constexpr int64_t SUPER = 8;           // Q4K's k blocks per super-block
-constexpr int64_t UNPACK_ROWS = 24;    // past these rows, Q6S and Q4K column blocks are unpacked once (below)
 // Per (column block, k block): the codes (nibbles, or bytes), d (fp16 x16), m where the format has
 // one (fp16 x16), then the steps: s and t (u8 x16 each), or the s of each half (i8 x16 each; Q8S,
 // and Q8SM with its t after them).
 // Q4K, per (column block, super-block): d and m, then its 8 k blocks' codes and steps (s, t).
-// Q6S: the codes' low 4 bits as Q4's nibbles, then their high 2 bits (128 bytes), d, the steps.
+// Six-bit formats: the codes' low 4 bits as Q4's nibbles, then their high 2 bits (128 bytes), then
+// as their byte format.
 
 // ---- activations: rows quantized to int8 in blocks of 32 ---------------------------------------
 // xq (M, K) int8; dx (M, K/32): each block's scale; sx (M, K/32): dx * sum(xq) of the block;
@@ -144,27 +146,35 @@ void quantize_rows(const T* x, int64_t M, int64_t K, int8_t* xq, float* dx, floa
 
 // Q4S, Q8S: as Q4, Q8, their steps after the scales (and minimums).
 
-enum class Format : int64_t { Q4 = 4, Q8 = 8, Q4S = 20, Q8S = 24, Q8M = 28, Q8SM = 40, Q6S = 44, Q4K = 52 };
+enum class Format : int64_t {
+  Q4 = 4, Q8 = 8, Q4S = 20, Q8S = 24, Q8M = 28, Q8SM = 40, Q4K = 52, Q6 = 72, Q6S = 88, Q6M = 92, Q6SM = 104
+};
+template <Format F>
+constexpr bool SIX_BITS = F == Format::Q6 || F == Format::Q6S || F == Format::Q6M || F == Format::Q6SM;
+template <Format F> constexpr Format BYTES_OF = SIX_BITS<F> ? Format(int64_t(F) - 64) : F;  // the same arithmetic
+// A six-bit code q is its byte format's b less this
+template <Format F> constexpr int32_t CODE_BASE = SIX_BITS<F> && BYTES_OF<F> != Format::Q8M ? 96 : 0;
 template <Format F> constexpr bool NIBBLES = F == Format::Q4 || F == Format::Q4S || F == Format::Q4K;  // else bytes
-// The stored code of a zero: bytes b = code + 128, Q6S's q = code + 32; the others unsigned
-template <Format F> constexpr int32_t ZERO =
-    F == Format::Q8 || F == Format::Q8S || F == Format::Q8SM ? 128 : F == Format::Q6S ? 32 : 0;
-template <Format F> constexpr bool OFFSET = ZERO<F> != 0;
-template <Format F> constexpr bool HALF_STEPS = F == Format::Q8S || F == Format::Q8SM || F == Format::Q6S;  // s_h
-template <Format F> constexpr bool HAS_MIN = !OFFSET<F> || F == Format::Q8SM;
-template <Format F> constexpr bool STEP_AND_MIN = F == Format::Q4S || F == Format::Q8M || F == Format::Q4K;  // s and t
-template <Format F> constexpr bool MIN_STEP = STEP_AND_MIN<F> || F == Format::Q8SM;  // t
+// Signed codes, their zero stored as 128 (b = code + 128; a six-bit q = code + 32); the others unsigned
+template <Format F> constexpr bool OFFSET =
+    BYTES_OF<F> == Format::Q8 || BYTES_OF<F> == Format::Q8S || BYTES_OF<F> == Format::Q8SM;
+template <Format F> constexpr int32_t ZERO = OFFSET<F> ? 128 - CODE_BASE<F> : 0;
+template <Format F> constexpr bool HALF_STEPS = BYTES_OF<F> == Format::Q8S || BYTES_OF<F> == Format::Q8SM;  // s_h
+template <Format F> constexpr bool HAS_MIN = !OFFSET<F> || BYTES_OF<F> == Format::Q8SM;
+template <Format F> constexpr bool STEP_AND_MIN =
+    F == Format::Q4S || F == Format::Q4K || BYTES_OF<F> == Format::Q8M;  // s and t
+template <Format F> constexpr bool MIN_STEP = STEP_AND_MIN<F> || BYTES_OF<F> == Format::Q8SM;  // t
 template <Format F> constexpr bool STEPPED = STEP_AND_MIN<F> || HALF_STEPS<F>;
 template <Format F> constexpr bool PER_SUPER = F == Format::Q4K;  // d and m once per super-block
 
 // Within a block: the codes, then the 16 columns' scales d, then their minimums m, float16, then
 // the steps: s then t, or the s of the first half then of the second (then t).
-template <Format F> constexpr int64_t SCALES_AT = NIBBLES<F> ? 256 : F == Format::Q6S ? 256 + 128 : 512;
+template <Format F> constexpr int64_t SCALES_AT = NIBBLES<F> ? 256 : SIX_BITS<F> ? 256 + 128 : 512;
 template <Format F> constexpr int64_t MINS_AT = SCALES_AT<F> + 32;
 template <Format F> constexpr int64_t STEPS_AT = MINS_AT<F> + (HAS_MIN<F> ? 32 : 0);
 template <Format F> constexpr int64_t MIN_STEPS_AT = HALF_STEPS<F> ? 2 * NBLOCK : NBLOCK;  // t, from the steps
 template <Format F> constexpr int64_t BLOCK_BYTES =
-    PER_SUPER<F> ? 256 + 32 : STEPS_AT<F> + (STEPPED<F> ? 32 : 0) + (F == Format::Q8SM ? NBLOCK : 0);
+    PER_SUPER<F> ? 256 + 32 : STEPS_AT<F> + (STEPPED<F> ? 32 : 0) + (BYTES_OF<F> == Format::Q8SM ? NBLOCK : 0);
 // Q4K's super-block: d and m (64 bytes), then its 8 blocks, each its codes and then its steps s
 // and t.
 constexpr int64_t Q4K_HEADER = 64, Q4K_SUPER = Q4K_HEADER + SUPER * BLOCK_BYTES<Format::Q4K>;
@@ -201,8 +211,11 @@ template <typename Fn> bool with_format(int64_t format, Fn&& fn) {
     case 24: fn(std::integral_constant<Format, Format::Q8S>{}); return true;
     case 28: fn(std::integral_constant<Format, Format::Q8M>{}); return true;
     case 40: fn(std::integral_constant<Format, Format::Q8SM>{}); return true;
-    case 44: fn(std::integral_constant<Format, Format::Q6S>{}); return true;
     case 52: fn(std::integral_constant<Format, Format::Q4K>{}); return true;
+    case 72: fn(std::integral_constant<Format, Format::Q6>{}); return true;
+    case 88: fn(std::integral_constant<Format, Format::Q6S>{}); return true;
+    case 92: fn(std::integral_constant<Format, Format::Q6M>{}); return true;
+    case 104: fn(std::integral_constant<Format, Format::Q6SM>{}); return true;
     default: return false;
   }
 }
@@ -218,17 +231,17 @@ inline int64_t column_block_bytes(int64_t format, int64_t KB) {
   return bytes;
 }
 
-// Where Q6S's high bits of group g (codes 4g to 4g + 3) lie: in the 64 bytes at 256 + 64 * (g % 4 / 2),
+// Where a six-bit format's high bits of group g (codes 4g to 4g + 3) lie: in the 64 bytes at 256 + 64 * (g % 4 / 2),
 // each byte holding 2 bits of groups 2k, 2k + 4, 2k + 1 and 2k + 5 (k = g % 4 / 2) from its low end.
 constexpr int high_bits_shift(int g) { return (g % 2) * 4 + (g < 4 ? 0 : 2); }
 
 // Column j's code k of a block: q of the nibble formats and Q8M, less the zero's code in the others.
 template <Format F> inline int32_t code_at(const uint8_t* block, int64_t j, int64_t k) {
   const int64_t g = k / 4, i = k % 4;
-  if constexpr (NIBBLES<F> || F == Format::Q6S) {
+  if constexpr (NIBBLES<F> || SIX_BITS<F>) {
     const uint8_t byte = block[(g % 4) * 64 + j * 4 + i];
     const int32_t low = g < 4 ? (byte & 0x0f) : (byte >> 4);
-    if constexpr (F == Format::Q6S) {
+    if constexpr (SIX_BITS<F>) {
       const uint8_t high = block[256 + (g % 4 / 2) * 64 + j * 4 + i];
       return (low | ((high >> high_bits_shift(int(g))) & 3) << 4) - ZERO<F>;
     }
@@ -282,7 +295,7 @@ inline __m512 load_halves(const uint8_t* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 
-// Q6S's codes of group g, 64 of them (4 of each of 16 columns), as bytes 0 to 63.
+// A six-bit format's codes of group g, 64 of them (4 of each of 16 columns), as bytes 0 to 63.
 template <int g> inline __m512i six_bit_codes(const uint8_t* block) {
   const __m512i nibbles = _mm512_loadu_si512(block + (g % 4) * 64);
   const __m512i low = _mm512_and_si512(g < 4 ? nibbles : _mm512_srli_epi16(nibbles, 4), _mm512_set1_epi8(0x0f));
@@ -311,10 +324,10 @@ inline __m512 load_steps(const uint8_t* p, bool is_signed) {
 }
 
 // Rows [m0, m0 + MR) against column blocks [nb0, nb0 + NB), whose bytes start at `w` (column block
-// nb0's); accumulators stay in registers. `next` (or nullptr): the NB column blocks the thread takes after these, fetched into L2 (L1
-// keeps the blocks in use) block by block as the tile goes along K. Without it memory idles while
-// a tile computes from L1 and the next tile then waits on memory: the time is the sum of the two
-// rather than the larger.
+// nb0's); accumulators stay in registers. `next` (or nullptr): the NB column blocks the thread
+// takes after these, fetched into L2 (L1 keeps the blocks in use) block by block as the tile goes
+// along K. Without it memory idles while a tile computes from L1 and the next tile then waits on
+// memory: the time is the sum of the two rather than the larger.
 // `start` (or nullptr: zero): the (M, N) float32 sums to continue.
 template <Format F, int MR, int NB, typename T>
 inline void tile(const uint8_t* w, int64_t KB, int64_t nb0, int64_t N, const int8_t* xq, const float* dx,
@@ -365,7 +378,7 @@ inline void tile(const uint8_t* w, int64_t KB, int64_t nb0, int64_t N, const int
         for (int g = h * 8 / HALVES; g < (h + 1) * 8 / HALVES; ++g) {
           __m512i b[NB];
           for (int c = 0; c < NB; ++c)
-            b[c] = F == Format::Q6S ? six_bit_codes(blocks[c], g) : _mm512_loadu_si512(blocks[c] + g * 64);
+            b[c] = SIX_BITS<F> ? six_bit_codes(blocks[c], g) : _mm512_loadu_si512(blocks[c] + g * 64);
           for (int r = 0; r < MR; ++r) {
             const __m512i xa = _mm512_set1_epi32(xk[r][g]);
             for (int c = 0; c < NB; ++c) dots[r][c] = _mm512_dpbusd_epi32(dots[r][c], b[c], xa);
@@ -404,7 +417,7 @@ inline void tile(const uint8_t* w, int64_t KB, int64_t nb0, int64_t N, const int
         for (int r = 0; r < MR; ++r) {
           const int64_t row = (m0 + r) * KB + kb;
           __m512i dot = dots[r][c];
-          if constexpr (F == Format::Q8) dot = _mm512_sub_epi32(dot, _mm512_set1_epi32(128 * qsum[row]));
+          if constexpr (OFFSET<F>) dot = _mm512_sub_epi32(dot, _mm512_set1_epi32(ZERO<F> * qsum[row]));
           const __m512 scale = _mm512_mul_ps(d, _mm512_set1_ps(dx[row]));
           acc[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, acc[r][c]);
           if constexpr (HAS_MIN<F>) acc[r][c] = _mm512_fmadd_ps(mins, _mm512_set1_ps(sx[row]), acc[r][c]);
@@ -424,12 +437,13 @@ inline void tile(const uint8_t* w, int64_t KB, int64_t nb0, int64_t N, const int
   }
 }
 
-// Column blocks [nb, nb + NB) (their bytes from `w`) against every row, in tiles of four rows; a remainder of one or two
-// joins the first tile (five or six rows) rather than taking a pass of its own, which would unpack
-// the weights once more for it, and a remainder of three takes the last tile. The blocks' weights
-// stay in L1 while the rows pass, and each tile unpacks them once (a few rows, as in a drafted
-// round's verification, cost little more than one). Every tile asks for `next` (a repeated ask
-// finds its lines on their way), so memory stays busy however many tiles the rows take.
+// Column blocks [nb, nb + NB) (their bytes from `w`) against every row, in tiles of four rows; a
+// remainder of one or two joins the first tile (five or six rows) rather than taking a pass of its
+// own, which would unpack the weights once more for it, and a remainder of three takes the last
+// tile. The blocks' weights stay in L1 while the rows pass, and each tile unpacks them once (a few
+// rows, as in a drafted round's verification, cost little more than one). Every tile asks for
+// `next` (a repeated ask finds its lines on their way), so memory stays busy however many tiles
+// the rows take.
 template <Format F, int NB, typename T>
 inline void column_blocks(const uint8_t* w, int64_t KB, int64_t nb, int64_t N, const int8_t* xq, const float* dx,
                           const float* sx, const int32_t* qsum, const int32_t* qlow, int64_t K, int64_t M, T* y,
@@ -462,15 +476,31 @@ inline void columns(const uint8_t* w, int64_t KB, int64_t nb, int count, int64_t
     column_blocks<F, 1>(w, KB, nb, N, xq, dx, sx, qsum, qlow, K, M, y, start, next);
 }
 
-// A Q6S column block's KB blocks as Q8S's, into `out`: codes q + 96, then d and the steps.
-inline void unpack_six_bits(const uint8_t* column, int64_t KB, uint8_t* out) {
+// A six-bit format's column block of KB blocks as its byte format's, into `out`: codes q plus
+// CODE_BASE, then the scales, minimums and steps as they are.
+template <Format F> inline void unpack_six_bits(const uint8_t* column, int64_t KB, uint8_t* out) {
+  constexpr Format B = BYTES_OF<F>;
   for (int64_t kb = 0; kb < KB; ++kb) {
-    const uint8_t* block = column + kb * BLOCK_BYTES<Format::Q6S>;
-    uint8_t* to = out + kb * BLOCK_BYTES<Format::Q8S>;
-    for (int g = 0; g < 8; ++g)
-      _mm512_storeu_si512(to + g * 64, _mm512_add_epi8(six_bit_codes(block, g), _mm512_set1_epi8(96)));
-    std::memcpy(to + SCALES_AT<Format::Q8S>, block + SCALES_AT<Format::Q6S>, 32);
-    std::memcpy(to + STEPS_AT<Format::Q8S>, block + STEPS_AT<Format::Q6S>, 32);
+    const uint8_t* block = column + kb * BLOCK_BYTES<F>;
+    uint8_t* to = out + kb * BLOCK_BYTES<B>;
+    const __m512i low = _mm512_set1_epi8(0x0f), high_bits = _mm512_set1_epi8(0x30);
+    const __m512i base = _mm512_set1_epi8(CODE_BASE<F>);
+    for (int k = 0; k < 2; ++k) {  // groups 2k, 2k + 1 and the two 4 after them share their bytes of high bits
+      const __m512i high = _mm512_loadu_si512(block + 256 + k * 64);
+      const __m512i moved[4] = {_mm512_slli_epi16(high, 4), _mm512_slli_epi16(high, 2), high,
+                                _mm512_srli_epi16(high, 2)};  // each group's 2 bits at bits 4 and 5
+      for (int e = 0; e < 2; ++e) {
+        const int p = 2 * k + e;
+        const __m512i nibbles = _mm512_loadu_si512(block + p * 64);
+        const __m512i first =
+            _mm512_or_si512(_mm512_and_si512(nibbles, low), _mm512_and_si512(moved[2 * e], high_bits));
+        const __m512i second = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(nibbles, 4), low),
+                                               _mm512_and_si512(moved[2 * e + 1], high_bits));
+        _mm512_storeu_si512(to + p * 64, _mm512_add_epi8(first, base));
+        _mm512_storeu_si512(to + (p + 4) * 64, _mm512_add_epi8(second, base));
+      }
+    }
+    std::memcpy(to + SCALES_AT<B>, block + SCALES_AT<F>, BLOCK_BYTES<F> - SCALES_AT<F>);
   }
 }
 
@@ -480,7 +510,7 @@ inline __m256 load_halves(const uint8_t* p) {
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
 
-// Q6S's codes of group g for the 8 columns at `half` (0 or 32) of each 64 bytes, as bytes 0 to 63.
+// A six-bit format's codes of group g for the 8 columns at `half` (0 or 32) of each 64 bytes, as bytes 0 to 63.
 template <int g> inline __m256i six_bit_codes(const uint8_t* block, int64_t half) {
   const __m256i nibbles = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + (g % 4) * 64 + half));
   const __m256i low = _mm256_and_si256(g < 4 ? nibbles : _mm256_srli_epi16(nibbles, 4), _mm256_set1_epi8(0x0f));
@@ -565,12 +595,12 @@ inline void tile(const uint8_t* w, int64_t KB, int64_t nb, int64_t N, const int8
         constexpr int HALVES_K = HALF_STEPS<F> ? 2 : 1;
         for (int k_half = 0; k_half < HALVES_K; ++k_half) {
           for (int g = k_half * 8 / HALVES_K; g < (k_half + 1) * 8 / HALVES_K; ++g) {
-            const __m256i codes = F == Format::Q6S
+            const __m256i codes = SIX_BITS<F>
                                       ? six_bit_codes(block, g, half)
                                       : _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + g * 64 + half));
             if constexpr (OFFSET<F>) {
-              const __m256i signed_w = F == Format::Q6S ? _mm256_sub_epi8(codes, _mm256_set1_epi8(32))
-                                                        : _mm256_xor_si256(codes, _mm256_set1_epi8(char(0x80)));
+              const __m256i signed_w = SIX_BITS<F> ? _mm256_sub_epi8(codes, _mm256_set1_epi8(char(ZERO<F>)))
+                                                   : _mm256_xor_si256(codes, _mm256_set1_epi8(char(0x80)));
               const __m256i magnitude = _mm256_sign_epi8(signed_w, signed_w);  // -128 stays 0x80: 128 unsigned
               for (int r = 0; r < MR; ++r) {
                 const __m256i x = _mm256_sign_epi8(_mm256_set1_epi32(xk[r][g]), signed_w);
@@ -663,17 +693,18 @@ inline void columns(const uint8_t* w, int64_t KB, int64_t nb, int count, int64_t
   column_block<F>(w, KB, nb, N, xq, dx, sx, K, M, y, start, next);
 }
 
-// A Q6S column block's KB blocks as Q8S's, into `out`: codes q + 96, then d and the steps.
-inline void unpack_six_bits(const uint8_t* column, int64_t KB, uint8_t* out) {
+// A six-bit format's column block of KB blocks as its byte format's, into `out`: codes q plus
+// CODE_BASE, then the scales, minimums and steps as they are.
+template <Format F> inline void unpack_six_bits(const uint8_t* column, int64_t KB, uint8_t* out) {
+  constexpr Format B = BYTES_OF<F>;
   for (int64_t kb = 0; kb < KB; ++kb) {
-    const uint8_t* block = column + kb * BLOCK_BYTES<Format::Q6S>;
-    uint8_t* to = out + kb * BLOCK_BYTES<Format::Q8S>;
+    const uint8_t* block = column + kb * BLOCK_BYTES<F>;
+    uint8_t* to = out + kb * BLOCK_BYTES<B>;
     for (int g = 0; g < 8; ++g)
       for (int64_t half = 0; half < 64; half += 32)
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(to + g * 64 + half),
-                            _mm256_add_epi8(six_bit_codes(block, g, half), _mm256_set1_epi8(96)));
-    std::memcpy(to + SCALES_AT<Format::Q8S>, block + SCALES_AT<Format::Q6S>, 32);
-    std::memcpy(to + STEPS_AT<Format::Q8S>, block + STEPS_AT<Format::Q6S>, 32);
+                            _mm256_add_epi8(six_bit_codes(block, g, half), _mm256_set1_epi8(CODE_BASE<F>)));
+    std::memcpy(to + SCALES_AT<B>, block + SCALES_AT<F>, BLOCK_BYTES<F> - SCALES_AT<F>);
   }
 }
 
@@ -709,13 +740,15 @@ void columns_plain(const uint8_t* w, int64_t KB, int64_t nb_begin, int64_t nb_en
 
 #if EMBER_AVX512 || EMBER_AVX2
 
-// The format a column block is unpacked into for many rows: Q6S's codes as Q8S's bytes, Q4K's
-// blocks each with its super-block's d and m as Q4S's.
-template <Format F> constexpr Format UNPACKED = F == Format::Q6S ? Format::Q8S : F == Format::Q4K ? Format::Q4S : F;
+// The format a column block is unpacked into for many rows: a six-bit format's codes as its byte
+// format's, Q4K's blocks each with its super-block's d and m as Q4S's.
+template <Format F> constexpr Format UNPACKED = F == Format::Q4K ? Format::Q4S : BYTES_OF<F>;
+// Past these rows a column block is unpacked (the fewest rows at which it measured faster, Intel Xeon).
+template <Format F> constexpr int64_t UNPACK_ROWS = SIX_BITS<F> ? 12 : 24;
 
 template <Format F> inline void unpack(const uint8_t* column, int64_t KB, uint8_t* out) {
-  if constexpr (F == Format::Q6S) {
-    unpack_six_bits(column, KB, out);
+  if constexpr (SIX_BITS<F>) {
+    unpack_six_bits<F>(column, KB, out);
   } else {
     static_assert(F == Format::Q4K && SCALES_AT<Format::Q4S> == 256 && STEPS_AT<Format::Q4S> == 320);
     for (int64_t kb = 0; kb < KB; ++kb) {
@@ -749,17 +782,19 @@ void linear_impl(const T* x, const uint8_t* w, int64_t M, int64_t K, int64_t N, 
     const int64_t nb_begin = begin * 2, nb_end = std::min(end * 2, NBS);
     [[maybe_unused]] const int64_t column = column_bytes<F>(KB);
 #if EMBER_AVX512 || EMBER_AVX2
-    // Q6S and Q4K for many rows: each column block unpacked once into Q8S's or Q4S's bytes, then
-    // that format's tiles, whose integer sums and float steps are the same: the same bits, without
-    // unpacking the codes (or finding the super-block's d and m) again for every tile of rows.
+    // Six-bit formats and Q4K for many rows: each column block unpacked once into its byte
+    // format's or Q4S's bytes, then that format's tiles, whose integer sums and float steps are
+    // the same: the same bits, without unpacking the codes (or finding the super-block's d and m)
+    // again for every tile of rows.
     constexpr Format U = UNPACKED<F>;
     std::unique_ptr<uint8_t[]> unpacked;
     if constexpr (U != F)
-      if (M > UNPACK_ROWS) unpacked.reset(new uint8_t[2 * column_bytes<U>(KB)]);
+      if (M > UNPACK_ROWS<F>) unpacked.reset(new uint8_t[2 * column_bytes<U>(KB)]);
     const auto pass = [&](int64_t nb, int count, const uint8_t* next) {
       if constexpr (U != F) {
         if (unpacked) {
-          for (int c = 0; c < count; ++c) unpack<F>(w + (nb + c) * column, KB, unpacked.get() + c * column_bytes<U>(KB));
+          for (int c = 0; c < count; ++c)
+            unpack<F>(w + (nb + c) * column, KB, unpacked.get() + c * column_bytes<U>(KB));
           columns<U>(unpacked.get(), KB, nb, count, N, xq, dx, sx, qsum, qlow, K, M, y, start, nullptr);
           return;
         }

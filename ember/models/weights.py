@@ -182,13 +182,25 @@ class QuantBlocks:
         return QuantBlocks(8, codes.to(torch.uint8).view(out, width), scales)
 
 
+_SIX_BITS = 64  # a six-bit layout's format: its byte format's + 64
+
+
+def _code_base(format: int) -> int:
+    """A byte format's lowest code a six-bit layout holds (the codes b - base in 0..63): 96 around
+    the signed formats' zero of 128, 0 for Q8M's unsigned codes."""
+    return 0 if format % _SIX_BITS == 28 else 96
+
+
 def kernel_format(blocks: QuantBlocks) -> int:
     """The layout the kernel gets: the blocks' format; or 52 for 4-bit blocks with steps whose
     scale and minimum stay the same over each super-block of 8 blocks along every row (a Q4_K
-    tensor's), held once for the 8; or 44 for 8-bit blocks with the halves' steps whose codes
-    all lie within 64 of each other around the zero's, 96 to 159 (a Q6_K tensor's), in 6 bits."""
-    if blocks.format == 24:
-        return 44 if int(blocks.codes.min()) >= 96 and int(blocks.codes.max()) < 160 else 24
+    tensor's), held once for the 8; or, for 8-bit blocks whose codes all lie in the 64 from
+    `_code_base` (Q5_0's, Q6_K's, Q5_K's, a mixed q/k/v's of Q4_K and Q6_K), their format + 64:
+    the same arithmetic on codes held in 6 bits."""
+    if blocks.bits == 8:
+        base = _code_base(blocks.format)
+        fits = int(blocks.codes.min()) >= base and int(blocks.codes.max()) < base + 64
+        return blocks.format + _SIX_BITS if fits else blocks.format
     if blocks.format != 20 or blocks.scales.shape[1] % _SUPER:
         return blocks.format
     def constant(values: torch.Tensor) -> bool:  # bit for bit: -0.0 is not 0.0 here
@@ -201,18 +213,27 @@ def pack_blocks(blocks: QuantBlocks, format: int | None = None) -> torch.Tensor:
     """The kernel's layout (see ember/kernels/linear.cpp): per column block of 16 output
     rows and k block of 32 inputs, the codes arranged for 4-byte dot products (4 bits: two codes
     a byte), then the 16 scales (and minimums) as float16, then any steps, a byte each.
-    (column blocks, k blocks, bytes) uint8. Format 52 (`kernel_format`): per column block and
-    super-block, its 16 scales and minimums, then its 8 blocks' codes and steps:
-    (column blocks, super-blocks, bytes)."""
+    (column blocks, k blocks, bytes) uint8. The six-bit formats (`kernel_format`): the codes less
+    their base, the low 4 bits as 4-bit nibbles, then their high 2 bits (128 bytes), then the rest
+    as in their byte format. Format 52: per column block and super-block, its 16 scales and
+    minimums, then its 8 blocks' codes and steps: (column blocks, super-blocks, bytes)."""
     format = blocks.format if format is None else format
     out, width = blocks.shape
     padded = -(-out // _NBLOCK) * _NBLOCK
     pad = lambda t: F.pad(t, (0, 0, 0, padded - out))
     column_blocks, k_blocks = padded // _NBLOCK, width // QBLOCK
     # (column block, row j, k block, group g of 4, byte i) -> (column block, k block, g, j, i)
-    codes = pad(blocks.codes).view(column_blocks, _NBLOCK, k_blocks, 8, 4)
-    if blocks.bits == 4:
-        codes = codes[:, :, :, :4] | (codes[:, :, :, 4:] << 4)  # groups g and g + 4 share a byte
+    six_bits = format > _SIX_BITS
+    codes = pad(blocks.codes - _code_base(format) if six_bits else blocks.codes)
+    codes = codes.view(column_blocks, _NBLOCK, k_blocks, 8, 4)
+    if blocks.bits == 4 or six_bits:  # groups g and g + 4 share a byte
+        nibbles = (codes[:, :, :, :4] & 15) | ((codes[:, :, :, 4:] & 15) << 4)
+        if six_bits:  # then the high 2 bits, a byte k of two groups' pairs holding those of groups
+            high = codes >> 4  # 2k, 2k + 4, 2k + 1 and 2k + 5 from its low end
+            nibbles = torch.cat([nibbles, torch.stack([
+                high[:, :, :, 2 * k] | high[:, :, :, 2 * k + 4] << 2 | high[:, :, :, 2 * k + 1] << 4
+                | high[:, :, :, 2 * k + 5] << 6 for k in (0, 1)], dim=3)], dim=3)
+        codes = nibbles
     codes = codes.permute(0, 2, 3, 1, 4).reshape(column_blocks, k_blocks, -1)
 
     def halves(values: torch.Tensor) -> torch.Tensor:
@@ -222,14 +243,6 @@ def pack_blocks(blocks: QuantBlocks, format: int | None = None) -> torch.Tensor:
         return (pad(values).view(column_blocks, _NBLOCK, k_blocks, per_block).permute(0, 2, 3, 1)
                 .contiguous().view(torch.uint8).reshape(column_blocks, k_blocks, -1))
 
-    if format == 44:  # the codes' low 4 bits as 4-bit blocks' nibbles, then their high 2 bits
-        six = pad(blocks.codes - 96).view(column_blocks, _NBLOCK, k_blocks, 8, 4)
-        low = (six[:, :, :, :4] & 15) | ((six[:, :, :, 4:] & 15) << 4)
-        high = six >> 4  # byte k of a pair of groups: groups 2k, 2k + 4, 2k + 1, 2k + 5 from its low end
-        high = torch.stack([high[:, :, :, 2 * k] | high[:, :, :, 2 * k + 4] << 2 | high[:, :, :, 2 * k + 1] << 4
-                            | high[:, :, :, 2 * k + 5] << 6 for k in (0, 1)], dim=3)
-        planes = torch.cat([low, high], dim=3).permute(0, 2, 3, 1, 4).reshape(column_blocks, k_blocks, -1)
-        return torch.cat([planes, halves(blocks.scales), steps(blocks.steps, 2)], dim=-1).contiguous()
     if format == 52:
         shape = (column_blocks, k_blocks // _SUPER, -1)
         core = torch.cat([codes, steps(blocks.steps, 1), steps(blocks.min_steps, 1)], dim=-1).reshape(shape)

@@ -48,7 +48,7 @@ def check_vector_against_plain(vector_ops, plain_ops, format, dtype):
     x[1, 32:64] = 0  # an all-zero activation block
     x[2, :32] *= 100  # codes at the int8 limits
     x = x.to(dtype)
-    # every tile shape and mix of them; past 24 rows, Q6_K's and Q4_K's blocks unpacked once
+    # every tile shape and mix of them; past 12 or 24 rows, six-bit and Q4_K blocks unpacked once
     for rows in (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 13, 14, 25, 32):
         vector = vector_ops.quantized_linear(x[:rows], layer.packed, 200, format)
         plain = plain_ops.quantized_linear(x[:rows], layer.packed, 200, format)

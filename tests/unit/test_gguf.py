@@ -372,7 +372,7 @@ def test_a_q4_k_m_shaped_file_is_held_in_its_own_weights(tmp_path):
     layer runs in a format that holds its file's weights exactly, looked up bit for bit: Q4_K in
     the layout with one scale and minimum per super-block, Q6_K in 6-bit codes with the halves'
     steps, and the fused q/k/v, Q4_K queries and keys beside Q6_K values, with both the halves'
-    steps and a minimum (format 40).
+    steps and a minimum (format 40, in 6-bit codes: 104).
     (tests/models/test_gemma3_real_weights.py holds a real Q4_K_M file's outputs to transformers'.)"""
     from ember import LLM
     from ember.models.layers import block_weights
@@ -386,7 +386,7 @@ def test_a_q4_k_m_shaped_file_is_held_in_its_own_weights(tmp_path):
         held = {"qkv_proj": layer.self_attn.qkv_proj, "o_proj": layer.self_attn.o_proj,
                 "gate_up_proj": layer.mlp.gate_up_proj, "down_proj": layer.mlp.down_proj}
         assert {name: linear.weights.format for name, linear in held.items()} == {
-            "qkv_proj": 40, "o_proj": 52, "gate_up_proj": 52, "down_proj": 44}
+            "qkv_proj": 104, "o_proj": 52, "gate_up_proj": 52, "down_proj": 88}
         prefix = f"model.layers.{index}."
         expected = {"qkv_proj": torch.cat([floats[prefix + f"self_attn.{p}_proj.weight"] for p in "qkv"]),
                     "o_proj": floats[prefix + "self_attn.o_proj.weight"],
