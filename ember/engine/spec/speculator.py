@@ -15,15 +15,21 @@ from ember.engine.stats import EngineCounters
 
 if TYPE_CHECKING:
     from ember.engine.runner import RunnerOutput
-    from ember.engine.scheduler import SchedulerOutput
+    from ember.engine.scheduler import ScheduledRequest, SchedulerOutput
 
 logger = logging.getLogger("ember.engine")
+
+# What a drafting model's round holds until its tokens are drafted (Speculator.draft): the scheduler
+# needs only the round's length.
+_GRANTED = -1
 
 
 class Proposer(Protocol):
     """Drafts for requests. A `free` proposer (a lookup) costs next to nothing per token, so it is
-    asked for all the tokens a request has room for and the speculator keeps what pays; any other
-    (a draft model runs a step per token) is asked for the length chosen beforehand."""
+    asked, before the step is scheduled, for all the tokens a request has room for, and the
+    speculator keeps what pays. Any other (a draft model runs a forward per token) drafts after the
+    scheduler has granted each round its length and blocks (`Speculator.draft`), and also follows
+    the step's prefill (`follow(scheduled)`, `restart(request_id)` after a preemption)."""
 
     name: str
     free: bool
@@ -82,6 +88,7 @@ class Speculator:
         self._used: dict[str, DraftLength] = {}  # request id -> the estimate its pending round rests on
         self.step_cost = StepCost()  # fitted from the engine's decode steps (observe_step)
         self.gate = DraftingGate()
+        self.drafting = True  # whether the last step with requests decoding let them draft
         # a tuned draft's cap: a lone stream's verified row costs a tenth of its step, so a long
         # copy is worth a long draft; in a batch the longer cap lost more to missed rows than it
         # gained (benchmarks.md)
@@ -104,7 +111,9 @@ class Speculator:
             request.draft_token_ids = []
         self._used.clear()
         fixed = self.config.draft_tokens
-        if not decoding or (fixed is None and not self.gate.allows(len(decoding))):
+        if decoding:
+            self.drafting = fixed is not None or self.gate.allows(len(decoding))
+        if not decoding or not self.drafting:
             return
         cost = self.step_cost.coefficients()
         most = fixed or (self.most_alone if len(decoding) == 1 else self.most_in_batch)
@@ -124,16 +133,53 @@ class Speculator:
                 wants.append((request, wanted))
         if not wants:
             return
+        if not free:  # the lengths asked of the scheduler; the tokens come once it has granted them
+            for request, wanted in wants:
+                request.draft_token_ids = [_GRANTED] * wanted
+            return
         began = time.perf_counter()
         proposals = self.proposer.propose(wants)
         longest = 0
         for (request, _), (drafts, evidence) in zip(wants, proposals):
-            if free and drafts:
+            if drafts:
                 length = self._used[request.request_id] = self._length(("evidence", evidence))
                 drafts = drafts[:length.next(len(decoding), cost, len(drafts))]
             request.draft_token_ids = _before_end_token(request, drafts)
             longest = max(longest, len(drafts))
         self.step_cost.observe_drafting(longest, time.perf_counter() - began)
+
+    def draft(self, plan: SchedulerOutput) -> list[ScheduledRequest]:
+        """A drafting model's tokens for the rounds the scheduler granted (a free proposer's are in
+        place already); returns the rounds that came out shorter than granted, whose blocks past
+        their end the caller gives back."""
+        granted = [item for item in plan.scheduled if item.draft_token_ids and item.draft_token_ids[0] == _GRANTED]
+        if not granted:
+            return []
+        began = time.perf_counter()
+        proposals = self.proposer.propose([(item.request, len(item.draft_token_ids)) for item in granted])
+        shortened = []
+        for item, (drafts, _) in zip(granted, proposals):
+            drafts = _before_end_token(item.request, drafts)
+            if len(drafts) < len(item.draft_token_ids):
+                plan.num_scheduled_tokens -= len(item.draft_token_ids) - len(drafts)
+                item.num_new_tokens = 1 + len(drafts)
+                shortened.append(item)
+            item.draft_token_ids = drafts
+        self.step_cost.observe_drafting(max(map(len, (item.draft_token_ids for item in granted))),
+                                        time.perf_counter() - began)
+        return shortened
+
+    def follow(self, plan: SchedulerOutput) -> None:
+        """Once the step's forward has run: a drafting model prefills what the served model did,
+        while drafting pays (when the gate has closed, a request's drafts catch up on its prompt
+        if it later drafts)."""
+        if not self.proposer.free and self.drafting:
+            self.proposer.follow(plan.scheduled)
+
+    def restart(self, request_id: str) -> None:
+        """The request was preempted: it computes its tokens again from the start."""
+        if not self.proposer.free:
+            self.proposer.restart(request_id)
 
     def after_step(self, plan: SchedulerOutput, result: RunnerOutput, began: float, forward_began: float,
                    counters: EngineCounters) -> None:
