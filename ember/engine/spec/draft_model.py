@@ -116,7 +116,7 @@ class DraftModelProposer:
         for entry in scheduled:
             request = entry.request
             end = entry.start + entry.num_new_tokens
-            if entry.draft_token_ids or end > request.num_tokens or not self._may_draft(request):
+            if entry.draft_token_ids or not self._may_draft(request):
                 continue
             if entry.num_new_tokens == 1 and entry.start >= request.num_prompt_tokens:
                 continue  # a plain decoding row
