@@ -1,7 +1,9 @@
 """GGUF quantized weights in two of the kernel's layouts, in one process: Q4_K with a scale and
 minimum in every block of 32 (format 20, 5.5 bits a weight) against once per super-block of 256
-(format 52, 4.625 bits); Q6_K, Q5_K and Q5_0 with 8-bit codes (formats 24, 28 and 8: 9, 9.5 and
-8.5 bits) against 6-bit ones (formats 88, 92 and 72: 7, 7.5 and 6.5 bits).
+(format 52, 4.625 bits); Q6_K and Q5_0 with 8-bit codes (formats 24 and 8: 9 and 8.5 bits)
+against 6-bit ones (formats 88 and 72: 7 and 6.5 bits); Q5_K with 6-bit codes and a scale and
+minimum in every block (format 92, 7.5 bits) against 5-bit codes and those once per super-block
+(format 60, 5.625 bits).
 
     python bench/k_quant_layouts.py [--type q4_k|q6_k|q5_k|q5_0] [--rows 1,4,16,128] [--rounds 20]
 
@@ -28,7 +30,7 @@ from ember.models.weights import BlockWeights, QuantBlocks, pack_blocks
 
 LAYERS = 28
 SHAPES = ((4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072))  # (out_features, in_features)
-LAYOUTS = {"q4_k": (20, 52), "q6_k": (24, 88), "q5_k": (28, 92), "q5_0": (8, 72)}  # (wider, compact)
+LAYOUTS = {"q4_k": (20, 52), "q6_k": (24, 88), "q5_k": (92, 60), "q5_0": (8, 72)}  # (wider, compact)
 
 
 def q4_k_blocks(out: int, width: int, generator: torch.Generator) -> QuantBlocks:
@@ -50,10 +52,11 @@ def q6_k_blocks(out: int, width: int, generator: torch.Generator) -> QuantBlocks
 
 
 def q5_k_blocks(out: int, width: int, generator: torch.Generator) -> QuantBlocks:
-    """Q5_K-like blocks: codes 0..31, a scale and minimum with 6-bit steps."""
-    blocks = width // 32
-    scales = (torch.rand(out, blocks, generator=generator) * 1e-4 + 1e-5).to(torch.float16)
-    mins = (-torch.rand(out, blocks, generator=generator) * 1e-3).to(torch.float16)
+    """Q5_K-like blocks: codes 0..31, 6-bit steps, a scale and minimum per row and super-block."""
+    blocks, supers = width // 32, width // 256
+    per_super = lambda t: t.repeat_interleave(8, dim=1)
+    scales = per_super((torch.rand(out, supers, generator=generator) * 1e-4 + 1e-5).to(torch.float16))
+    mins = per_super((-torch.rand(out, supers, generator=generator) * 1e-3).to(torch.float16))
     return QuantBlocks(8, torch.randint(0, 32, (out, width), generator=generator, dtype=torch.uint8), scales, mins,
                        torch.randint(1, 64, (out, blocks), generator=generator, dtype=torch.uint8),
                        torch.randint(0, 64, (out, blocks), generator=generator, dtype=torch.uint8))

@@ -3,14 +3,17 @@ tests that run every format: 4 and 8 are quantized as ember quantizes; 20, 24 an
 as GGUF's Q4_K, Q6_K and Q5_K are held) take random integer steps, their scales divided to keep
 the weights' size; 52 is 20 with one scale and minimum per super-block of 8 blocks, as a Q4_K
 tensor's (its width must be a multiple of 256 for the kernel to take that layout); 40 is 24 with a
-minimum and its step as well (fused projections of mixed families); 72, 88, 92 and 104 are 8, 24,
-28 and 40 whose codes lie within 64 (held in 6 bits), as Q5_0's, Q6_K's and Q5_K's do."""
+minimum and its step as well (fused projections of mixed families); 60 is 28 whose codes fit 5
+bits, with one scale and minimum per super-block, as a Q5_K tensor's (its width a multiple of 256
+too); 72, 88, 92 and 104 are 8, 24, 28 and 40 whose codes lie within 64 (held in 6 bits), as
+Q5_0's, Q6_K's and Q5_1's do."""
 
 import torch
 
 from ember.models.weights import QuantBlocks
 
-FORMATS = [4, 8, 20, 24, 28, 40, 52, 72, 88, 92, 104]
+FORMATS = [4, 8, 20, 24, 28, 40, 52, 60, 72, 88, 92, 104]
+SUPER_BLOCK_FORMATS = (52, 60)  # their blocks' widths must be whole super-blocks of 256
 
 
 def blocks_of_format(weight: torch.Tensor, format: int, seed: int = 0) -> QuantBlocks:
@@ -22,19 +25,23 @@ def blocks_of_format(weight: torch.Tensor, format: int, seed: int = 0) -> QuantB
             codes, widen = (blocks.codes.to(torch.int16) - 128).div(4, rounding_mode="floor").clamp(-32, 31) + 128, 4
         return QuantBlocks(8, codes.to(torch.uint8), (blocks.scales.float() * widen).to(torch.float16),
                            blocks.mins, blocks.steps, blocks.min_steps)
-    blocks = QuantBlocks.quantize(weight, 4 if format in (4, 20, 28, 52) else 8)
+    blocks = QuantBlocks.quantize(weight, 4 if format in (4, 20, 28, 52, 60) else 8)
     if format in (4, 8):
         return blocks
     generator = torch.Generator().manual_seed(seed)
     out, count = blocks.scales.shape
     scales = (blocks.scales.float() / 40).to(torch.float16)
-    if format in (20, 28, 52):  # 6-bit steps, as Q4_K's and Q5_K's; a minimum's step of 0 in some blocks
+    if format in (20, 28, 52, 60):  # 6-bit steps, as Q4_K's and Q5_K's; a minimum's step of 0 in some blocks
         steps = torch.randint(1, 64, (out, count), generator=generator, dtype=torch.uint8)
         min_steps = torch.randint(0, 64, (out, count), generator=generator, dtype=torch.uint8)
         mins = (blocks.mins.float() / 40).to(torch.float16)
         if format == 28:  # codes in bytes up to the format's 127 (Q5_K's reach 31)
             codes = blocks.codes * 8 + torch.randint(0, 8, blocks.codes.shape, generator=generator, dtype=torch.uint8)
             return QuantBlocks(8, codes, (scales.float() / 8).to(torch.float16), mins, steps, min_steps)
+        if format == 60:  # Q5_K's codes, 0..31
+            codes = blocks.codes * 2 + torch.randint(0, 2, blocks.codes.shape, generator=generator, dtype=torch.uint8)
+            return QuantBlocks(8, codes, per_super_block((scales.float() / 2).to(torch.float16)),
+                               per_super_block(mins), steps, min_steps)
         if format == 52:
             scales, mins = per_super_block(scales), per_super_block(mins)
         return QuantBlocks(4, blocks.codes, scales, mins, steps, min_steps)

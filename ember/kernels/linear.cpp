@@ -12,9 +12,11 @@
 //             parts in formats of both families, as a Q4_K_M file's Q4_K queries beside Q6_K values)
 //   Q4K (52): Q4S whose d and m are the same for 8 blocks in a row (a Q4_K super-block of 256),
 //             held once before the 8 (4.625 bits a weight against Q4S's 5.5 and Q4_K's 4.5)
+//   Q5K (60): Q8M whose codes are 5 bits (q in 0..31) and whose d and m are the same for 8 blocks
+//             in a row (a Q5_K super-block), held once before the 8: Q5_K exactly in 5.625 bits
 //   Q6 (72), Q6S (88), Q6M (92), Q6SM (104): Q8, Q8S, Q8M and Q8SM (the format + 64) whose codes
 //             all lie within 64 of each other (b - 96 in 0..63; Q6M's q in 0..63) in 6 bits, the
-//             same arithmetic: Q5_0, Q6_K and Q5_K exactly in 6.5, 7 and 7.5 bits a weight
+//             same arithmetic: Q5_0, Q6_K and Q5_1 exactly in 6.5, 7 and 7.5 bits a weight
 // d, m are float16; d * s and m * t are exact in float32, so a step costs no rounding.
 //
 // Activations are quantized per row in blocks of 32; a block's dot product is exact integer
@@ -37,11 +39,13 @@ namespace {
 constexpr int64_t QBLOCK = 32;         // weights and activations are quantized in blocks of 32 along K
 constexpr int64_t NBLOCK = 16;         // output columns per packed column block
 constexpr int64_t HALF = 16;           // a step of Q8S or Q8SM (and their six-bit forms) covers half a block
-constexpr int64_t SUPER = 8;           // Q4K's k blocks per super-block
+constexpr int64_t SUPER = 8;           // Q4K's and Q5K's k blocks per super-block
 // Per (column block, k block): the codes (nibbles, or bytes), d (fp16 x16), m where the format has
 // one (fp16 x16), then the steps: s and t (u8 x16 each), or the s of each half (i8 x16 each; Q8S,
 // and Q8SM with its t after them).
-// Q4K, per (column block, super-block): d and m, then its 8 k blocks' codes and steps (s, t).
+// Q4K and Q5K, per (column block, super-block): d and m, then its 8 k blocks' codes and steps (s, t).
+// Q5K's codes: their low 4 bits as Q4's nibbles, then their fifth bits (64 bytes: group g's 64
+// bits at 8 g, bit j*4 + i for column j's code 4g + i), then its steps.
 // Six-bit formats: the codes' low 4 bits as Q4's nibbles, then their high 2 bits (128 bytes), then
 // as their byte format.
 
@@ -147,11 +151,14 @@ void quantize_rows(const T* x, int64_t M, int64_t K, int8_t* xq, float* dx, floa
 // Q4S, Q8S: as Q4, Q8, their steps after the scales (and minimums).
 
 enum class Format : int64_t {
-  Q4 = 4, Q8 = 8, Q4S = 20, Q8S = 24, Q8M = 28, Q8SM = 40, Q4K = 52, Q6 = 72, Q6S = 88, Q6M = 92, Q6SM = 104
+  Q4 = 4, Q8 = 8, Q4S = 20, Q8S = 24, Q8M = 28, Q8SM = 40, Q4K = 52, Q5K = 60, Q6 = 72, Q6S = 88, Q6M = 92,
+  Q6SM = 104
 };
 template <Format F>
 constexpr bool SIX_BITS = F == Format::Q6 || F == Format::Q6S || F == Format::Q6M || F == Format::Q6SM;
-template <Format F> constexpr Format BYTES_OF = SIX_BITS<F> ? Format(int64_t(F) - 64) : F;  // the same arithmetic
+template <Format F> constexpr bool FIVE_BITS = F == Format::Q5K;
+template <Format F> constexpr Format BYTES_OF =  // the byte format of the same arithmetic
+    SIX_BITS<F> ? Format(int64_t(F) - 64) : FIVE_BITS<F> ? Format::Q8M : F;
 // A six-bit code q is its byte format's b less this
 template <Format F> constexpr int32_t CODE_BASE = SIX_BITS<F> && BYTES_OF<F> != Format::Q8M ? 96 : 0;
 template <Format F> constexpr bool NIBBLES = F == Format::Q4 || F == Format::Q4S || F == Format::Q4K;  // else bytes
@@ -165,7 +172,7 @@ template <Format F> constexpr bool STEP_AND_MIN =
     F == Format::Q4S || F == Format::Q4K || BYTES_OF<F> == Format::Q8M;  // s and t
 template <Format F> constexpr bool MIN_STEP = STEP_AND_MIN<F> || BYTES_OF<F> == Format::Q8SM;  // t
 template <Format F> constexpr bool STEPPED = STEP_AND_MIN<F> || HALF_STEPS<F>;
-template <Format F> constexpr bool PER_SUPER = F == Format::Q4K;  // d and m once per super-block
+template <Format F> constexpr bool PER_SUPER = F == Format::Q4K || F == Format::Q5K;  // d and m once per super-block
 
 // Within a block: the codes, then the 16 columns' scales d, then their minimums m, float16, then
 // the steps: s then t, or the s of the first half then of the second (then t).
@@ -174,14 +181,16 @@ template <Format F> constexpr int64_t MINS_AT = SCALES_AT<F> + 32;
 template <Format F> constexpr int64_t STEPS_AT = MINS_AT<F> + (HAS_MIN<F> ? 32 : 0);
 template <Format F> constexpr int64_t MIN_STEPS_AT = HALF_STEPS<F> ? 2 * NBLOCK : NBLOCK;  // t, from the steps
 template <Format F> constexpr int64_t BLOCK_BYTES =
-    PER_SUPER<F> ? 256 + 32 : STEPS_AT<F> + (STEPPED<F> ? 32 : 0) + (BYTES_OF<F> == Format::Q8SM ? NBLOCK : 0);
-// Q4K's super-block: d and m (64 bytes), then its 8 blocks, each its codes and then its steps s
-// and t.
-constexpr int64_t Q4K_HEADER = 64, Q4K_SUPER = Q4K_HEADER + SUPER * BLOCK_BYTES<Format::Q4K>;
+    PER_SUPER<F> ? (FIVE_BITS<F> ? 256 + 64 : 256) + 32
+                 : STEPS_AT<F> + (STEPPED<F> ? 32 : 0) + (BYTES_OF<F> == Format::Q8SM ? NBLOCK : 0);
+// A super-block (Q4K, Q5K): d and m (64 bytes), then its 8 blocks, each its codes and then its
+// steps s and t.
+constexpr int64_t SUPER_HEADER = 64;
+template <Format F> constexpr int64_t SUPER_BYTES = SUPER_HEADER + SUPER * BLOCK_BYTES<F>;
 
 // A column block's bytes over KB k blocks (a multiple of SUPER where the format has super-blocks).
 template <Format F> constexpr int64_t column_bytes(int64_t KB) {
-  return PER_SUPER<F> ? KB / SUPER * Q4K_SUPER : KB * BLOCK_BYTES<F>;
+  return PER_SUPER<F> ? KB / SUPER * SUPER_BYTES<F> : KB * BLOCK_BYTES<F>;
 }
 
 // Where k block kb's codes, its 16 scales d (float16; their minimums m follow them) and its steps
@@ -193,9 +202,9 @@ struct Offsets {
 template <Format F> constexpr Offsets offsets(int64_t kb) {
   if constexpr (PER_SUPER<F>) {
     const uint64_t k = uint64_t(kb);
-    const int64_t super = int64_t(k / SUPER) * Q4K_SUPER;
-    const int64_t codes = super + Q4K_HEADER + int64_t(k % SUPER) * BLOCK_BYTES<F>;
-    return {codes, super, codes + 256};
+    const int64_t super = int64_t(k / SUPER) * SUPER_BYTES<F>;
+    const int64_t codes = super + SUPER_HEADER + int64_t(k % SUPER) * BLOCK_BYTES<F>;
+    return {codes, super, codes + BLOCK_BYTES<F> - 32};
   } else {
     const int64_t codes = kb * BLOCK_BYTES<F>;
     return {codes, codes + SCALES_AT<F>, codes + STEPS_AT<F>};
@@ -212,6 +221,7 @@ template <typename Fn> bool with_format(int64_t format, Fn&& fn) {
     case 28: fn(std::integral_constant<Format, Format::Q8M>{}); return true;
     case 40: fn(std::integral_constant<Format, Format::Q8SM>{}); return true;
     case 52: fn(std::integral_constant<Format, Format::Q4K>{}); return true;
+    case 60: fn(std::integral_constant<Format, Format::Q5K>{}); return true;
     case 72: fn(std::integral_constant<Format, Format::Q6>{}); return true;
     case 88: fn(std::integral_constant<Format, Format::Q6S>{}); return true;
     case 92: fn(std::integral_constant<Format, Format::Q6M>{}); return true;
@@ -238,13 +248,14 @@ constexpr int high_bits_shift(int g) { return (g % 2) * 4 + (g < 4 ? 0 : 2); }
 // Column j's code k of a block: q of the nibble formats and Q8M, less the zero's code in the others.
 template <Format F> inline int32_t code_at(const uint8_t* block, int64_t j, int64_t k) {
   const int64_t g = k / 4, i = k % 4;
-  if constexpr (NIBBLES<F> || SIX_BITS<F>) {
+  if constexpr (NIBBLES<F> || SIX_BITS<F> || FIVE_BITS<F>) {
     const uint8_t byte = block[(g % 4) * 64 + j * 4 + i];
     const int32_t low = g < 4 ? (byte & 0x0f) : (byte >> 4);
     if constexpr (SIX_BITS<F>) {
       const uint8_t high = block[256 + (g % 4 / 2) * 64 + j * 4 + i];
       return (low | ((high >> high_bits_shift(int(g))) & 3) << 4) - ZERO<F>;
     }
+    if constexpr (FIVE_BITS<F>) return low | ((block[256 + g * 8 + (j * 4 + i) / 8] >> ((j * 4 + i) % 8)) & 1) << 4;
     return low;
   } else {
     return int32_t(block[g * 64 + j * 4 + i]) - ZERO<F>;
@@ -280,7 +291,7 @@ template <Format F> inline float min_at(const uint8_t* column, int64_t kb, int64
 // (Inlined: left to itself, the compiler kept Q4K's prefetches out of the kernel's loop.)
 template <Format F>
 __attribute__((always_inline)) inline void prefetch_share(const uint8_t* next, int64_t column, int count, int64_t kb) {
-  constexpr int64_t SHARE = PER_SUPER<F> ? Q4K_SUPER / SUPER : BLOCK_BYTES<F>;
+  constexpr int64_t SHARE = PER_SUPER<F> ? SUPER_BYTES<F> / SUPER : BLOCK_BYTES<F>;
   const int64_t first = kb * SHARE / 64 * 64, end = (kb + 1) * SHARE;
   for (int c = 0; c < count; ++c)
     for (int64_t line = first; line < end; line += 64)
@@ -315,6 +326,15 @@ inline __m512i six_bit_codes(const uint8_t* block, int g) {  // g known once the
     case 6: return six_bit_codes<6>(block);
     default: return six_bit_codes<7>(block);
   }
+}
+
+// A five-bit format's codes of group g, 64 of them (4 of each of 16 columns), as bytes 0 to 31.
+inline __m512i five_bit_codes(const uint8_t* block, int g) {
+  const __m512i nibbles = _mm512_loadu_si512(block + (g % 4) * 64);
+  const __m512i low = _mm512_and_si512(g < 4 ? nibbles : _mm512_srli_epi16(nibbles, 4), _mm512_set1_epi8(0x0f));
+  __mmask64 fifth;
+  std::memcpy(&fifth, block + 256 + g * 8, 8);
+  return _mm512_mask_add_epi8(low, fifth, low, _mm512_set1_epi8(16));
 }
 
 // 16 steps as floats: unsigned (Q4S) or signed (Q8S) bytes.
@@ -378,7 +398,9 @@ inline void tile(const uint8_t* w, int64_t KB, int64_t nb0, int64_t N, const int
         for (int g = h * 8 / HALVES; g < (h + 1) * 8 / HALVES; ++g) {
           __m512i b[NB];
           for (int c = 0; c < NB; ++c)
-            b[c] = SIX_BITS<F> ? six_bit_codes(blocks[c], g) : _mm512_loadu_si512(blocks[c] + g * 64);
+            b[c] = SIX_BITS<F>    ? six_bit_codes(blocks[c], g)
+                   : FIVE_BITS<F> ? five_bit_codes(blocks[c], g)
+                                  : _mm512_loadu_si512(blocks[c] + g * 64);
           for (int r = 0; r < MR; ++r) {
             const __m512i xa = _mm512_set1_epi32(xk[r][g]);
             for (int c = 0; c < NB; ++c) dots[r][c] = _mm512_dpbusd_epi32(dots[r][c], b[c], xa);
@@ -532,6 +554,21 @@ inline __m256i six_bit_codes(const uint8_t* block, int g, int64_t half) {  // g 
   }
 }
 
+// A five-bit format's codes of group g for the 8 columns at `half` (0 or 32) of each 64 bytes, as bytes 0 to 31:
+// each of the half's 32 fifth bits spread to its byte (shuffled to it, then picked by its bit).
+inline __m256i five_bit_codes(const uint8_t* block, int g, int64_t half) {
+  const __m256i nibbles = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + (g % 4) * 64 + half));
+  const __m256i low = _mm256_and_si256(g < 4 ? nibbles : _mm256_srli_epi16(nibbles, 4), _mm256_set1_epi8(0x0f));
+  int32_t fifth;
+  std::memcpy(&fifth, block + 256 + g * 8 + half / 8, 4);
+  const __m256i spread = _mm256_shuffle_epi8(_mm256_set1_epi32(fifth),
+                                             _mm256_setr_epi64x(0, 0x0101010101010101, 0x0202020202020202,
+                                                                0x0303030303030303));
+  const __m256i bit = _mm256_set1_epi64x(int64_t(0x8040201008040201));
+  const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit);
+  return _mm256_or_si256(low, _mm256_and_si256(set, _mm256_set1_epi8(16)));
+}
+
 // 8 steps as floats: unsigned (Q4S) or signed (Q8S) bytes.
 inline __m256 load_steps(const uint8_t* p, bool is_signed) {
   const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
@@ -595,9 +632,9 @@ inline void tile(const uint8_t* w, int64_t KB, int64_t nb, int64_t N, const int8
         constexpr int HALVES_K = HALF_STEPS<F> ? 2 : 1;
         for (int k_half = 0; k_half < HALVES_K; ++k_half) {
           for (int g = k_half * 8 / HALVES_K; g < (k_half + 1) * 8 / HALVES_K; ++g) {
-            const __m256i codes = SIX_BITS<F>
-                                      ? six_bit_codes(block, g, half)
-                                      : _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + g * 64 + half));
+            const __m256i codes = SIX_BITS<F>    ? six_bit_codes(block, g, half)
+                                  : FIVE_BITS<F> ? five_bit_codes(block, g, half)
+                                                 : _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + g * 64 + half));
             if constexpr (OFFSET<F>) {
               const __m256i signed_w = SIX_BITS<F> ? _mm256_sub_epi8(codes, _mm256_set1_epi8(char(ZERO<F>)))
                                                    : _mm256_xor_si256(codes, _mm256_set1_epi8(char(0x80)));
@@ -740,15 +777,33 @@ void columns_plain(const uint8_t* w, int64_t KB, int64_t nb_begin, int64_t nb_en
 
 #if EMBER_AVX512 || EMBER_AVX2
 
-// The format a column block is unpacked into for many rows: a six-bit format's codes as its byte
-// format's, Q4K's blocks each with its super-block's d and m as Q4S's.
+// The format a column block is unpacked into for many rows: a six- or five-bit format's codes as its
+// byte format's (Q5K's blocks each with its super-block's d and m), Q4K's blocks each with its
+// super-block's d and m as Q4S's.
 template <Format F> constexpr Format UNPACKED = F == Format::Q4K ? Format::Q4S : BYTES_OF<F>;
 // Past these rows a column block is unpacked (the fewest rows at which it measured faster, Intel Xeon).
-template <Format F> constexpr int64_t UNPACK_ROWS = SIX_BITS<F> ? 12 : 24;
+template <Format F> constexpr int64_t UNPACK_ROWS = SIX_BITS<F> || FIVE_BITS<F> ? 12 : 24;
 
 template <Format F> inline void unpack(const uint8_t* column, int64_t KB, uint8_t* out) {
   if constexpr (SIX_BITS<F>) {
     unpack_six_bits<F>(column, KB, out);
+  } else if constexpr (FIVE_BITS<F>) {
+    constexpr Format B = Format::Q8M;
+    static_assert(STEPS_AT<B> == SCALES_AT<B> + 64);
+    for (int64_t kb = 0; kb < KB; ++kb) {
+      const Offsets at = offsets<F>(kb);
+      uint8_t* to = out + kb * BLOCK_BYTES<B>;
+      for (int g = 0; g < 8; ++g) {
+#if EMBER_AVX512
+        _mm512_storeu_si512(to + g * 64, five_bit_codes(column + at.codes, g));
+#else
+        for (int64_t half = 0; half < 64; half += 32)
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(to + g * 64 + half), five_bit_codes(column + at.codes, g, half));
+#endif
+      }
+      std::memcpy(to + SCALES_AT<B>, column + at.scales, 64);  // d, then m
+      std::memcpy(to + STEPS_AT<B>, column + at.steps, 32);    // s, then t
+    }
   } else {
     static_assert(F == Format::Q4K && SCALES_AT<Format::Q4S> == 256 && STEPS_AT<Format::Q4S> == 320);
     for (int64_t kb = 0; kb < KB; ++kb) {

@@ -12,7 +12,8 @@ format once the checkpoint is loaded (`prepare_linears`).
   (ember.kernels): 4-bit codes with a float16 scale and minimum per 32 weights (GGUF's Q4_0 and
   Q4_1 map onto it exactly; Q4_K with integer steps, its scale and minimum once per 256), or 8-bit
   codes with a float16 scale per 32 (Q8_0 and Q5_0 exactly; Q6_K with a step per half block, its
-  codes in 6 bits; Q5_K and Q5_1 with a minimum and steps; a fused layer of mixed parts with both).
+  codes in 6 bits; Q5_K and Q5_1 with a minimum and steps, Q5_K's codes in 5 bits and its scale
+  and minimum once per 256; a fused layer of mixed parts with both).
   Activations are quantized per row in blocks of 32 inside the kernel, so a layer reads 4.6 to
   9.75 bits per weight instead of 16, and its results are batch-invariant by construction.
 
@@ -192,21 +193,29 @@ def _code_base(format: int) -> int:
 
 
 def kernel_format(blocks: QuantBlocks) -> int:
-    """The layout the kernel gets: the blocks' format; or 52 for 4-bit blocks with steps whose
-    scale and minimum stay the same over each super-block of 8 blocks along every row (a Q4_K
-    tensor's), held once for the 8; or, for 8-bit blocks whose codes all lie in the 64 from
-    `_code_base` (Q5_0's, Q6_K's, Q5_K's, a mixed q/k/v's of Q4_K and Q6_K), their format + 64:
-    the same arithmetic on codes held in 6 bits."""
+    """The layout the kernel gets: the blocks' format; or, where the scale and minimum stay the
+    same over each super-block of 8 blocks along every row, held once for the 8: 52 for 4-bit
+    blocks with steps (a Q4_K tensor's), 60 for format 28 whose codes fit 5 bits (a Q5_K
+    tensor's); or, for 8-bit blocks whose codes all lie in the 64 from `_code_base` (Q5_0's,
+    Q6_K's, Q5_1's, a mixed q/k/v's of Q4_K and Q6_K), their format + 64: the same arithmetic on
+    codes held in 6 bits."""
+    per_super = blocks.format in (20, 28) and _per_super_block(blocks.scales) and _per_super_block(blocks.mins)
+    if blocks.format == 28 and per_super and int(blocks.codes.max()) < 32:
+        return 60
     if blocks.bits == 8:
         base = _code_base(blocks.format)
         fits = int(blocks.codes.min()) >= base and int(blocks.codes.max()) < base + 64
         return blocks.format + _SIX_BITS if fits else blocks.format
-    if blocks.format != 20 or blocks.scales.shape[1] % _SUPER:
-        return blocks.format
-    def constant(values: torch.Tensor) -> bool:  # bit for bit: -0.0 is not 0.0 here
-        bits = values.view(torch.int16).view(values.shape[0], -1, _SUPER)
-        return bool((bits == bits[..., :1]).all())
-    return 52 if constant(blocks.scales) and constant(blocks.mins) else 20
+    return 52 if blocks.format == 20 and per_super else blocks.format
+
+
+def _per_super_block(values: torch.Tensor) -> bool:
+    """Each row's values the same over each super-block of 8 blocks, bit for bit (-0.0 is not 0.0
+    here), and the blocks whole super-blocks."""
+    if values.shape[1] % _SUPER:
+        return False
+    bits = values.view(torch.int16).view(values.shape[0], -1, _SUPER)
+    return bool((bits == bits[..., :1]).all())
 
 
 def pack_blocks(blocks: QuantBlocks, format: int | None = None) -> torch.Tensor:
@@ -215,18 +224,20 @@ def pack_blocks(blocks: QuantBlocks, format: int | None = None) -> torch.Tensor:
     a byte), then the 16 scales (and minimums) as float16, then any steps, a byte each.
     (column blocks, k blocks, bytes) uint8. The six-bit formats (`kernel_format`): the codes less
     their base, the low 4 bits as 4-bit nibbles, then their high 2 bits (128 bytes), then the rest
-    as in their byte format. Format 52: per column block and super-block, its 16 scales and
-    minimums, then its 8 blocks' codes and steps: (column blocks, super-blocks, bytes)."""
+    as in their byte format. Formats 52 and 60: per column block and super-block, its 16 scales
+    and minimums, then its 8 blocks' codes and steps: (column blocks, super-blocks, bytes); 60's
+    codes are their low 4 bits as 4-bit nibbles, then their fifth bits (64 bytes: group g's at 8 g,
+    a bit for each of its 64 codes in the nibbles' order)."""
     format = blocks.format if format is None else format
     out, width = blocks.shape
     padded = -(-out // _NBLOCK) * _NBLOCK
     pad = lambda t: F.pad(t, (0, 0, 0, padded - out))
     column_blocks, k_blocks = padded // _NBLOCK, width // QBLOCK
     # (column block, row j, k block, group g of 4, byte i) -> (column block, k block, g, j, i)
-    six_bits = format > _SIX_BITS
+    six_bits, five_bits = format > _SIX_BITS, format == 60
     codes = pad(blocks.codes - _code_base(format) if six_bits else blocks.codes)
     codes = codes.view(column_blocks, _NBLOCK, k_blocks, 8, 4)
-    if blocks.bits == 4 or six_bits:  # groups g and g + 4 share a byte
+    if blocks.bits == 4 or six_bits or five_bits:  # groups g and g + 4 share a byte
         nibbles = (codes[:, :, :, :4] & 15) | ((codes[:, :, :, 4:] & 15) << 4)
         if six_bits:  # then the high 2 bits, a byte k of two groups' pairs holding those of groups
             high = codes >> 4  # 2k, 2k + 4, 2k + 1 and 2k + 5 from its low end
@@ -235,6 +246,11 @@ def pack_blocks(blocks: QuantBlocks, format: int | None = None) -> torch.Tensor:
                 | high[:, :, :, 2 * k + 5] << 6 for k in (0, 1)], dim=3)], dim=3)
         codes = nibbles
     codes = codes.permute(0, 2, 3, 1, 4).reshape(column_blocks, k_blocks, -1)
+    if five_bits:  # (column block, k block, group, j * 4 + i) fifth bits, eight to a byte
+        fifth = (pad(blocks.codes) >> 4).view(column_blocks, _NBLOCK, k_blocks, 8, 4).permute(0, 2, 3, 1, 4)
+        weights = 1 << torch.arange(8, dtype=torch.uint8)
+        plane = (fifth.reshape(column_blocks, k_blocks, 8, 8, 8) * weights).sum(-1, dtype=torch.uint8)
+        codes = torch.cat([codes, plane.reshape(column_blocks, k_blocks, 64)], dim=-1)
 
     def halves(values: torch.Tensor) -> torch.Tensor:
         return pad(values).view(column_blocks, _NBLOCK, -1).transpose(1, 2).contiguous().view(torch.uint8)
@@ -243,7 +259,7 @@ def pack_blocks(blocks: QuantBlocks, format: int | None = None) -> torch.Tensor:
         return (pad(values).view(column_blocks, _NBLOCK, k_blocks, per_block).permute(0, 2, 3, 1)
                 .contiguous().view(torch.uint8).reshape(column_blocks, k_blocks, -1))
 
-    if format == 52:
+    if format in (52, 60):
         shape = (column_blocks, k_blocks // _SUPER, -1)
         core = torch.cat([codes, steps(blocks.steps, 1), steps(blocks.min_steps, 1)], dim=-1).reshape(shape)
         scales, mins = (halves(v[:, ::_SUPER]).reshape(shape) for v in (blocks.scales, blocks.mins))

@@ -12,7 +12,7 @@ import sys
 
 import pytest
 import torch
-from block_formats import FORMATS, blocks_of_format
+from block_formats import FORMATS, SUPER_BLOCK_FORMATS, blocks_of_format
 
 from ember import kernels
 from ember.models.weights import BlockWeights
@@ -77,7 +77,7 @@ def test_sums_continued_across_block_edges_give_one_calls_bits(plain_ops, format
     blocks = blocks_of_format(torch.randn(200, 768, generator=generator) * 0.05, format)
     x = torch.randn(30, 768, generator=generator) * 3
     # slices of 2, 1 and 21 blocks; of whole super-blocks where the format has them
-    cuts = [0, 256, 512, 768] if format == 52 else [0, 64, 96, 768]
+    cuts = [0, 256, 512, 768] if format in SUPER_BLOCK_FORMATS else [0, 64, 96, 768]
     slices = [BlockWeights(blocks.narrow_blocks(a // 32, b // 32), None, torch.float32)
               for a, b in zip(cuts, cuts[1:])]
     whole = BlockWeights(blocks, None, torch.float32)

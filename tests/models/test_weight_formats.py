@@ -101,27 +101,32 @@ def test_a_tied_table_is_looked_up_from_its_blocks(format, dtype):
         layer.rows(torch.tensor([112]))  # past the last column block's padding
 
 
-def test_one_scale_per_super_block_is_a_layout_not_a_change_of_bits():
+@pytest.mark.parametrize("compact_format, wider_format, compact_bits, wider_bits", [(52, 20, 4.625, 5.5),
+                                                                                 (60, 92, 5.625, 7.5)])
+def test_one_scale_per_super_block_is_a_layout_not_a_change_of_bits(compact_format, wider_format, compact_bits,
+                                                                     wider_bits):
     """Q4_K's blocks (steps, one scale and minimum per 8 blocks) are held with those once per 8
-    (format 52): 4.625 bits a weight against 5.5, and the same bits as format 20 in every path.
-    Blocks whose scales differ within a super-block, or a width that does not split into
-    super-blocks, keep format 20."""
-    blocks = blocks_of_format(_weights(out=200, width=768), 52)
-    compact, stepped = BlockWeights(blocks, None, torch.bfloat16), BlockWeights(blocks, None, torch.bfloat16)
-    stepped.format, stepped.packed = 20, pack_blocks(blocks, 20)
-    assert compact.format == 52 and compact.packed.numel() * 8 / (208 * 768) == 4.625
-    assert stepped.packed.numel() * 8 / (208 * 768) == 5.5
-    x = (torch.randn(9, 768) * 3).to(torch.bfloat16)
-    assert torch.equal(compact.matmul(x), stepped.matmul(x))
+    (format 52): 4.625 bits a weight against 5.5, and the same bits as format 20 in every path;
+    Q5_K's (their codes in 5 bits) likewise in format 60: 5.625 bits against the six-bit
+    layout's 7.5. Blocks whose scales differ within a super-block, or a width that does not split
+    into super-blocks, keep the wider layout."""
+    blocks = blocks_of_format(_weights(out=200, width=768), compact_format)
+    compact, wider = BlockWeights(blocks, None, torch.bfloat16), BlockWeights(blocks, None, torch.bfloat16)
+    wider.format, wider.packed = wider_format, pack_blocks(blocks, wider_format)
+    assert compact.format == compact_format and compact.packed.numel() * 8 / (208 * 768) == compact_bits
+    assert wider.packed.numel() * 8 / (208 * 768) == wider_bits
+    for rows in (1, 9, 40):  # one row, a few (tiles of rows), many (each column block unpacked once)
+        x = (torch.randn(rows, 768) * 3).to(torch.bfloat16)
+        assert torch.equal(compact.matmul(x), wider.matmul(x)), rows
     ids = torch.tensor([0, 17, 199])
-    assert torch.equal(compact.rows(ids), stepped.rows(ids))
+    assert torch.equal(compact.rows(ids), wider.rows(ids))
     sums = [torch.zeros(9, 200), torch.zeros(9, 200)]
-    compact.accumulate(x, sums[0]), stepped.accumulate(x, sums[1])
+    compact.accumulate(x[:9], sums[0]), wider.accumulate(x[:9], sums[1])
     assert torch.equal(*sums)
-    varied = QuantBlocks(4, blocks.codes, blocks.scales.clone(), blocks.mins, blocks.steps, blocks.min_steps)
+    varied = QuantBlocks(blocks.bits, blocks.codes, blocks.scales.clone(), blocks.mins, blocks.steps, blocks.min_steps)
     varied.scales[5, 9] = varied.scales[5, 8] * 2
-    assert kernel_format(varied) == 20 and kernel_format(blocks.narrow_blocks(0, 12)) == 20
-    assert kernel_format(blocks.narrow_blocks(8, 24)) == 52
+    assert kernel_format(varied) == wider_format and kernel_format(blocks.narrow_blocks(0, 12)) == wider_format
+    assert kernel_format(blocks.narrow_blocks(8, 24)) == compact_format
 
 
 def test_fused_shards_and_row_selection_keep_every_row():

@@ -19,6 +19,7 @@ from ember.loaders import gguf_file
 from ember.loaders.gguf_cache import cache_entry
 from ember.loaders.gguf_file import (GGUFModel, hf_tensor_name, llama3_rope_factors,
                                      model_name_from_file, unpermute_qk_rows)
+from ember.models.weights import kernel_format
 from gguf_helpers import Q, permute_qk_rows, quantize, write_gguf
 from gguf_models import default_gguf_model, state_dict_of, tiny_model
 
@@ -338,6 +339,9 @@ def test_cache_marker_records_the_source(tmp_path):
 
 EXACT_BLOCKS = {Q.Q4_0: 4, Q.Q4_1: 4, Q.Q8_0: 8, Q.Q5_0: 8, Q.Q4_K: 20, Q.Q6_K: 24,  # type -> ember's format
                 Q.Q5_1: 28, Q.Q5_K: 28}
+# the kernel's layout of each (models.weights.kernel_format): the K-quants' scales once per
+# super-block, codes of 5 or 6 bits held in as many
+KERNEL_LAYOUTS = {Q.Q4_0: 4, Q.Q4_1: 4, Q.Q8_0: 8, Q.Q5_0: 72, Q.Q4_K: 52, Q.Q6_K: 88, Q.Q5_1: 92, Q.Q5_K: 60}
 
 
 @pytest.mark.parametrize("qtype", [*EXACT_BLOCKS, Q.TQ2_0], ids=lambda q: q.name)
@@ -360,6 +364,7 @@ def test_quantized_tensors_come_as_blocks_that_dequantize_like_the_float_path(tm
         assert value.format == EXACT_BLOCKS.get(qtype, 4) and value.shape == tuple(floats[name].shape), name
         if qtype in EXACT_BLOCKS:
             assert torch.equal(value.dequantize(), floats[name]), name
+            assert kernel_format(value) == KERNEL_LAYOUTS[qtype], name
         else:
             step = value.scales.float().repeat_interleave(32, dim=1)
             assert ((value.dequantize() - floats[name]).abs() <= 0.5 * step + 1e-6).all(), name
