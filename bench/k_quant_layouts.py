@@ -1,9 +1,9 @@
 """GGUF quantized weights in two of the kernel's layouts, in one process: Q4_K with a scale and
 minimum in every block of 32 (format 20, 5.5 bits a weight) against once per super-block of 256
-(format 52, 4.625 bits); Q6_K and Q5_0 with 8-bit codes (formats 24 and 8: 9 and 8.5 bits)
-against 6-bit ones (formats 88 and 72: 7 and 6.5 bits); Q5_K with 6-bit codes and a scale and
-minimum in every block (format 92, 7.5 bits) against 5-bit codes and those once per super-block
-(format 60, 5.625 bits).
+(format 52, 4.625 bits); Q5_0 with 8-bit codes (format 8, 8.5 bits) against 6-bit ones (format
+72, 6.5 bits); Q6_K and Q5_K with 6-bit codes and a scale (and minimum) in every block (formats 88
+and 92: 7 and 7.5 bits) against those once per super-block (format 120, 6.5625 bits, Q6_K's own)
+and Q5_K's codes in 5 bits (format 60, 5.625 bits).
 
     python bench/k_quant_layouts.py [--type q4_k|q6_k|q5_k|q5_0] [--rows 1,4,16,128] [--rounds 20]
 
@@ -30,7 +30,7 @@ from ember.models.weights import BlockWeights, QuantBlocks, pack_blocks
 
 LAYERS = 28
 SHAPES = ((4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072))  # (out_features, in_features)
-LAYOUTS = {"q4_k": (20, 52), "q6_k": (24, 88), "q5_k": (92, 60), "q5_0": (8, 72)}  # (wider, compact)
+LAYOUTS = {"q4_k": (20, 52), "q6_k": (88, 120), "q5_k": (92, 60), "q5_0": (8, 72)}  # (wider, compact)
 
 
 def q4_k_blocks(out: int, width: int, generator: torch.Generator) -> QuantBlocks:
@@ -45,8 +45,10 @@ def q4_k_blocks(out: int, width: int, generator: torch.Generator) -> QuantBlocks
 
 
 def q6_k_blocks(out: int, width: int, generator: torch.Generator) -> QuantBlocks:
-    """Q6_K-like blocks: 6-bit codes held as 96..159, a signed step for each half of 16."""
-    scales = (torch.rand(out, width // 32, generator=generator) * 1e-4 + 1e-5).to(torch.float16)
+    """Q6_K-like blocks: 6-bit codes held as 96..159, a signed step for each half of 16, a scale
+    per row and super-block."""
+    scales = (torch.rand(out, width // 256, generator=generator) * 1e-4 + 1e-5).to(torch.float16)
+    scales = scales.repeat_interleave(8, dim=1)
     return QuantBlocks(8, torch.randint(96, 160, (out, width), generator=generator, dtype=torch.uint8), scales,
                        None, torch.randint(-128, 128, (out, width // 16), generator=generator, dtype=torch.int8))
 

@@ -6,17 +6,20 @@ tensor's (its width must be a multiple of 256 for the kernel to take that layout
 minimum and its step as well (fused projections of mixed families); 60 is 28 whose codes fit 5
 bits, with one scale and minimum per super-block, as a Q5_K tensor's (its width a multiple of 256
 too); 72, 88, 92 and 104 are 8, 24, 28 and 40 whose codes lie within 64 (held in 6 bits), as
-Q5_0's, Q6_K's and Q5_1's do."""
+Q5_0's, Q6_K's and Q5_1's do; 120 is 88 with one scale per super-block, as a Q6_K tensor's."""
 
 import torch
 
 from ember.models.weights import QuantBlocks
 
-FORMATS = [4, 8, 20, 24, 28, 40, 52, 60, 72, 88, 92, 104]
-SUPER_BLOCK_FORMATS = (52, 60)  # their blocks' widths must be whole super-blocks of 256
+FORMATS = [4, 8, 20, 24, 28, 40, 52, 60, 72, 88, 92, 104, 120]
+SUPER_BLOCK_FORMATS = (52, 60, 120)  # their blocks' widths must be whole super-blocks of 256
 
 
 def blocks_of_format(weight: torch.Tensor, format: int, seed: int = 0) -> QuantBlocks:
+    if format == 120:
+        blocks = blocks_of_format(weight, 88, seed)
+        return QuantBlocks(8, blocks.codes, per_super_block(blocks.scales), None, blocks.steps)
     if format > 64:  # the byte format's codes squeezed into 64, the scales widened to match
         blocks = blocks_of_format(weight, format - 64, seed)
         if format == 92:  # Q8M's unsigned codes, 0..63

@@ -17,6 +17,8 @@
 //   Q6 (72), Q6S (88), Q6M (92), Q6SM (104): Q8, Q8S, Q8M and Q8SM (the format + 64) whose codes
 //             all lie within 64 of each other (b - 96 in 0..63; Q6M's q in 0..63) in 6 bits, the
 //             same arithmetic: Q5_0, Q6_K and Q5_1 exactly in 6.5, 7 and 7.5 bits a weight
+//   Q6K (120): Q6S whose d is the same for 8 blocks in a row (a Q6_K super-block), held once
+//             before the 8: Q6_K exactly in 6.5625 bits, the file's own
 // d, m are float16; d * s and m * t are exact in float32, so a step costs no rounding.
 //
 // Activations are quantized per row in blocks of 32; a block's dot product is exact integer
@@ -43,7 +45,8 @@ constexpr int64_t SUPER = 8;           // Q4K's and Q5K's k blocks per super-blo
 // Per (column block, k block): the codes (nibbles, or bytes), d (fp16 x16), m where the format has
 // one (fp16 x16), then the steps: s and t (u8 x16 each), or the s of each half (i8 x16 each; Q8S,
 // and Q8SM with its t after them).
-// Q4K and Q5K, per (column block, super-block): d and m, then its 8 k blocks' codes and steps (s, t).
+// Q4K, Q5K and Q6K, per (column block, super-block): d and m (Q6K: d), then its 8 k blocks' codes
+// and steps (s, t; Q6K: the halves' s).
 // Q5K's codes: their low 4 bits as Q4's nibbles, then their fifth bits (64 bytes: group g's 64
 // bits at 8 g, bit j*4 + i for column j's code 4g + i), then its steps.
 // Six-bit formats: the codes' low 4 bits as Q4's nibbles, then their high 2 bits (128 bytes), then
@@ -152,13 +155,13 @@ void quantize_rows(const T* x, int64_t M, int64_t K, int8_t* xq, float* dx, floa
 
 enum class Format : int64_t {
   Q4 = 4, Q8 = 8, Q4S = 20, Q8S = 24, Q8M = 28, Q8SM = 40, Q4K = 52, Q5K = 60, Q6 = 72, Q6S = 88, Q6M = 92,
-  Q6SM = 104
+  Q6SM = 104, Q6K = 120
 };
-template <Format F>
-constexpr bool SIX_BITS = F == Format::Q6 || F == Format::Q6S || F == Format::Q6M || F == Format::Q6SM;
+template <Format F> constexpr bool SIX_BITS =
+    F == Format::Q6 || F == Format::Q6S || F == Format::Q6M || F == Format::Q6SM || F == Format::Q6K;
 template <Format F> constexpr bool FIVE_BITS = F == Format::Q5K;
 template <Format F> constexpr Format BYTES_OF =  // the byte format of the same arithmetic
-    SIX_BITS<F> ? Format(int64_t(F) - 64) : FIVE_BITS<F> ? Format::Q8M : F;
+    F == Format::Q6K ? Format::Q8S : SIX_BITS<F> ? Format(int64_t(F) - 64) : FIVE_BITS<F> ? Format::Q8M : F;
 // A six-bit code q is its byte format's b less this
 template <Format F> constexpr int32_t CODE_BASE = SIX_BITS<F> && BYTES_OF<F> != Format::Q8M ? 96 : 0;
 template <Format F> constexpr bool NIBBLES = F == Format::Q4 || F == Format::Q4S || F == Format::Q4K;  // else bytes
@@ -172,7 +175,8 @@ template <Format F> constexpr bool STEP_AND_MIN =
     F == Format::Q4S || F == Format::Q4K || BYTES_OF<F> == Format::Q8M;  // s and t
 template <Format F> constexpr bool MIN_STEP = STEP_AND_MIN<F> || BYTES_OF<F> == Format::Q8SM;  // t
 template <Format F> constexpr bool STEPPED = STEP_AND_MIN<F> || HALF_STEPS<F>;
-template <Format F> constexpr bool PER_SUPER = F == Format::Q4K || F == Format::Q5K;  // d and m once per super-block
+template <Format F> constexpr bool PER_SUPER =  // d and m once per super-block
+    F == Format::Q4K || F == Format::Q5K || F == Format::Q6K;
 
 // Within a block: the codes, then the 16 columns' scales d, then their minimums m, float16, then
 // the steps: s then t, or the s of the first half then of the second (then t).
@@ -181,12 +185,12 @@ template <Format F> constexpr int64_t MINS_AT = SCALES_AT<F> + 32;
 template <Format F> constexpr int64_t STEPS_AT = MINS_AT<F> + (HAS_MIN<F> ? 32 : 0);
 template <Format F> constexpr int64_t MIN_STEPS_AT = HALF_STEPS<F> ? 2 * NBLOCK : NBLOCK;  // t, from the steps
 template <Format F> constexpr int64_t BLOCK_BYTES =
-    PER_SUPER<F> ? (FIVE_BITS<F> ? 256 + 64 : 256) + 32
+    PER_SUPER<F> ? (SIX_BITS<F> ? 256 + 128 : FIVE_BITS<F> ? 256 + 64 : 256) + 32
                  : STEPS_AT<F> + (STEPPED<F> ? 32 : 0) + (BYTES_OF<F> == Format::Q8SM ? NBLOCK : 0);
-// A super-block (Q4K, Q5K): d and m (64 bytes), then its 8 blocks, each its codes and then its
-// steps s and t.
-constexpr int64_t SUPER_HEADER = 64;
-template <Format F> constexpr int64_t SUPER_BYTES = SUPER_HEADER + SUPER * BLOCK_BYTES<F>;
+// A super-block (Q4K, Q5K, Q6K): d and m (Q6K: d), then its 8 blocks, each its codes and then its
+// steps (s and t; Q6K: the halves' s).
+template <Format F> constexpr int64_t SUPER_HEADER = HAS_MIN<F> ? 64 : 32;
+template <Format F> constexpr int64_t SUPER_BYTES = SUPER_HEADER<F> + SUPER * BLOCK_BYTES<F>;
 
 // A column block's bytes over KB k blocks (a multiple of SUPER where the format has super-blocks).
 template <Format F> constexpr int64_t column_bytes(int64_t KB) {
@@ -203,7 +207,7 @@ template <Format F> constexpr Offsets offsets(int64_t kb) {
   if constexpr (PER_SUPER<F>) {
     const uint64_t k = uint64_t(kb);
     const int64_t super = int64_t(k / SUPER) * SUPER_BYTES<F>;
-    const int64_t codes = super + SUPER_HEADER + int64_t(k % SUPER) * BLOCK_BYTES<F>;
+    const int64_t codes = super + SUPER_HEADER<F> + int64_t(k % SUPER) * BLOCK_BYTES<F>;
     return {codes, super, codes + BLOCK_BYTES<F> - 32};
   } else {
     const int64_t codes = kb * BLOCK_BYTES<F>;
@@ -226,6 +230,7 @@ template <typename Fn> bool with_format(int64_t format, Fn&& fn) {
     case 88: fn(std::integral_constant<Format, Format::Q6S>{}); return true;
     case 92: fn(std::integral_constant<Format, Format::Q6M>{}); return true;
     case 104: fn(std::integral_constant<Format, Format::Q6SM>{}); return true;
+    case 120: fn(std::integral_constant<Format, Format::Q6K>{}); return true;
     default: return false;
   }
 }
@@ -282,6 +287,19 @@ template <Format F> inline float min_at(const uint8_t* column, int64_t kb, int64
   const Offsets at = offsets<F>(kb);
   const float m = half_at(column + at.scales + 32 + 2 * j);
   return MIN_STEP<F> ? m * float(column[at.steps + MIN_STEPS_AT<F> + j]) : m;
+}
+
+// K block kb's scales, minimums and steps (in `column`) into `to`, a block of format B that holds
+// the same numbers for every block (unpacking for many rows): all that follows the codes, as it
+// is, or a super-block's d and m and then the block's steps.
+template <Format F, Format B> inline void copy_scales_and_steps(const uint8_t* column, int64_t kb, uint8_t* to) {
+  const Offsets at = offsets<F>(kb);
+  if constexpr (PER_SUPER<F>) {
+    std::memcpy(to + SCALES_AT<B>, column + at.scales, SUPER_HEADER<F>);
+    std::memcpy(to + STEPS_AT<B>, column + at.steps, BLOCK_BYTES<B> - STEPS_AT<B>);
+  } else {
+    std::memcpy(to + SCALES_AT<B>, column + at.scales, BLOCK_BYTES<F> - (at.scales - at.codes));
+  }
 }
 
 #if EMBER_AVX512 || EMBER_AVX2
@@ -498,31 +516,24 @@ inline void columns(const uint8_t* w, int64_t KB, int64_t nb, int count, int64_t
     column_blocks<F, 1>(w, KB, nb, N, xq, dx, sx, qsum, qlow, K, M, y, start, next);
 }
 
-// A six-bit format's column block of KB blocks as its byte format's, into `out`: codes q plus
-// CODE_BASE, then the scales, minimums and steps as they are.
-template <Format F> inline void unpack_six_bits(const uint8_t* column, int64_t KB, uint8_t* out) {
-  constexpr Format B = BYTES_OF<F>;
-  for (int64_t kb = 0; kb < KB; ++kb) {
-    const uint8_t* block = column + kb * BLOCK_BYTES<F>;
-    uint8_t* to = out + kb * BLOCK_BYTES<B>;
-    const __m512i low = _mm512_set1_epi8(0x0f), high_bits = _mm512_set1_epi8(0x30);
-    const __m512i base = _mm512_set1_epi8(CODE_BASE<F>);
-    for (int k = 0; k < 2; ++k) {  // groups 2k, 2k + 1 and the two 4 after them share their bytes of high bits
-      const __m512i high = _mm512_loadu_si512(block + 256 + k * 64);
-      const __m512i moved[4] = {_mm512_slli_epi16(high, 4), _mm512_slli_epi16(high, 2), high,
-                                _mm512_srli_epi16(high, 2)};  // each group's 2 bits at bits 4 and 5
-      for (int e = 0; e < 2; ++e) {
-        const int p = 2 * k + e;
-        const __m512i nibbles = _mm512_loadu_si512(block + p * 64);
-        const __m512i first =
-            _mm512_or_si512(_mm512_and_si512(nibbles, low), _mm512_and_si512(moved[2 * e], high_bits));
-        const __m512i second = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(nibbles, 4), low),
-                                               _mm512_and_si512(moved[2 * e + 1], high_bits));
-        _mm512_storeu_si512(to + p * 64, _mm512_add_epi8(first, base));
-        _mm512_storeu_si512(to + (p + 4) * 64, _mm512_add_epi8(second, base));
-      }
+// A six-bit format's block's codes (at `block`) as its byte format's, into `to`: q plus CODE_BASE.
+template <Format F> inline void unpack_six_bits(const uint8_t* block, uint8_t* to) {
+  const __m512i low = _mm512_set1_epi8(0x0f), high_bits = _mm512_set1_epi8(0x30);
+  const __m512i base = _mm512_set1_epi8(CODE_BASE<F>);
+  for (int k = 0; k < 2; ++k) {  // groups 2k, 2k + 1 and the two 4 after them share their bytes of high bits
+    const __m512i high = _mm512_loadu_si512(block + 256 + k * 64);
+    const __m512i moved[4] = {_mm512_slli_epi16(high, 4), _mm512_slli_epi16(high, 2), high,
+                              _mm512_srli_epi16(high, 2)};  // each group's 2 bits at bits 4 and 5
+    for (int e = 0; e < 2; ++e) {
+      const int p = 2 * k + e;
+      const __m512i nibbles = _mm512_loadu_si512(block + p * 64);
+      const __m512i first =
+          _mm512_or_si512(_mm512_and_si512(nibbles, low), _mm512_and_si512(moved[2 * e], high_bits));
+      const __m512i second = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(nibbles, 4), low),
+                                             _mm512_and_si512(moved[2 * e + 1], high_bits));
+      _mm512_storeu_si512(to + p * 64, _mm512_add_epi8(first, base));
+      _mm512_storeu_si512(to + (p + 4) * 64, _mm512_add_epi8(second, base));
     }
-    std::memcpy(to + SCALES_AT<B>, block + SCALES_AT<F>, BLOCK_BYTES<F> - SCALES_AT<F>);
   }
 }
 
@@ -730,19 +741,12 @@ inline void columns(const uint8_t* w, int64_t KB, int64_t nb, int count, int64_t
   column_block<F>(w, KB, nb, N, xq, dx, sx, K, M, y, start, next);
 }
 
-// A six-bit format's column block of KB blocks as its byte format's, into `out`: codes q plus
-// CODE_BASE, then the scales, minimums and steps as they are.
-template <Format F> inline void unpack_six_bits(const uint8_t* column, int64_t KB, uint8_t* out) {
-  constexpr Format B = BYTES_OF<F>;
-  for (int64_t kb = 0; kb < KB; ++kb) {
-    const uint8_t* block = column + kb * BLOCK_BYTES<F>;
-    uint8_t* to = out + kb * BLOCK_BYTES<B>;
-    for (int g = 0; g < 8; ++g)
-      for (int64_t half = 0; half < 64; half += 32)
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(to + g * 64 + half),
-                            _mm256_add_epi8(six_bit_codes(block, g, half), _mm256_set1_epi8(CODE_BASE<F>)));
-    std::memcpy(to + SCALES_AT<B>, block + SCALES_AT<F>, BLOCK_BYTES<F> - SCALES_AT<F>);
-  }
+// A six-bit format's block's codes (at `block`) as its byte format's, into `to`: q plus CODE_BASE.
+template <Format F> inline void unpack_six_bits(const uint8_t* block, uint8_t* to) {
+  for (int g = 0; g < 8; ++g)
+    for (int64_t half = 0; half < 64; half += 32)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(to + g * 64 + half),
+                          _mm256_add_epi8(six_bit_codes(block, g, half), _mm256_set1_epi8(CODE_BASE<F>)));
 }
 
 #else  // plain C++: the same sums, element by element
@@ -778,41 +782,33 @@ void columns_plain(const uint8_t* w, int64_t KB, int64_t nb_begin, int64_t nb_en
 #if EMBER_AVX512 || EMBER_AVX2
 
 // The format a column block is unpacked into for many rows: a six- or five-bit format's codes as its
-// byte format's (Q5K's blocks each with its super-block's d and m), Q4K's blocks each with its
-// super-block's d and m as Q4S's.
+// byte format's, Q4K's as Q4S's; a super-block's d and m in each of its blocks.
 template <Format F> constexpr Format UNPACKED = F == Format::Q4K ? Format::Q4S : BYTES_OF<F>;
 // Past these rows a column block is unpacked (the fewest rows at which it measured faster, Intel Xeon).
 template <Format F> constexpr int64_t UNPACK_ROWS = SIX_BITS<F> || FIVE_BITS<F> ? 12 : 24;
 
+// A column block of KB blocks as UNPACKED<F>'s, into `out`: the same codes, scales and steps.
 template <Format F> inline void unpack(const uint8_t* column, int64_t KB, uint8_t* out) {
-  if constexpr (SIX_BITS<F>) {
-    unpack_six_bits<F>(column, KB, out);
-  } else if constexpr (FIVE_BITS<F>) {
-    constexpr Format B = Format::Q8M;
-    static_assert(STEPS_AT<B> == SCALES_AT<B> + 64);
-    for (int64_t kb = 0; kb < KB; ++kb) {
-      const Offsets at = offsets<F>(kb);
-      uint8_t* to = out + kb * BLOCK_BYTES<B>;
+  constexpr Format B = UNPACKED<F>;
+  for (int64_t kb = 0; kb < KB; ++kb) {
+    const uint8_t* codes = column + offsets<F>(kb).codes;
+    uint8_t* to = out + kb * BLOCK_BYTES<B>;
+    if constexpr (SIX_BITS<F>) {
+      unpack_six_bits<F>(codes, to);
+    } else if constexpr (FIVE_BITS<F>) {
       for (int g = 0; g < 8; ++g) {
 #if EMBER_AVX512
-        _mm512_storeu_si512(to + g * 64, five_bit_codes(column + at.codes, g));
+        _mm512_storeu_si512(to + g * 64, five_bit_codes(codes, g));
 #else
         for (int64_t half = 0; half < 64; half += 32)
-          _mm256_storeu_si256(reinterpret_cast<__m256i*>(to + g * 64 + half), five_bit_codes(column + at.codes, g, half));
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(to + g * 64 + half), five_bit_codes(codes, g, half));
 #endif
       }
-      std::memcpy(to + SCALES_AT<B>, column + at.scales, 64);  // d, then m
-      std::memcpy(to + STEPS_AT<B>, column + at.steps, 32);    // s, then t
+    } else {
+      static_assert(F == Format::Q4K && B == Format::Q4S);
+      std::memcpy(to, codes, 256);
     }
-  } else {
-    static_assert(F == Format::Q4K && SCALES_AT<Format::Q4S> == 256 && STEPS_AT<Format::Q4S> == 320);
-    for (int64_t kb = 0; kb < KB; ++kb) {
-      const Offsets at = offsets<F>(kb);
-      uint8_t* to = out + kb * BLOCK_BYTES<Format::Q4S>;
-      std::memcpy(to, column + at.codes, 256);
-      std::memcpy(to + 256, column + at.scales, 64);  // d, then m
-      std::memcpy(to + 320, column + at.steps, 32);   // s, then t
-    }
+    copy_scales_and_steps<F, B>(column, kb, to);
   }
 }
 

@@ -193,19 +193,21 @@ def _code_base(format: int) -> int:
 
 
 def kernel_format(blocks: QuantBlocks) -> int:
-    """The layout the kernel gets: the blocks' format; or, where the scale and minimum stay the
+    """The layout the kernel gets: the blocks' format; or, where the scale (and minimum) stay the
     same over each super-block of 8 blocks along every row, held once for the 8: 52 for 4-bit
     blocks with steps (a Q4_K tensor's), 60 for format 28 whose codes fit 5 bits (a Q5_K
-    tensor's); or, for 8-bit blocks whose codes all lie in the 64 from `_code_base` (Q5_0's,
-    Q6_K's, Q5_1's, a mixed q/k/v's of Q4_K and Q6_K), their format + 64: the same arithmetic on
-    codes held in 6 bits."""
-    per_super = blocks.format in (20, 28) and _per_super_block(blocks.scales) and _per_super_block(blocks.mins)
+    tensor's), 120 for format 24 whose codes fit 6 bits (a Q6_K tensor's); or, for other 8-bit
+    blocks whose codes all lie in the 64 from `_code_base` (Q5_0's, Q5_1's, a mixed q/k/v's of
+    Q4_K and Q6_K), their format + 64: the same arithmetic on codes held in 6 bits."""
+    per_super = (blocks.format in (20, 24, 28) and _per_super_block(blocks.scales)
+                 and (blocks.mins is None or _per_super_block(blocks.mins)))
     if blocks.format == 28 and per_super and int(blocks.codes.max()) < 32:
         return 60
     if blocks.bits == 8:
         base = _code_base(blocks.format)
-        fits = int(blocks.codes.min()) >= base and int(blocks.codes.max()) < base + 64
-        return blocks.format + _SIX_BITS if fits else blocks.format
+        if not (int(blocks.codes.min()) >= base and int(blocks.codes.max()) < base + 64):
+            return blocks.format
+        return 120 if blocks.format == 24 and per_super else blocks.format + _SIX_BITS
     return 52 if blocks.format == 20 and per_super else blocks.format
 
 
@@ -224,17 +226,17 @@ def pack_blocks(blocks: QuantBlocks, format: int | None = None) -> torch.Tensor:
     a byte), then the 16 scales (and minimums) as float16, then any steps, a byte each.
     (column blocks, k blocks, bytes) uint8. The six-bit formats (`kernel_format`): the codes less
     their base, the low 4 bits as 4-bit nibbles, then their high 2 bits (128 bytes), then the rest
-    as in their byte format. Formats 52 and 60: per column block and super-block, its 16 scales
-    and minimums, then its 8 blocks' codes and steps: (column blocks, super-blocks, bytes); 60's
-    codes are their low 4 bits as 4-bit nibbles, then their fifth bits (64 bytes: group g's at 8 g,
-    a bit for each of its 64 codes in the nibbles' order)."""
+    as in their byte format. Formats 52, 60 and 120: per column block and super-block, its 16
+    scales (and minimums), then its 8 blocks' codes and steps: (column blocks, super-blocks,
+    bytes); 60's codes are their low 4 bits as 4-bit nibbles, then their fifth bits (64 bytes:
+    group g's at 8 g, a bit for each of its 64 codes in the nibbles' order); 120's, six-bit."""
     format = blocks.format if format is None else format
     out, width = blocks.shape
     padded = -(-out // _NBLOCK) * _NBLOCK
     pad = lambda t: F.pad(t, (0, 0, 0, padded - out))
     column_blocks, k_blocks = padded // _NBLOCK, width // QBLOCK
     # (column block, row j, k block, group g of 4, byte i) -> (column block, k block, g, j, i)
-    six_bits, five_bits = format > _SIX_BITS, format == 60
+    six_bits, five_bits = format > _SIX_BITS, format == 60  # 120: six-bit codes
     codes = pad(blocks.codes - _code_base(format) if six_bits else blocks.codes)
     codes = codes.view(column_blocks, _NBLOCK, k_blocks, 8, 4)
     if blocks.bits == 4 or six_bits or five_bits:  # groups g and g + 4 share a byte
@@ -259,11 +261,12 @@ def pack_blocks(blocks: QuantBlocks, format: int | None = None) -> torch.Tensor:
         return (pad(values).view(column_blocks, _NBLOCK, k_blocks, per_block).permute(0, 2, 3, 1)
                 .contiguous().view(torch.uint8).reshape(column_blocks, k_blocks, -1))
 
-    if format in (52, 60):
+    if format in (52, 60, 120):
         shape = (column_blocks, k_blocks // _SUPER, -1)
-        core = torch.cat([codes, steps(blocks.steps, 1), steps(blocks.min_steps, 1)], dim=-1).reshape(shape)
-        scales, mins = (halves(v[:, ::_SUPER]).reshape(shape) for v in (blocks.scales, blocks.mins))
-        return torch.cat([scales, mins, core], dim=-1).contiguous()
+        block_steps = [steps(blocks.steps, 2)] if format == 120 else [steps(blocks.steps, 1), steps(blocks.min_steps, 1)]
+        core = torch.cat([codes, *block_steps], dim=-1).reshape(shape)
+        header = [halves(v[:, ::_SUPER]).reshape(shape) for v in (blocks.scales, blocks.mins) if v is not None]
+        return torch.cat([*header, core], dim=-1).contiguous()
     parts = [codes, halves(blocks.scales)] + ([halves(blocks.mins)] if blocks.mins is not None else [])
     if blocks.steps is not None:  # the halves': each column's first halves, then its second halves
         parts.append(steps(blocks.steps, 2 if blocks.steps.dtype == torch.int8 else 1))

@@ -101,15 +101,16 @@ def test_a_tied_table_is_looked_up_from_its_blocks(format, dtype):
         layer.rows(torch.tensor([112]))  # past the last column block's padding
 
 
-@pytest.mark.parametrize("compact_format, wider_format, compact_bits, wider_bits", [(52, 20, 4.625, 5.5),
-                                                                                 (60, 92, 5.625, 7.5)])
+@pytest.mark.parametrize("compact_format, wider_format, compact_bits, wider_bits", [
+    (52, 20, 4.625, 5.5), (60, 92, 5.625, 7.5), (120, 88, 6.5625, 7)])
 def test_one_scale_per_super_block_is_a_layout_not_a_change_of_bits(compact_format, wider_format, compact_bits,
                                                                      wider_bits):
     """Q4_K's blocks (steps, one scale and minimum per 8 blocks) are held with those once per 8
     (format 52): 4.625 bits a weight against 5.5, and the same bits as format 20 in every path;
     Q5_K's (their codes in 5 bits) likewise in format 60: 5.625 bits against the six-bit
-    layout's 7.5. Blocks whose scales differ within a super-block, or a width that does not split
-    into super-blocks, keep the wider layout."""
+    layout's 7.5; Q6_K's scale in format 120: 6.5625 bits (the file's own) against 7. Blocks whose
+    scales differ within a super-block, or a width that does not split into super-blocks, keep
+    the wider layout."""
     blocks = blocks_of_format(_weights(out=200, width=768), compact_format)
     compact, wider = BlockWeights(blocks, None, torch.bfloat16), BlockWeights(blocks, None, torch.bfloat16)
     wider.format, wider.packed = wider_format, pack_blocks(blocks, wider_format)

@@ -341,7 +341,7 @@ EXACT_BLOCKS = {Q.Q4_0: 4, Q.Q4_1: 4, Q.Q8_0: 8, Q.Q5_0: 8, Q.Q4_K: 20, Q.Q6_K: 
                 Q.Q5_1: 28, Q.Q5_K: 28}
 # the kernel's layout of each (models.weights.kernel_format): the K-quants' scales once per
 # super-block, codes of 5 or 6 bits held in as many
-KERNEL_LAYOUTS = {Q.Q4_0: 4, Q.Q4_1: 4, Q.Q8_0: 8, Q.Q5_0: 72, Q.Q4_K: 52, Q.Q6_K: 88, Q.Q5_1: 92, Q.Q5_K: 60}
+KERNEL_LAYOUTS = {Q.Q4_0: 4, Q.Q4_1: 4, Q.Q8_0: 8, Q.Q5_0: 72, Q.Q4_K: 52, Q.Q6_K: 120, Q.Q5_1: 92, Q.Q5_K: 60}
 
 
 @pytest.mark.parametrize("qtype", [*EXACT_BLOCKS, Q.TQ2_0], ids=lambda q: q.name)
@@ -376,7 +376,7 @@ def test_a_q4_k_m_shaped_file_is_held_in_its_own_weights(tmp_path):
     """Q4_K projections with Q6_K values and down projections (as a Q4_K_M file mixes them): each
     layer runs in a format that holds its file's weights exactly, looked up bit for bit: Q4_K in
     the layout with one scale and minimum per super-block, Q6_K in 6-bit codes with the halves'
-    steps, and the fused q/k/v, Q4_K queries and keys beside Q6_K values, with both the halves'
+    steps and one scale per super-block, and the fused q/k/v, Q4_K queries and keys beside Q6_K values, with both the halves'
     steps and a minimum (format 40, in 6-bit codes: 104).
     (tests/models/test_gemma3_real_weights.py holds a real Q4_K_M file's outputs to transformers'.)"""
     from ember import LLM
@@ -391,7 +391,7 @@ def test_a_q4_k_m_shaped_file_is_held_in_its_own_weights(tmp_path):
         held = {"qkv_proj": layer.self_attn.qkv_proj, "o_proj": layer.self_attn.o_proj,
                 "gate_up_proj": layer.mlp.gate_up_proj, "down_proj": layer.mlp.down_proj}
         assert {name: linear.weights.format for name, linear in held.items()} == {
-            "qkv_proj": 104, "o_proj": 52, "gate_up_proj": 52, "down_proj": 88}
+            "qkv_proj": 104, "o_proj": 52, "gate_up_proj": 52, "down_proj": 120}
         prefix = f"model.layers.{index}."
         expected = {"qkv_proj": torch.cat([floats[prefix + f"self_attn.{p}_proj.weight"] for p in "qkv"]),
                     "o_proj": floats[prefix + "self_attn.o_proj.weight"],
