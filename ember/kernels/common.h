@@ -115,11 +115,33 @@ inline void store8(at::BFloat16* p, __m256 v) {
 #if EMBER_AVX512
 inline __mmask16 first_lanes(int64_t count) { return count >= 16 ? __mmask16(0xffff) : __mmask16((1u << count) - 1); }
 
-// Sixteen values of T as floats (to_float lane by lane).
+// Sixteen values of T as floats (to_float lane by lane); with a mask, the lanes it sets (the others 0).
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load16(const at::BFloat16* p) {
   const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+inline __m512 load16(const float* p, __mmask16 lanes) { return _mm512_maskz_loadu_ps(lanes, p); }
+inline __m512 load16(const at::BFloat16* p, __mmask16 lanes) {
+  const __m256i bits = _mm256_maskz_loadu_epi16(lanes, p);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+
+// Sixteen floats rounded to T and back (float_to_bf16's rounding, NaN kept a NaN, as bf16_bits
+// for eight), and stored as T in the lanes `lanes` sets.
+inline __m512i bf16_bits(__m512 v) {  // in each lane's high half
+  const __m512i u = _mm512_castps_si512(v);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  const __m512i rounded = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), odd));
+  const __m512i quiet = _mm512_or_si512(u, _mm512_set1_epi32(0x400000));
+  const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+  return _mm512_and_si512(_mm512_mask_blend_epi32(nan, rounded, quiet), _mm512_set1_epi32(int(0xffff0000u)));
+}
+inline __m512 round16(float, __m512 v) { return v; }
+inline __m512 round16(at::BFloat16, __m512 v) { return _mm512_castsi512_ps(bf16_bits(v)); }
+inline void store16(float* p, __m512 v, __mmask16 lanes) { _mm512_mask_storeu_ps(p, lanes, v); }
+inline void store16(at::BFloat16* p, __m512 v, __mmask16 lanes) {
+  _mm256_mask_storeu_epi16(p, lanes, _mm512_cvtepi32_epi16(_mm512_srli_epi32(bf16_bits(v), 16)));
 }
 #endif
 

@@ -33,7 +33,14 @@ template <typename T>
 inline void norm_row(const float* x, const T* weight, int64_t D, double eps, T* out) {
   const float inv = 1.f / std::sqrt(sum_of_squares(x, D) / float(D) + float(eps));
   int64_t i = 0;
-#if EMBER_AVX2
+#if EMBER_AVX512
+  const __m512 vinv = _mm512_set1_ps(inv);
+  for (; i < D; i += 16) {
+    const __mmask16 lanes = first_lanes(D - i);
+    store16(out + i, _mm512_mul_ps(load16(weight + i, lanes), round16(T(), _mm512_mul_ps(load16(x + i, lanes), vinv))),
+            lanes);
+  }
+#elif EMBER_AVX2
   const __m256 vinv = _mm256_set1_ps(inv);
   for (; i + 8 <= D; i += 8)
     store8(out + i, _mm256_mul_ps(load8(weight + i), round8(T(), _mm256_mul_ps(_mm256_loadu_ps(x + i), vinv))));
@@ -65,7 +72,14 @@ std::tuple<at::Tensor, at::Tensor> norm_rows(const at::Tensor& x, const at::Tens
           const T* b = other.data_ptr<T>() + r * other.stride(0);
           T* s = sum.data_ptr<T>() + r * D;
           int64_t i = 0;
-#if EMBER_AVX2
+#if EMBER_AVX512
+          for (; i < D; i += 16) {
+            const __mmask16 lanes = first_lanes(D - i);
+            const __m512 total = round16(T(), _mm512_add_ps(load16(a + i, lanes), load16(b + i, lanes)));
+            store16(s + i, total, lanes);
+            _mm512_mask_storeu_ps(row.data() + i, lanes, total);
+          }
+#elif EMBER_AVX2
           for (; i + 8 <= D; i += 8) {
             const __m256 total = round8(T(), _mm256_add_ps(load8(a + i), load8(b + i)));
             store8(s + i, total);
@@ -144,6 +158,47 @@ void rotary_(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
   });
 }
 
+// One row of silu_mul: o = silu(g) rounded to T, times u, over I values; e^-|g| (which never
+// overflows) gives the sigmoid on either side of 0. `scratch`: 2 I floats where there is no
+// AVX-512 (the exp then runs over a row at once).
+template <typename T>
+inline void silu_row(const T* g, const T* u, T* o, int64_t I, [[maybe_unused]] float* scratch) {
+#if EMBER_AVX512
+  const __m512 one = _mm512_set1_ps(1.f), sign = _mm512_set1_ps(-0.f);
+  for (int64_t i = 0; i < I; i += 16) {
+    const __mmask16 lanes = first_lanes(I - i);
+    const __m512 x = load16(g + i, lanes);
+    const __m512 ex = exp_nonpositive(_mm512_or_ps(x, sign));
+    // 1 / (1 + e) for x >= 0, else e / (1 + e): the numerator chosen, then one division
+    const __m512 numerator = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_GE_OQ), ex, one);
+    const __m512 sigmoid = _mm512_div_ps(numerator, _mm512_add_ps(one, ex));
+    store16(o + i, _mm512_mul_ps(round16(T(), _mm512_mul_ps(x, sigmoid)), load16(u + i, lanes)), lanes);
+  }
+#else
+  float *gate = scratch, *e = scratch + I;
+  for (int64_t i = 0; i < I; ++i) {
+    gate[i] = to_float<T>(g[i]);
+    e[i] = -std::fabs(gate[i]);
+  }
+  exp_and_sum(e, I, 0.f);  // e^-|x| in place
+  int64_t i = 0;
+#if EMBER_AVX2
+  const __m256 one = _mm256_set1_ps(1.f);
+  for (; i + 8 <= I; i += 8) {
+    const __m256 x = _mm256_loadu_ps(gate + i), ex = _mm256_loadu_ps(e + i);
+    const __m256 denominator = _mm256_add_ps(one, ex);
+    const __m256 sigmoid = _mm256_blendv_ps(_mm256_div_ps(ex, denominator), _mm256_div_ps(one, denominator),
+                                            _mm256_cmp_ps(x, _mm256_setzero_ps(), _CMP_GE_OQ));
+    store8(o + i, _mm256_mul_ps(round8(T(), _mm256_mul_ps(x, sigmoid)), load8(u + i)));
+  }
+#endif
+  for (; i < I; ++i) {
+    const float sigmoid = gate[i] >= 0.f ? 1.f / (1.f + e[i]) : e[i] / (1.f + e[i]);
+    o[i] = from_float<T>(to_float<T>(from_float<T>(gate[i] * sigmoid)) * to_float<T>(u[i]));
+  }
+#endif
+}
+
 // (T, 2I) gate | up -> (T, I): silu(gate) rounded to the dtype, times up.
 at::Tensor silu_mul(const at::Tensor& gate_up) {
   TORCH_CHECK(gate_up.dim() == 2 && gate_up.stride(1) == 1, "gate_up must be (T, 2I) with contiguous rows");
@@ -152,31 +207,10 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
   dispatch_float_or_bf16(gate_up.scalar_type(), [&](auto tag) {
     using T_ = decltype(tag);
     at::parallel_for(0, T, 4, [&](int64_t begin, int64_t end) {
-      std::vector<float> gate(I), e(I);
+      std::vector<float> scratch(EMBER_AVX512 ? 0 : 2 * I);
       for (int64_t t = begin; t < end; ++t) {
         const T_* g = gate_up.data_ptr<T_>() + t * gate_up.stride(0);
-        const T_* u = g + I;
-        T_* o = out.data_ptr<T_>() + t * I;
-        for (int64_t i = 0; i < I; ++i) {
-          gate[i] = to_float<T_>(g[i]);
-          e[i] = -std::fabs(gate[i]);
-        }
-        exp_and_sum(e.data(), I, 0.f);  // e^-|x| in place (never overflows)
-        int64_t i = 0;
-#if EMBER_AVX2
-        const __m256 one = _mm256_set1_ps(1.f);
-        for (; i + 8 <= I; i += 8) {
-          const __m256 x = _mm256_loadu_ps(gate.data() + i), ex = _mm256_loadu_ps(e.data() + i);
-          const __m256 denominator = _mm256_add_ps(one, ex);
-          const __m256 sigmoid = _mm256_blendv_ps(_mm256_div_ps(ex, denominator), _mm256_div_ps(one, denominator),
-                                                  _mm256_cmp_ps(x, _mm256_setzero_ps(), _CMP_GE_OQ));
-          store8(o + i, _mm256_mul_ps(round8(T_(), _mm256_mul_ps(x, sigmoid)), load8(u + i)));
-        }
-#endif
-        for (; i < I; ++i) {
-          const float sigmoid = gate[i] >= 0.f ? 1.f / (1.f + e[i]) : e[i] / (1.f + e[i]);
-          o[i] = from_float<T_>(to_float<T_>(from_float<T_>(gate[i] * sigmoid)) * to_float<T_>(u[i]));
-        }
+        silu_row<T_>(g, g + I, out.data_ptr<T_>() + t * I, I, scratch.data());
       }
     });
   });

@@ -2,13 +2,15 @@
 this processor has) gives the bits of its plain C++ path (a second copy of the kernel is built
 without vector instructions, under its own op namespace, and both copies run the same
 products), in every block format; on a processor with AVX-512, an AVX2 copy gives them too; on
-all, sums over K cut between blocks and continued give one call's bits; a build killed midway
+all, sums over K cut between blocks and continued give one call's bits; SiLU and the rotary
+embedding give the AVX2 build's bits on AVX-512; a build killed midway
 does not stall the next one; EMBER_KERNEL_TARGET picks the build's instructions and
 EMBER_ATTENTION_TILES whether bfloat16 attention takes AMX tiles."""
 
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -67,6 +69,33 @@ def test_the_vector_linear_gives_the_plain_bits(plain_ops, format, dtype):
 @pytest.mark.parametrize("format", FORMATS)
 def test_the_avx2_path_gives_the_plain_bits_too(avx2_ops, plain_ops, format):
     check_vector_against_plain(avx2_ops, plain_ops, format, torch.bfloat16)
+
+
+def test_silu_and_rotary_give_the_avx2_paths_bits():
+    """SiLU times up and the rotary embedding go lane by lane (the same exp polynomial, IEEE
+    divisions and roundings on both paths): on a processor with AVX-512 its 16-lane loops, masked
+    over a row's last lanes, give the AVX2 build's bits, zeros, infinities and NaN included."""
+    assert kernels.available(), kernels.status()
+    if torch.ops.ember.vector_bits() != 512:
+        pytest.skip("this processor's own build takes the AVX2 path (or none)")
+    layer_ops = kernels.kernel_copy(Path(kernels.__file__).parent / "layer_ops.cpp", "ember_avx2_row_ops", "avx2")
+    generator = torch.Generator().manual_seed(0)
+    special = torch.tensor([0.0, -0.0, float("nan"), float("inf"), -float("inf"), 1e-40, -100.0, 100.0])
+    for dtype in (torch.bfloat16, torch.float32):
+        for rows, inner in ((1, 1536), (9, 1000), (5, 7)):  # a whole last vector, a partial one, less than one
+            gate_up = torch.randn(rows, 2 * inner, generator=generator) * 4
+            gate_up.view(-1)[:8] = special
+            gate_up = gate_up.to(dtype)
+            assert torch.equal(torch.ops.ember.silu_mul(gate_up).view(torch.uint8),
+                               layer_ops.silu_mul(gate_up).view(torch.uint8)), (dtype, rows, inner)
+        angles = torch.rand(9, 32, generator=generator) * 6.3
+        q = torch.randn(9, 12, 64, generator=generator)
+        q.view(-1)[:8] = special
+        q, cos, sin = q.to(dtype), angles.cos().to(dtype), angles.sin().to(dtype)
+        ours, theirs = q.clone(), q.clone()
+        torch.ops.ember.rotary_(ours, cos, sin)
+        layer_ops.rotary_(theirs, cos, sin)
+        assert torch.equal(ours.view(torch.uint8), theirs.view(torch.uint8)), dtype
 
 
 @pytest.mark.parametrize("format", FORMATS)
