@@ -15,27 +15,13 @@ call, the ratio (this tree over the other) and whether every output has the same
 from __future__ import annotations
 
 import argparse
-import shutil
 import statistics
-import tempfile
 import time
 from pathlib import Path
 
 import torch
-from torch.utils import cpp_extension
 
 from ember import kernels
-
-
-def build_other(source: Path):
-    folder = Path(tempfile.mkdtemp(prefix="ember-row-ops-"))
-    shutil.copy(source, folder / "layer_ops.cpp")
-    for header in Path(kernels.__file__).parent.glob("*.h"):
-        shutil.copy(header, folder / header.name)
-    cpp_extension.load(name="ember_other_row_ops", sources=[str(folder / "layer_ops.cpp")],
-                       extra_cflags=[*kernels.build_flags(), "-DEMBER_OPS=ember_other"], extra_ldflags=["-fopenmp"],
-                       is_python_module=False, verbose=False)
-    return torch.ops.ember_other
 
 
 def main() -> None:
@@ -45,7 +31,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=200)
     args = parser.parse_args()
     assert kernels.available(), kernels.status()
-    ours, other = torch.ops.ember, build_other(args.other)
+    ours, other = torch.ops.ember, kernels.kernel_copy(args.other, "ember_row_ops_other")
     generator = torch.Generator().manual_seed(0)
     weight = torch.randn(576, generator=generator).to(torch.bfloat16)
     print("| rows | op | this tree (us) | other (us) | ratio | same bits |")
