@@ -41,7 +41,7 @@ namespace {
 constexpr int64_t QBLOCK = 32;         // weights and activations are quantized in blocks of 32 along K
 constexpr int64_t NBLOCK = 16;         // output columns per packed column block
 constexpr int64_t HALF = 16;           // a step of Q8S or Q8SM (and their six-bit forms) covers half a block
-constexpr int64_t SUPER = 8;           // Q4K's and Q5K's k blocks per super-block
+constexpr int64_t SUPER = 8;           // k blocks per super-block (Q4K, Q5K, Q6K)
 // Per (column block, k block): the codes (nibbles, or bytes), d (fp16 x16), m where the format has
 // one (fp16 x16), then the steps: s and t (u8 x16 each), or the s of each half (i8 x16 each; Q8S,
 // and Q8SM with its t after them).
