@@ -79,3 +79,22 @@ def wait_until(page, script: str, arg=None, timeout_ms: int = WAIT_MS):
         if time.monotonic() > deadline:
             raise AssertionError(f"never true in the page: {script}")
         page.wait_for_timeout(100)
+
+
+# The server's /debug/requests log, for pages' requests: `http` is a client of the page's server.
+
+def newest_logged(http) -> dict | None:
+    logged = http.get("/debug/requests").json()["data"]
+    return logged[-1] if logged else None
+
+
+def request_after(http, earlier: dict | None) -> dict:
+    """The newest logged request once it is not `earlier`: a request is logged when its response
+    has ended, a moment after the page has shown its last token (the deadline only ends a hung
+    test)."""
+    deadline = time.monotonic() + 30
+    while (newest := newest_logged(http)) is None or (earlier is not None
+                                                      and newest["request_id"] == earlier["request_id"]):
+        assert time.monotonic() < deadline, "the request was never logged"
+        time.sleep(0.05)
+    return newest

@@ -9,7 +9,8 @@ import re
 import httpx
 import pytest
 
-from browser import browser, close_page, wait_until, watched_page  # noqa: F401 (browser is a fixture)
+from browser import (browser, close_page, newest_logged, request_after, wait_until,  # noqa: F401 (browser is a fixture)
+                     watched_page)
 from conftest import ServerProcess, wait_idle
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -71,10 +72,6 @@ def wait_state(page, state: str) -> None:
     page.wait_for_selector(f"article.message.assistant:last-of-type[data-state='{state}']")
 
 
-def last_request(http) -> dict:
-    return http.get("/debug/requests").json()["data"][-1]
-
-
 # ---- the route ---------------------------------------------------------------------------------
 
 def test_the_page_and_its_files_are_served_with_a_strict_policy(http):
@@ -94,6 +91,7 @@ def test_the_page_and_its_files_are_served_with_a_strict_policy(http):
 # ---- chatting ----------------------------------------------------------------------------------
 
 def test_a_reply_streams_in_with_its_figures(page, http):
+    before = newest_logged(http)
     assert page.locator("#model-context").text_content() == "context 1024 tokens"
     settings(page, temperature=0, max_tokens=40)
     page.evaluate("""() => {
@@ -117,7 +115,7 @@ def test_a_reply_streams_in_with_its_figures(page, http):
     assert page.evaluate("window.__lengths.size") >= 2  # the text arrived in pieces, not at once
     figures = FIGURES.fullmatch(reply.locator(".figures").inner_text())
     assert figures, reply.locator(".figures").inner_text()
-    logged = last_request(http)
+    logged = request_after(http, before)
     assert logged["outcome"] == "done" and logged["stream"] is True
     assert int(figures.group(1)) == logged["prompt_tokens"] and int(figures.group(2)) == logged["cached_tokens"]
     assert int(figures.group(3)) == logged["completion_tokens"] <= 40
@@ -125,6 +123,7 @@ def test_a_reply_streams_in_with_its_figures(page, http):
 
 
 def test_stop_ends_the_stream_and_the_server_frees_the_request(page, http):
+    before = newest_logged(http)
     settings(page, temperature=0, max_tokens=900, extra='{"ignore_eos": true}')
     send(page, "Tell me a long story about a lighthouse.")
     wait_until(page, "() => [...document.querySelectorAll('article.assistant .content')].pop()?.textContent.length > 40")
@@ -135,7 +134,7 @@ def test_stop_ends_the_stream_and_the_server_frees_the_request(page, http):
     assert page.is_visible("#send") and not page.is_visible("#stop")
     health = wait_idle(http)  # no request running, no KV block held
     assert health["requests_running"] == 0 and health["engine"]["kv_blocks_used"] == 0
-    logged = last_request(http)
+    logged = request_after(http, before)
     assert logged["outcome"] == "error" and logged["code"] == "client_gone"
     assert 0 < logged["completion_tokens"] < 900
 
@@ -187,12 +186,15 @@ def test_conversations_survive_a_reload_and_can_be_renamed_exported_and_deleted(
 
 
 def test_edit_and_regenerate(page, http):
+    logged = newest_logged(http)
     settings(page, temperature=0, max_tokens=6)
     send(page, "Count to three.")
     wait_state(page, "done")
+    logged = request_after(http, logged)
     first = last_reply(page).locator(".content").inner_text()
     last_reply(page).locator("button", has_text="Regenerate").click()
     wait_state(page, "done")
+    logged = request_after(http, logged)
     assert page.locator("article.message").count() == 2
     assert last_reply(page).locator(".content").inner_text() == first  # greedy: the same reply again
     user = page.locator("article.message.user")
@@ -202,7 +204,7 @@ def test_edit_and_regenerate(page, http):
     wait_state(page, "done")
     assert page.locator("article.message").count() == 2
     assert user.locator(".content").inner_text() == "Count to five."
-    assert last_request(http)["outcome"] == "done"
+    assert request_after(http, logged)["outcome"] == "done"
 
 
 # ---- rendering ---------------------------------------------------------------------------------

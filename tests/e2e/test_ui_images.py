@@ -14,7 +14,8 @@ import re
 import httpx
 import pytest
 
-from browser import browser, close_page, wait_until, watched_page  # noqa: F401 (browser is a fixture)
+from browser import (browser, close_page, newest_logged, request_after, wait_until,  # noqa: F401 (browser is a fixture)
+                     watched_page)
 from conftest import ServerProcess
 from vision_fixtures import add_random_weights, data_url, image_bytes, write_smolvlm_folder
 
@@ -117,10 +118,6 @@ def shown_images(page) -> list[str]:
     return page.eval_on_selector_all("article.message.user .images img", "(images) => images.map((i) => i.src)")
 
 
-def last_request(http) -> dict:
-    return http.get("/debug/requests").json()["data"][-1]
-
-
 def pixels(url: str) -> tuple:
     from PIL import Image
 
@@ -154,6 +151,7 @@ def test_the_model_card_says_whether_the_model_reads_images_and_its_limits(http,
 # ---- attaching and sending ---------------------------------------------------------------------
 
 def test_an_attached_image_is_sent_shown_kept_across_a_reload_and_exported(page, http, vision_server, tmp_path):
+    before = newest_logged(http)
     assert page.is_visible("#attach")
     attach(page, ("red.png", "image/png", RED), ("blue.png", "image/png", BLUE))
     assert tray(page) == [data_url(RED), data_url(BLUE)]
@@ -171,7 +169,7 @@ def test_an_attached_image_is_sent_shown_kept_across_a_reload_and_exported(page,
     reply = page.locator("article.message.assistant").last
     figures = FIGURES.fullmatch(reply.locator(".figures").inner_text())
     assert figures, reply.locator(".figures").inner_text()
-    logged = last_request(http)
+    logged = request_after(http, before)
     assert logged["outcome"] == "done" and logged["stream"] is True and logged["completion_tokens"] == 8
     image_prompt = logged["prompt_tokens"]
     assert image_prompt > 20 and int(figures.group(1)) == image_prompt  # the image's tokens were read
@@ -187,7 +185,7 @@ def test_an_attached_image_is_sent_shown_kept_across_a_reload_and_exported(page,
 
     send(page, "And now?")  # the conversation's image goes again, read back from storage
     wait_state(page, "done")
-    assert last_request(http)["prompt_tokens"] > image_prompt + 8
+    assert request_after(http, logged)["prompt_tokens"] > image_prompt + 8
 
     with page.expect_download() as download:
         page.locator("#conversations li.current button[title='Export as JSON']").click()
@@ -199,6 +197,7 @@ def test_an_attached_image_is_sent_shown_kept_across_a_reload_and_exported(page,
 
 
 def test_an_image_can_be_pasted_or_dropped_and_sent_without_text(page, http, vision_server):
+    before = newest_logged(http)
     page.context.grant_permissions(["clipboard-read", "clipboard-write"], origin=vision_server.url)
     put_on_clipboard(page, BLUE)
     page.focus("#input")
@@ -226,11 +225,12 @@ def test_an_image_can_be_pasted_or_dropped_and_sent_without_text(page, http, vis
     assert shown_images(page) == [data_url(RED)]
     assert not page.locator("article.message.user .content").is_visible()
     assert page.locator("#conversations li.current .title").inner_text() == "Image"
-    assert last_request(http)["prompt_tokens"] > 20
+    assert request_after(http, before)["prompt_tokens"] > 20
 
 
 def test_an_image_the_browsers_storage_refuses_is_sent_then_shown_as_not_kept_and_the_text_stays(
         page, http, vision_server):
+    before = newest_logged(http)
     session = page.context.new_cdp_session(page)  # a full disk: this site may keep 4 KiB
     session.send("Storage.overrideQuotaForOrigin", {"origin": vision_server.url, "quotaSize": 4096})
     settings(page, temperature=0, max_tokens=2)
@@ -238,8 +238,8 @@ def test_an_image_the_browsers_storage_refuses_is_sent_then_shown_as_not_kept_an
     send(page, "Keep this?")
     wait_until(page, "() => document.querySelector('#notice').textContent.includes('did not take the image')")
     wait_state(page, "done")
-    with_image = last_request(http)["prompt_tokens"]
-    assert with_image > 20  # sent from memory all the same
+    first = request_after(http, before)
+    assert first["prompt_tokens"] > 20  # sent from memory all the same
     page.reload()
     open_page(page, vision_server.url)
     page.wait_for_selector("article.message.user .image-missing")
@@ -247,7 +247,7 @@ def test_an_image_the_browsers_storage_refuses_is_sent_then_shown_as_not_kept_an
     assert page.inner_text("article.message.user .content") == "Keep this?"
     send(page, "Again?")
     wait_state(page, "done")
-    assert last_request(http)["prompt_tokens"] < with_image  # the text goes on without the image
+    assert request_after(http, first)["prompt_tokens"] < first["prompt_tokens"]  # the text goes on without the image
 
 
 # ---- refusals ----------------------------------------------------------------------------------
