@@ -60,8 +60,8 @@ def main() -> None:
                     call(ops)
                     times[index].append(time.perf_counter() - began)
             mine, theirs = (statistics.median(times[i]) * 1e6 for i in (0, 1))
-            print(f"| {rows} | {name} | {mine:.1f} | {theirs:.1f} | {mine / theirs:.2f} | {'yes' if same else 'NO'} |",
-                  flush=True)
+            print(f"| {rows} | {name} | {mine:.1f} | {theirs:.1f} | {mine / theirs:.2f} "
+                  f"| {'yes' if same else 'NO'} |", flush=True)
 
 
 if __name__ == "__main__":

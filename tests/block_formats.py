@@ -42,7 +42,8 @@ def blocks_of_format(weight: torch.Tensor, format: int, seed: int = 0) -> QuantB
             codes = blocks.codes * 8 + torch.randint(0, 8, blocks.codes.shape, generator=generator, dtype=torch.uint8)
             return QuantBlocks(8, codes, (scales.float() / 8).to(torch.float16), mins, steps, min_steps)
         if format == 60:  # Q5_K's codes, 0..31
-            codes = blocks.codes * 2 + torch.randint(0, 2, blocks.codes.shape, generator=generator, dtype=torch.uint8)
+            fifth = torch.randint(0, 2, blocks.codes.shape, generator=generator, dtype=torch.uint8)
+            codes = blocks.codes * 2 + fifth
             return QuantBlocks(8, codes, per_super_block((scales.float() / 2).to(torch.float16)),
                                per_super_block(mins), steps, min_steps)
         if format == 52:

@@ -37,8 +37,8 @@ inline void norm_row(const float* x, const T* weight, int64_t D, double eps, T* 
   const __m512 vinv = _mm512_set1_ps(inv);
   for (; i < D; i += 16) {
     const __mmask16 lanes = first_lanes(D - i);
-    store16(out + i, _mm512_mul_ps(load16(weight + i, lanes), round16(T(), _mm512_mul_ps(load16(x + i, lanes), vinv))),
-            lanes);
+    const __m512 normed = round16(T(), _mm512_mul_ps(load16(x + i, lanes), vinv));
+    store16(out + i, _mm512_mul_ps(load16(weight + i, lanes), normed), lanes);
   }
 #elif EMBER_AVX2
   const __m256 vinv = _mm256_set1_ps(inv);

@@ -643,9 +643,10 @@ inline void tile(const uint8_t* w, int64_t KB, int64_t nb, int64_t N, const int8
         constexpr int HALVES_K = HALF_STEPS<F> ? 2 : 1;
         for (int k_half = 0; k_half < HALVES_K; ++k_half) {
           for (int g = k_half * 8 / HALVES_K; g < (k_half + 1) * 8 / HALVES_K; ++g) {
-            const __m256i codes = SIX_BITS<F>    ? six_bit_codes(block, g, half)
-                                  : FIVE_BITS<F> ? five_bit_codes(block, g, half)
-                                                 : _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + g * 64 + half));
+            const __m256i codes =
+                SIX_BITS<F>    ? six_bit_codes(block, g, half)
+                : FIVE_BITS<F> ? five_bit_codes(block, g, half)
+                               : _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + g * 64 + half));
             if constexpr (OFFSET<F>) {
               const __m256i signed_w = SIX_BITS<F> ? _mm256_sub_epi8(codes, _mm256_set1_epi8(char(ZERO<F>)))
                                                    : _mm256_xor_si256(codes, _mm256_set1_epi8(char(0x80)));

@@ -12,7 +12,7 @@ format once the checkpoint is loaded (`prepare_linears`).
   (ember.kernels): 4-bit codes with a float16 scale and minimum per 32 weights (GGUF's Q4_0 and
   Q4_1 map onto it exactly; Q4_K with integer steps, its scale and minimum once per 256), or 8-bit
   codes with a float16 scale per 32 (Q8_0 and Q5_0 exactly; Q6_K with a step per half block, its
-  codes in 6 bits; Q5_K and Q5_1 with a minimum and steps, Q5_K's codes in 5 bits and its scale
+  codes in 6 bits and its scale once per 256; Q5_K and Q5_1 with a minimum and steps, Q5_K's codes in 5 bits and its scale
   and minimum once per 256; a fused layer of mixed parts with both).
   Activations are quantized per row in blocks of 32 inside the kernel, so a layer reads 4.6 to
   9.75 bits per weight instead of 16, and its results are batch-invariant by construction.
@@ -263,7 +263,8 @@ def pack_blocks(blocks: QuantBlocks, format: int | None = None) -> torch.Tensor:
 
     if format in (52, 60, 120):
         shape = (column_blocks, k_blocks // _SUPER, -1)
-        block_steps = [steps(blocks.steps, 2)] if format == 120 else [steps(blocks.steps, 1), steps(blocks.min_steps, 1)]
+        block_steps = ([steps(blocks.steps, 2)] if format == 120  # the halves' steps
+                       else [steps(blocks.steps, 1), steps(blocks.min_steps, 1)])
         core = torch.cat([codes, *block_steps], dim=-1).reshape(shape)
         header = [halves(v[:, ::_SUPER]).reshape(shape) for v in (blocks.scales, blocks.mins) if v is not None]
         return torch.cat([*header, core], dim=-1).contiguous()

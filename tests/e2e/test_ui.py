@@ -9,8 +9,8 @@ import re
 import httpx
 import pytest
 
-from browser import (browser, close_page, newest_logged, request_after, wait_until,  # noqa: F401 (browser is a fixture)
-                     watched_page)
+from browser import browser  # noqa: F401 (a fixture)
+from browser import close_page, newest_logged, request_after, wait_until, watched_page
 from conftest import ServerProcess, wait_idle
 
 MODEL = "SmolLM2-135M-Instruct"

@@ -124,7 +124,8 @@ def test_one_scale_per_super_block_is_a_layout_not_a_change_of_bits(compact_form
     sums = [torch.zeros(9, 200), torch.zeros(9, 200)]
     compact.accumulate(x[:9], sums[0]), wider.accumulate(x[:9], sums[1])
     assert torch.equal(*sums)
-    varied = QuantBlocks(blocks.bits, blocks.codes, blocks.scales.clone(), blocks.mins, blocks.steps, blocks.min_steps)
+    varied = QuantBlocks(blocks.bits, blocks.codes, blocks.scales.clone(), blocks.mins, blocks.steps,
+                         blocks.min_steps)
     varied.scales[5, 9] = varied.scales[5, 8] * 2
     assert kernel_format(varied) == wider_format and kernel_format(blocks.narrow_blocks(0, 12)) == wider_format
     assert kernel_format(blocks.narrow_blocks(8, 24)) == compact_format

@@ -376,8 +376,8 @@ def test_a_q4_k_m_shaped_file_is_held_in_its_own_weights(tmp_path):
     """Q4_K projections with Q6_K values and down projections (as a Q4_K_M file mixes them): each
     layer runs in a format that holds its file's weights exactly, looked up bit for bit: Q4_K in
     the layout with one scale and minimum per super-block, Q6_K in 6-bit codes with the halves'
-    steps and one scale per super-block, and the fused q/k/v, Q4_K queries and keys beside Q6_K values, with both the halves'
-    steps and a minimum (format 40, in 6-bit codes: 104).
+    steps and one scale per super-block, and the fused q/k/v, Q4_K queries and keys beside Q6_K
+    values, with both the halves' steps and a minimum (format 40, in 6-bit codes: 104).
     (tests/models/test_gemma3_real_weights.py holds a real Q4_K_M file's outputs to transformers'.)"""
     from ember import LLM
     from ember.models.layers import block_weights
