@@ -31,7 +31,7 @@ def weight_footprint(model: torch.nn.Module) -> WeightFootprint:
             footprint.num_weights += module.bias.numel() if module.bias is not None else 0
             name = module.weights.name
             footprint.formats[name] = footprint.formats.get(name, 0) + 1
-            tensors += [value for value in _attributes(module.weights) if isinstance(value, torch.Tensor)]
+            tensors += _tensors_of(module.weights)
         else:
             footprint.num_weights += sum(t.numel() for t in tensors)
         for tensor in tensors:
@@ -48,6 +48,17 @@ def routed_experts(config: ModelConfig) -> dict[str, int] | None:
     if not experts or not hf.get("num_experts_per_tok"):
         return None
     return {"num_experts": int(experts), "experts_per_token": int(hf["num_experts_per_tok"])}
+
+
+def _tensors_of(weights: Any) -> list[torch.Tensor]:
+    """A weights object's tensors, those of its parts (a stacked layer's) included."""
+    found = []
+    for value in _attributes(weights):
+        if isinstance(value, torch.Tensor):
+            found.append(value)
+        elif isinstance(value, list):
+            found += [tensor for part in value for tensor in _tensors_of(part)]
+    return found
 
 
 def _attributes(obj: Any) -> list[Any]:

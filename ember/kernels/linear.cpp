@@ -752,13 +752,14 @@ template <Format F> inline void unpack_six_bits(const uint8_t* block, uint8_t* t
 
 #else  // plain C++: the same sums, element by element
 
+// Column blocks [nb_begin, nb_end) of y, the first one's bytes at `w`.
 template <Format F, typename T>
 void columns_plain(const uint8_t* w, int64_t KB, int64_t nb_begin, int64_t nb_end, int64_t N, const int8_t* xq,
                    const float* dx, const float* sx, const int32_t* qsum, int64_t K, int64_t M, T* y,
                    const float* start) {
   for (int64_t m = 0; m < M; ++m) {
     for (int64_t nb = nb_begin; nb < nb_end; ++nb) {
-      const uint8_t* column = w + nb * column_bytes<F>(KB);
+      const uint8_t* column = w + (nb - nb_begin) * column_bytes<F>(KB);
       for (int64_t j = 0; j < NBLOCK && nb * NBLOCK + j < N; ++j) {
         float acc = start == nullptr ? 0.f : start[m * N + nb * NBLOCK + j];
         for (int64_t kb = 0; kb < KB; ++kb) {
@@ -815,24 +816,44 @@ template <Format F> inline void unpack(const uint8_t* column, int64_t KB, uint8_
 
 #endif
 
-// `start` (or nullptr: zero): the (M, N) float32 sums to continue; it may be y itself.
-template <Format F, typename T>
-void linear_impl(const T* x, const uint8_t* w, int64_t M, int64_t K, int64_t N, T* y, const float* start) {
-  const int64_t KB = K / QBLOCK, NBS = (N + NBLOCK - 1) / NBLOCK;
+// x (M, K)'s rows quantized in blocks of 32 (quantize_rows), once for every weight that reads them.
+struct QuantizedRows {
+  int64_t M, K, KB;
   // quantize_rows writes every entry before any is read, so nothing is zeroed first (a prompt
   // chunk's codes are a megabyte a projection)
-  const std::unique_ptr<int8_t[]> codes(new int8_t[M * K]);
-  const std::unique_ptr<float[]> scales(new float[2 * M * KB]);
-  const std::unique_ptr<int32_t[]> sums(new int32_t[2 * M * KB]);
-  int8_t* const xq = codes.get();
-  float *const dx = scales.get(), *const sx = dx + M * KB;
-  int32_t *const qsum = sums.get(), *const qlow = qsum + M * KB;
-  quantize_rows<T>(x, M, K, xq, dx, sx, qsum, qlow);
+  std::unique_ptr<int8_t[]> codes;
+  std::unique_ptr<float[]> scales;
+  std::unique_ptr<int32_t[]> sums;
+  int8_t* xq;
+  float *dx, *sx;
+  int32_t *qsum, *qlow;
+
+  template <typename T>
+  QuantizedRows(const T* x, int64_t M_, int64_t K_)
+      : M(M_), K(K_), KB(K_ / QBLOCK), codes(new int8_t[M_ * K_]), scales(new float[2 * M_ * KB]),
+        sums(new int32_t[2 * M_ * KB]) {
+    xq = codes.get();
+    dx = scales.get(), sx = dx + M * KB;
+    qsum = sums.get(), qlow = qsum + M * KB;
+    quantize_rows<T>(x, M, K, xq, dx, sx, qsum, qlow);
+  }
+};
+
+// Column blocks [nb_first, nb_first + count) of y (M, N) from weights in format F, the first
+// block's bytes at `w`. `start` (or nullptr: zero): the (M, N) float32 sums to continue; it may
+// be y itself.
+template <Format F, typename T>
+void column_range(const QuantizedRows& rows, const uint8_t* w, int64_t nb_first, int64_t count, int64_t N, T* y,
+                  const float* start) {
+  const int64_t M = rows.M, K = rows.K, KB = rows.KB;
+  const int8_t* const xq = rows.xq;
+  const float *const dx = rows.dx, *const sx = rows.sx;
+  const int32_t *const qsum = rows.qsum, *const qlow = rows.qlow;
+  const int64_t column = column_bytes<F>(KB);
   // Threads split the column blocks (in pairs, the kernel's widest tile); every thread runs all rows.
-  const int64_t pairs = (NBS + 1) / 2;
+  const int64_t pairs = (count + 1) / 2;
   at::parallel_for(0, pairs, 1, [&](int64_t begin, int64_t end) {
-    const int64_t nb_begin = begin * 2, nb_end = std::min(end * 2, NBS);
-    [[maybe_unused]] const int64_t column = column_bytes<F>(KB);
+    const int64_t first = begin * 2, last = std::min(end * 2, count);  // blocks counted from nb_first
 #if EMBER_AVX512 || EMBER_AVX2
     // Six-bit formats and Q4K for many rows: each column block unpacked once into its byte
     // format's or Q4S's bytes, then that format's tiles, whose integer sums and float steps are
@@ -842,28 +863,28 @@ void linear_impl(const T* x, const uint8_t* w, int64_t M, int64_t K, int64_t N, 
     std::unique_ptr<uint8_t[]> unpacked;
     if constexpr (U != F)
       if (M > UNPACK_ROWS<F>) unpacked.reset(new uint8_t[2 * column_bytes<U>(KB)]);
-    const auto pass = [&](int64_t nb, int count, const uint8_t* next) {
+    const auto pass = [&](int64_t b, int n, const uint8_t* next) {
       if constexpr (U != F) {
         if (unpacked) {
-          for (int c = 0; c < count; ++c)
-            unpack<F>(w + (nb + c) * column, KB, unpacked.get() + c * column_bytes<U>(KB));
-          columns<U>(unpacked.get(), KB, nb, count, N, xq, dx, sx, qsum, qlow, K, M, y, start, nullptr);
+          for (int c = 0; c < n; ++c)
+            unpack<F>(w + (b + c) * column, KB, unpacked.get() + c * column_bytes<U>(KB));
+          columns<U>(unpacked.get(), KB, nb_first + b, n, N, xq, dx, sx, qsum, qlow, K, M, y, start, nullptr);
           return;
         }
       }
-      columns<F>(w + nb * column, KB, nb, count, N, xq, dx, sx, qsum, qlow, K, M, y, start, next);
+      columns<F>(w + b * column, KB, nb_first + b, n, N, xq, dx, sx, qsum, qlow, K, M, y, start, next);
     };
 #endif
 #if EMBER_AVX512
-    int64_t nb = nb_begin;
-    for (; nb + 2 <= nb_end; nb += 2)  // a pair fetches the next pair, when there is one
-      pass(nb, 2, nb + 4 <= nb_end ? w + (nb + 2) * column : nullptr);
-    if (nb < nb_end) pass(nb, 1, nullptr);
+    int64_t b = first;
+    for (; b + 2 <= last; b += 2)  // a pair fetches the next pair, when there is one
+      pass(b, 2, b + 4 <= last ? w + (b + 2) * column : nullptr);
+    if (b < last) pass(b, 1, nullptr);
 #elif EMBER_AVX2
-    for (int64_t nb = nb_begin; nb < nb_end; ++nb)  // a block fetches the next, when there is one
-      pass(nb, 1, nb + 1 < nb_end ? w + (nb + 1) * column : nullptr);
+    for (int64_t b = first; b < last; ++b)  // a block fetches the next, when there is one
+      pass(b, 1, b + 1 < last ? w + (b + 1) * column : nullptr);
 #else
-    columns_plain<F>(w, KB, nb_begin, nb_end, N, xq, dx, sx, qsum, K, M, y, start);
+    columns_plain<F>(w + first * column, KB, nb_first + first, nb_first + last, N, xq, dx, sx, qsum, K, M, y, start);
 #endif
   });
 }
@@ -874,23 +895,47 @@ void check_packed(const at::Tensor& packed, int64_t K, int64_t N, int64_t format
   TORCH_CHECK(packed.numel() == (N + NBLOCK - 1) / NBLOCK * bytes, "packed weights of the wrong size");
 }
 
-at::Tensor quantized_linear(const at::Tensor& x, const at::Tensor& packed, int64_t out_features, int64_t format) {
+// y (M, sum of out_features) = x W^T for W the parts stacked along the output, each in its own
+// format (a fused projection whose parts a file holds in different types): x quantized once, each
+// part's columns computed into y in place, its threads splitting that part's column blocks. Every
+// part but the last is a whole number of column blocks wide, so each column block lies in one
+// part; a part's columns are the bits its own call gives.
+at::Tensor quantized_linear_parts(const at::Tensor& x, at::TensorList packed, at::IntArrayRef out_features,
+                                  at::IntArrayRef formats) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x must be a contiguous (rows, in_features) tensor");
-  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous(), "packed weights must be contiguous bytes");
-  const int64_t M = x.size(0), K = x.size(1), N = out_features;
-  TORCH_CHECK(K % QBLOCK == 0, "in_features must be a multiple of 32");
-  check_packed(packed, K, N, format);
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat, "x must be bfloat16 or float32");
+  const size_t P = packed.size();
+  TORCH_CHECK(P > 0 && out_features.size() == P && formats.size() == P, "one size and one format for each part");
+  const int64_t M = x.size(0), K = x.size(1);
+  TORCH_CHECK(K % QBLOCK == 0, "in_features must be a multiple of 32");
+  int64_t N = 0;
+  for (size_t p = 0; p < P; ++p) {
+    TORCH_CHECK(packed[p].scalar_type() == at::kByte && packed[p].is_contiguous(),
+                "packed weights must be contiguous bytes");
+    TORCH_CHECK(p + 1 == P || out_features[p] % NBLOCK == 0, "every part but the last a multiple of 16 wide");
+    check_packed(packed[p], K, out_features[p], formats[p]);
+    N += out_features[p];
+  }
   auto y = at::empty({M, N}, x.options());
   if (M == 0) return y;
-  const uint8_t* w = packed.data_ptr<uint8_t>();
   dispatch_float_or_bf16(x.scalar_type(), [&](auto tag) {
     using T = decltype(tag);
-    const T* xp = static_cast<const T*>(x.data_ptr());
+    const QuantizedRows rows(static_cast<const T*>(x.data_ptr()), M, K);
     T* yp = static_cast<T*>(y.data_ptr());
-    with_format(format, [&](auto f) { linear_impl<decltype(f)::value>(xp, w, M, K, N, yp, nullptr); });
+    int64_t nb = 0;
+    for (size_t p = 0; p < P; ++p) {
+      const int64_t count = (out_features[p] + NBLOCK - 1) / NBLOCK;
+      with_format(formats[p], [&](auto f) {
+        column_range<decltype(f)::value>(rows, packed[p].data_ptr<uint8_t>(), nb, count, N, yp, nullptr);
+      });
+      nb += count;
+    }
   });
   return y;
+}
+
+at::Tensor quantized_linear(const at::Tensor& x, const at::Tensor& packed, int64_t out_features, int64_t format) {
+  return quantized_linear_parts(x, packed, out_features, format);
 }
 
 // sums (M, N) float32 += x (M, K) float32 W^T, in place, continuing each sum over K's blocks in
@@ -906,10 +951,12 @@ void quantized_linear_accumulate_(const at::Tensor& x, const at::Tensor& packed,
   TORCH_CHECK(sums.scalar_type() == at::kFloat && sums.is_contiguous() && sums.dim() == 2 && sums.size(0) == M &&
                   sums.size(1) == N, "sums must be a contiguous (rows, out_features) float32 tensor");
   if (M == 0) return;
-  const float* xp = x.data_ptr<float>();
-  const uint8_t* w = packed.data_ptr<uint8_t>();
+  const QuantizedRows rows(x.data_ptr<float>(), M, K);
   float* sp = sums.data_ptr<float>();
-  with_format(format, [&](auto f) { linear_impl<decltype(f)::value>(xp, w, M, K, N, sp, sp); });
+  const int64_t count = (N + NBLOCK - 1) / NBLOCK;
+  with_format(format, [&](auto f) {
+    column_range<decltype(f)::value>(rows, packed.data_ptr<uint8_t>(), 0, count, N, sp, sp);
+  });
 }
 
 // Rows `ids` of a packed weight, dequantized: embedding lookups from a tied LM head. A code times
@@ -963,6 +1010,7 @@ int64_t vector_bits() { return EMBER_AVX512 ? 512 : EMBER_AVX2 ? 256 : 0; }
 
 TORCH_LIBRARY_FRAGMENT(EMBER_OPS, m) {
   m.def("quantized_linear(Tensor x, Tensor packed, int out_features, int format) -> Tensor");
+  m.def("quantized_linear_parts(Tensor x, Tensor[] packed, int[] out_features, int[] formats) -> Tensor");
   m.def("quantized_linear_accumulate_(Tensor x, Tensor packed, int out_features, int format, Tensor(a!) sums) -> ()");
   m.def("vector_bits() -> int", &ember_kernels::vector_bits);
   m.def("block_rows(Tensor packed, Tensor ids, int in_features, int format, ScalarType dtype) -> Tensor");
@@ -970,6 +1018,7 @@ TORCH_LIBRARY_FRAGMENT(EMBER_OPS, m) {
 
 TORCH_LIBRARY_IMPL(EMBER_OPS, CPU, m) {
   m.impl("quantized_linear", &ember_kernels::quantized_linear);
+  m.impl("quantized_linear_parts", &ember_kernels::quantized_linear_parts);
   m.impl("quantized_linear_accumulate_", &ember_kernels::quantized_linear_accumulate_);
   m.impl("block_rows", &ember_kernels::block_rows);
 }

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ember.models.weights import BlockWeights
+from ember.models.weights import BlockWeights, StackedBlockWeights
 
 
 def decided_stack(decoder: nn.Module, stack_class: type, *classes: type) -> Any:
@@ -42,25 +42,30 @@ def _plain_layers(layers: Sequence[nn.Module]) -> bool:
 
 
 class _Projections:
-    """The layers' projections as the one call takes them: (packed blocks, formats, output widths)
-    where every weight is in blocks, without a bias, in the step's dtype; else None. Built once and
-    kept while each linear holds the same weights object with the same packed tensor (a format
-    change replaces the object, a move onto huge pages the tensor): a step then pays two list reads
-    instead of five lists and a check of every weight."""
+    """The layers' projections as the one call takes them: (packed blocks, formats, output widths,
+    parts a projection) where every weight is in blocks (a stacked layer's parts one by one),
+    without a bias, in the step's dtype; else None. Built once and kept while each linear holds
+    the same weights object with the same packed tensors (a format change replaces the object, a
+    move onto huge pages the tensor): a step then pays a few list reads instead of the lists and a
+    check of every weight."""
 
     def __init__(self, linears: Sequence[nn.Module]) -> None:
         self.linears = linears
         self._held: tuple[torch.dtype, list[Any], list[Any]] | None = None  # what the arguments came from
-        self._arguments: tuple[list[torch.Tensor], list[int], list[int]] | None = None
+        self._arguments: tuple[list[torch.Tensor], list[int], list[int], list[int]] | None = None
 
-    def arguments(self, dtype: torch.dtype) -> tuple[list[torch.Tensor], list[int], list[int]] | None:
+    def arguments(self, dtype: torch.dtype) -> tuple[list[torch.Tensor], list[int], list[int], list[int]] | None:
         weights = [linear.weights for linear in self.linears]
-        packed = [getattr(w, "packed", None) for w in weights]
+        parts = [w.parts if type(w) is StackedBlockWeights else [w] for w in weights]
+        packed = [getattr(part, "packed", None) for each in parts for part in each]
         held = self._held
         if held is None or held[0] != dtype or not all(map(operator.is_, weights, held[1])) \
                 or not all(map(operator.is_, packed, held[2])):
-            fit = all(type(w) is BlockWeights and w.bias is None and w.dtype == dtype for w in weights)
-            self._arguments = (packed, [w.format for w in weights], [w.out_features for w in weights]) if fit else None
+            fit = all(w.bias is None and w.dtype == dtype for w in weights) and all(
+                type(part) is BlockWeights for each in parts for part in each)
+            self._arguments = (packed, [part.format for each in parts for part in each],
+                               [part.out_features for each in parts for part in each],
+                               [len(each) for each in parts]) if fit else None
             self._held = (dtype, weights, packed)
         return self._arguments
 

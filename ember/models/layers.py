@@ -18,7 +18,8 @@ from torch import nn
 
 from ember.errors import ModelLoadError
 from ember.models.sharding import TensorParallel
-from ember.models.weights import QBLOCK, BlockWeights, DenseWeights, PackedBF16Weights, QuantBlocks
+from ember.models.weights import (QBLOCK, BlockWeights, DenseWeights, PackedBF16Weights, QuantBlocks,
+                                  StackedBlockWeights)
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,7 +85,7 @@ def prepare_linears(model: nn.Module, quantization: str, block_kernels: bool) ->
     for module in model.modules():
         if not isinstance(module, (Linear, Embedding)):
             continue
-        blocks = module.staged_blocks()
+        shards, blocks = module.blocks, module.staged_blocks()
         module.blocks = None
         if isinstance(module, Embedding) and module is not head:  # a table only: float rows for lookups
             if blocks is not None:
@@ -101,7 +102,10 @@ def prepare_linears(model: nn.Module, quantization: str, block_kernels: bool) ->
             elif blocks.bits != target:
                 blocks = QuantBlocks.quantize(blocks.dequantize(), target)
         if block_kernels and blocks is not None:
-            module.weights = BlockWeights(blocks, module.bias, weight.dtype)
+            if target is None and len(shards) > 1 and StackedBlockWeights.fits(shards):  # a file's shards as they are
+                module.weights = StackedBlockWeights(shards, module.bias, weight.dtype)
+            else:
+                module.weights = BlockWeights(blocks, module.bias, weight.dtype)
             module.weight.data = torch.empty(0, dtype=weight.dtype)  # lookups of a tied table read the blocks
         else:
             if blocks is not None:
@@ -115,9 +119,14 @@ def prepare_linears(model: nn.Module, quantization: str, block_kernels: bool) ->
 
 
 def block_weights(model: nn.Module) -> list[BlockWeights]:
-    """The block-quantized formats of the model's layers (a tied head's once), in module order."""
-    found = {id(module.weights): module.weights for module in model.modules()
-             if isinstance(getattr(module, "weights", None), BlockWeights)}
+    """The block-quantized weights of the model's layers (a tied head's once, a stacked layer's
+    parts one by one), in module order."""
+    found = {}
+    for module in model.modules():
+        weights = getattr(module, "weights", None)
+        for part in weights.parts if isinstance(weights, StackedBlockWeights) else [weights]:
+            if isinstance(part, BlockWeights):
+                found[id(part)] = part
     return list(found.values())
 
 

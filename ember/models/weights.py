@@ -12,10 +12,12 @@ format once the checkpoint is loaded (`prepare_linears`).
   (ember.kernels): 4-bit codes with a float16 scale and minimum per 32 weights (GGUF's Q4_0 and
   Q4_1 map onto it exactly; Q4_K with integer steps, its scale and minimum once per 256), or 8-bit
   codes with a float16 scale per 32 (Q8_0 and Q5_0 exactly; Q6_K with a step per half block, its
-  codes in 6 bits and its scale once per 256; Q5_K and Q5_1 with a minimum and steps, Q5_K's codes in 5 bits and its scale
-  and minimum once per 256; a fused layer of mixed parts with both).
+  codes in 6 bits and its scale once per 256; Q5_K and Q5_1 with a minimum and steps, Q5_K's codes
+  in 5 bits and its scale and minimum once per 256; a joined layer of mixed parts with both).
   Activations are quantized per row in blocks of 32 inside the kernel, so a layer reads 4.6 to
   9.75 bits per weight instead of 16, and its results are batch-invariant by construction.
+- StackedBlockWeights: a fused layer whose parts a file holds in different types, each part in
+  its own BlockWeights layout, one kernel call.
 
 Dense and packed results depend on the row plan (models.layers.RowPlan); block formats do not.
 
@@ -353,3 +355,44 @@ class BlockWeights:
         """Rows `ids` (T,) of the weight, dequantized to (T, in) in the layer's dtype: embedding
         lookups from a tied head, without a float copy of the table."""
         return torch.ops.ember.block_rows(self.packed, ids, self.in_features, self.format, self.dtype)
+
+
+class StackedBlockWeights:
+    """A fused projection whose parts (q, k and v; gate and up) are blocks of layouts of their own,
+    stacked along the output: one kernel call that quantizes x once and computes each part's
+    columns in its layout. A file's Q4_K queries beside Q6_K values (a Q4_K_M file's) then read
+    4.625 and 6.5625 bits a weight where joined (QuantBlocks.cat) they read 7.75; each part's
+    columns are the bits its own BlockWeights gives."""
+
+    name = "int blocks in parts"
+    invariant_by_construction = True
+    continues_sums = True
+
+    def __init__(self, parts: list[QuantBlocks], bias: torch.Tensor | None, dtype: torch.dtype) -> None:
+        self.parts = [BlockWeights(part, None, dtype) for part in parts]
+        self.bias = bias
+        self.out_features, self.in_features = sum(p.out_features for p in self.parts), self.parts[0].in_features
+        self.dtype = dtype
+
+    @staticmethod
+    def fits(parts: list[QuantBlocks]) -> bool:
+        """Whether the parts keep smaller layouts apart than joined: their layouts differ (joining
+        widens some) and each part but the last fills whole column blocks of 16 outputs."""
+        return (len({kernel_format(part) for part in parts}) > 1
+                and all(part.shape[0] % _NBLOCK == 0 for part in parts[:-1]))
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        parts = self.parts
+        y = torch.ops.ember.quantized_linear_parts(x.contiguous(), [p.packed for p in parts],
+                                                   [p.out_features for p in parts], [p.format for p in parts])
+        return y if self.bias is None else y + self.bias
+
+    def accumulate(self, x: torch.Tensor, sums: torch.Tensor) -> None:
+        first = 0
+        for part in self.parts:
+            columns = sums[:, first:first + part.out_features]
+            part_sums = columns.contiguous()
+            part.accumulate(x, part_sums)
+            columns.copy_(part_sums)
+            first += part.out_features
+

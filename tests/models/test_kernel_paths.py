@@ -120,6 +120,31 @@ def test_sums_continued_across_block_edges_give_one_calls_bits(plain_ops, format
             assert torch.equal(sums, ops.quantized_linear(x[:rows], whole.packed, 200, format)), (ops, rows)
 
 
+@pytest.mark.parametrize("formats", [(52, 52, 120), (72, 72, 8), (4, 20)], ids=["q4k-q6k", "q5_0-q8_0", "4-20"])
+def test_parts_in_layouts_of_their_own_give_each_parts_bits(plain_ops, request, formats):
+    """A fused projection's parts each in its own layout, one call (quantized_linear_parts): each
+    part's columns are the bits of its own call, on the vector, AVX2 and plain paths, at every
+    tile shape and past the rows where blocks are unpacked; the last part may end in a partial
+    column block (200 wide)."""
+    generator = torch.Generator().manual_seed(len(formats))
+    widths = (512, 256, 200)[:len(formats)]
+    parts = [BlockWeights(blocks_of_format(torch.randn(width, 512, generator=generator) * 0.05, format, seed=i),
+                          None, torch.bfloat16) for i, (format, width) in enumerate(zip(formats, widths))]
+    assert [part.format for part in parts] == list(formats)
+    x = (torch.randn(32, 512, generator=generator) * 3).bfloat16()
+    arguments = [part.packed for part in parts], list(widths), list(formats)
+    paths = [torch.ops.ember, plain_ops]
+    if torch.ops.ember.vector_bits() == 512:
+        paths.append(request.getfixturevalue("avx2_ops"))
+    for ops in paths:
+        for rows in (1, 2, 5, 9, 14, 25, 32):
+            alone = torch.cat([ops.quantized_linear(x[:rows], part.packed, width, format)
+                               for part, width, format in zip(parts, widths, formats)], dim=1)
+            assert torch.equal(ops.quantized_linear_parts(x[:rows], *arguments), alone), (ops, rows)
+    with pytest.raises(RuntimeError, match="a multiple of 16"):
+        torch.ops.ember.quantized_linear_parts(x, [parts[0].packed, parts[1].packed], [504, 256], list(formats[:2]))
+
+
 def test_a_lock_left_by_a_killed_build_is_cleared_and_builders_take_turns(tmp_path):
     (tmp_path / "lock").write_text("")  # torch's marker of a build in progress, its builder gone
     take = "import fcntl, sys; fcntl.flock(open(sys.argv[1], 'w'), fcntl.LOCK_EX | fcntl.LOCK_NB)"

@@ -7,13 +7,15 @@ from __future__ import annotations
 
 import pytest
 import torch
+from block_formats import blocks_of_format
 from model_builders import build_pair
 
 from ember import kernels
 from ember.engine.attention import KVCache
 from ember.engine.host_memory import move_to_huge_pages
 from ember.engine.kernel_attention import KERNEL_BLOCK_SIZE, kernel_attention
-from ember.models.layers import block_weights, prepare_linears
+from ember.models.layers import Linear, block_weights, prepare_linears
+from ember.models.weights import StackedBlockWeights
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason=f"ember's CPU kernels: {kernels.status()}")
 
@@ -30,6 +32,24 @@ def block_model(case: str, dtype: torch.dtype, window: int | None = None):
     prepare_linears(model, "int4", block_kernels=True)
     if window is not None:
         config.layer_windows = [window] * config.num_hidden_layers
+    return model, config
+
+
+def mixed_block_model(case: str, dtype: torch.dtype):
+    """The tiny twin with its projections in blocks as a file stages them, a fused projection's
+    shards alternating between 4-bit blocks with steps and 8-bit ones with the halves' steps
+    (format 20 beside 24, as a Q4_K_M file's Q4_K queries beside Q6_K values): each shard keeps
+    its own layout (StackedBlockWeights)."""
+    _, model, config = build_pair(case, dtype, fused=True)
+    for module in model.model.layers.modules():
+        if isinstance(module, Linear):
+            sizes = getattr(module, "out_sizes", [module.out_features])
+            for index, size in enumerate(sizes):
+                shard = module.weight.data.narrow(0, sum(sizes[:index]), size).float()
+                module.stage_blocks(index, blocks_of_format(shard, (20, 24)[index % 2], seed=index))
+    prepare_linears(model, "auto", block_kernels=True)
+    stacked = [layer.self_attn.qkv_proj.weights for layer in model.model.layers]
+    assert all(type(w) is StackedBlockWeights and [p.format for p in w.parts] == [20, 24, 20] for w in stacked)
     return model, config
 
 
@@ -73,6 +93,17 @@ def test_the_one_call_gives_the_loops_bits(case, window, dtype):
     for step, (ours, theirs) in enumerate(zip(by_stack, by_loop)):
         assert torch.equal(ours, theirs), f"step {step}"
     assert loop_cache.tensor.count_nonzero() > 0
+    assert torch.equal(stack_cache.tensor, loop_cache.tensor)
+
+
+@pytest.mark.parametrize("case", ["llama_llama3", "gemma3_local_global"], ids=["llama", "gemma3"])
+def test_the_one_call_gives_the_loops_bits_with_parts_in_layouts_of_their_own(case):
+    model, config = mixed_block_model(case, torch.bfloat16)
+    loop_cache, stack_cache = cache_for(config, torch.bfloat16), cache_for(config, torch.bfloat16)
+    by_loop = run_steps(model, config, loop_cache, use_stack=False)
+    by_stack = run_steps(model, config, stack_cache, use_stack=True)
+    for step, (ours, theirs) in enumerate(zip(by_stack, by_loop)):
+        assert torch.equal(ours, theirs), f"step {step}"
     assert torch.equal(stack_cache.tensor, loop_cache.tensor)
 
 

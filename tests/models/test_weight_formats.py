@@ -9,9 +9,9 @@ from model_builders import build_pair
 from reference_attention import ReferenceAttention
 
 from ember import kernels
-from ember.models.layers import Linear, RowPlan, linear, prepare_linears
-from ember.models.weights import (BlockWeights, DenseWeights, PackedBF16Weights, QuantBlocks, kernel_format,
-                                  pack_blocks)
+from ember.models.layers import Linear, MergedLinear, RowPlan, linear, prepare_linears
+from ember.models.weights import (BlockWeights, DenseWeights, PackedBF16Weights, QuantBlocks, StackedBlockWeights,
+                                  kernel_format, pack_blocks)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -158,6 +158,44 @@ def test_fused_shards_of_several_formats_share_one():
     layer = BlockWeights(mixed, None, torch.float32)
     x = torch.randn(3, 512)
     torch.testing.assert_close(layer.matmul(x), _block_reference(x, mixed).float(), rtol=1e-5, atol=1e-5)
+
+
+def _staged(shards: list[QuantBlocks], quantization: str) -> MergedLinear:
+    """A fused layer with the shards staged, given its format by prepare_linears (in a model whose
+    LM head is another layer)."""
+    layer = MergedLinear(shards[0].shape[1], [shard.shape[0] for shard in shards])
+    for index, shard in enumerate(shards):
+        layer.stage_blocks(index, shard)
+    model = torch.nn.Module()
+    model.layer, model.lm_head = layer, Linear(shards[0].shape[1], 16)
+    model.lm_head.weight.data.zero_()
+    prepare_linears(model, quantization, block_kernels=True)
+    return layer
+
+
+def test_a_files_fused_shards_keep_layouts_of_their_own():
+    """A fused projection whose shards a file holds in different types (Q4_K queries and keys
+    beside Q6_K values: layouts 52 and 120) keeps each shard's layout, 4.625 and 6.5625 bits a
+    weight, where joined they take format 104's 7.75; the layer computes each shard's block
+    arithmetic. Shards of one layout join; with --quantization int8 the joined blocks (8-bit
+    already) serve; a first shard not a whole number of column blocks of 16 wide joins too."""
+    q4k, q6k = blocks_of_format(_weights(out=64, width=512), 52), blocks_of_format(_weights(out=32, width=512), 120)
+    parts = [q4k, q4k, q6k]
+    layer = _staged(parts, "auto")
+    weights = layer.weights
+    assert type(weights) is StackedBlockWeights and [part.format for part in weights.parts] == [52, 52, 120]
+    assert sum(part.packed.numel() for part in weights.parts) * 8 / (160 * 512) == pytest.approx(
+        (128 * 4.625 + 32 * 6.5625) / 160)
+    assert kernel_format(QuantBlocks.cat(parts)) == 104
+    x = torch.randn(5, 512)
+    torch.testing.assert_close(layer(x)[2].float(), _block_reference(x, q6k).float(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(torch.cat(layer(x), dim=1), _block_reference(x, QuantBlocks.cat(parts)).float(),
+                               rtol=1e-5, atol=1e-5)
+    same = _staged([q4k, q4k], "auto")
+    assert type(same.weights) is BlockWeights and same.weights.format == 52
+    assert type(_staged(parts, "int8").weights) is BlockWeights
+    ragged = _staged([blocks_of_format(_weights(out=40, width=512), 52), q6k], "auto")
+    assert type(ragged.weights) is BlockWeights and ragged.weights.format == 104
 
 
 def test_parts_whose_steps_do_not_fit_format_40_are_quantized_to_8_bits():

@@ -377,7 +377,7 @@ def test_a_q4_k_m_shaped_file_is_held_in_its_own_weights(tmp_path):
     layer runs in a format that holds its file's weights exactly, looked up bit for bit: Q4_K in
     the layout with one scale and minimum per super-block, Q6_K in 6-bit codes with the halves'
     steps and one scale per super-block, and the fused q/k/v, Q4_K queries and keys beside Q6_K
-    values, with both the halves' steps and a minimum (format 40, in 6-bit codes: 104).
+    values, each part in its own of those layouts (StackedBlockWeights).
     (tests/models/test_gemma3_real_weights.py holds a real Q4_K_M file's outputs to transformers'.)"""
     from ember import LLM
     from ember.models.layers import block_weights
@@ -390,8 +390,9 @@ def test_a_q4_k_m_shaped_file_is_held_in_its_own_weights(tmp_path):
     for index, layer in enumerate(llm.engine.runner.model.model.layers):
         held = {"qkv_proj": layer.self_attn.qkv_proj, "o_proj": layer.self_attn.o_proj,
                 "gate_up_proj": layer.mlp.gate_up_proj, "down_proj": layer.mlp.down_proj}
-        assert {name: linear.weights.format for name, linear in held.items()} == {
-            "qkv_proj": 104, "o_proj": 52, "gate_up_proj": 52, "down_proj": 120}
+        layouts = {name: [part.format for part in getattr(linear.weights, "parts", [linear.weights])]
+                   for name, linear in held.items()}
+        assert layouts == {"qkv_proj": [52, 52, 120], "o_proj": [52], "gate_up_proj": [52], "down_proj": [120]}
         prefix = f"model.layers.{index}."
         expected = {"qkv_proj": torch.cat([floats[prefix + f"self_attn.{p}_proj.weight"] for p in "qkv"]),
                     "o_proj": floats[prefix + "self_attn.o_proj.weight"],
@@ -399,7 +400,8 @@ def test_a_q4_k_m_shaped_file_is_held_in_its_own_weights(tmp_path):
                                                floats[prefix + "mlp.up_proj.weight"])),
                     "down_proj": floats[prefix + "mlp.down_proj.weight"]}
         for name, weight in expected.items():
-            weights = held[name].weights
-            assert torch.equal(weights.rows(torch.arange(weights.out_features)), weight), (index, name)
-    assert len(block_weights(llm.engine.runner.model)) == 4 * 2 + 1  # and the LM head
+            parts = getattr(held[name].weights, "parts", [held[name].weights])
+            held_rows = torch.cat([part.rows(torch.arange(part.out_features)) for part in parts])
+            assert torch.equal(held_rows, weight), (index, name)
+    assert len(block_weights(llm.engine.runner.model)) == (4 + 2) * 2 + 1  # a stacked layer's parts, the LM head
     llm.close()
