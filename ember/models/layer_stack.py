@@ -52,21 +52,25 @@ class _Projections:
     def __init__(self, linears: Sequence[nn.Module]) -> None:
         self.linears = linears
         self._held: tuple[torch.dtype, list[Any], list[Any]] | None = None  # what the arguments came from
+        self._held_parts: list[tuple[BlockWeights, torch.Tensor]] = []  # stacked layers' parts and their tensors
         self._arguments: tuple[list[torch.Tensor], list[int], list[int], list[int]] | None = None
 
     def arguments(self, dtype: torch.dtype) -> tuple[list[torch.Tensor], list[int], list[int], list[int]] | None:
         weights = [linear.weights for linear in self.linears]
-        parts = [w.parts if type(w) is StackedBlockWeights else [w] for w in weights]
-        packed = [getattr(part, "packed", None) for each in parts for part in each]
+        packed = [getattr(w, "packed", None) for w in weights]  # a stacked layer's parts are checked apart
         held = self._held
         if held is None or held[0] != dtype or not all(map(operator.is_, weights, held[1])) \
-                or not all(map(operator.is_, packed, held[2])):
+                or not all(map(operator.is_, packed, held[2])) \
+                or not all(part.packed is tensor for part, tensor in self._held_parts):
+            parts = [w.parts if type(w) is StackedBlockWeights else [w] for w in weights]
+            every = [part for each in parts for part in each]
             fit = all(w.bias is None and w.dtype == dtype for w in weights) and all(
-                type(part) is BlockWeights for each in parts for part in each)
-            self._arguments = (packed, [part.format for each in parts for part in each],
-                               [part.out_features for each in parts for part in each],
-                               [len(each) for each in parts]) if fit else None
+                type(part) is BlockWeights for part in every)
+            self._arguments = ([part.packed for part in every], [part.format for part in every],
+                               [part.out_features for part in every], [len(each) for each in parts]) if fit else None
             self._held = (dtype, weights, packed)
+            self._held_parts = [(part, part.packed) for w in weights if type(w) is StackedBlockWeights
+                                for part in w.parts]
         return self._arguments
 
 

@@ -105,6 +105,11 @@ def test_the_one_call_gives_the_loops_bits_with_parts_in_layouts_of_their_own(ca
     for step, (ours, theirs) in enumerate(zip(by_stack, by_loop)):
         assert torch.equal(ours, theirs), f"step {step}"
     assert torch.equal(stack_cache.tensor, loop_cache.tensor)
+    projections = model.model._layer_stack().projections
+    parts = [part for linear in projections.linears for part in getattr(linear.weights, "parts", [linear.weights])]
+    assert all(ours is part.packed for ours, part in zip(projections.arguments(torch.bfloat16)[0], parts))
+    if move_to_huge_pages(block_weights(model), "packed"):  # the parts' new tensors are seen at the next call
+        assert all(ours is part.packed for ours, part in zip(projections.arguments(torch.bfloat16)[0], parts))
 
 
 def one_row_attention(config):
