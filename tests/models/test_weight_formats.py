@@ -191,6 +191,14 @@ def test_a_files_fused_shards_keep_layouts_of_their_own():
     torch.testing.assert_close(layer(x)[2].float(), _block_reference(x, q6k).float(), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(torch.cat(layer(x), dim=1), _block_reference(x, QuantBlocks.cat(parts)).float(),
                                rtol=1e-5, atol=1e-5)
+    sums = torch.randn(5, 160)  # sums continued part by part, each as its own layer continues them
+    expected = sums.clone()
+    weights.accumulate(x, sums)
+    for part, (a, b) in zip(weights.parts, ((0, 64), (64, 128), (128, 160))):
+        piece = expected[:, a:b].contiguous()
+        part.accumulate(x, piece)
+        expected[:, a:b] = piece
+    assert torch.equal(sums, expected)
     same = _staged([q4k, q4k], "auto")
     assert type(same.weights) is BlockWeights and same.weights.format == 52
     assert type(_staged(parts, "int8").weights) is BlockWeights
