@@ -1,15 +1,16 @@
 """This tree's attention kernel against another version of its source, in one process.
 
-    git show HEAD~1:ember/kernels/attention.cpp > /tmp/attention_before.cpp
-    python bench/attention_versions.py /tmp/attention_before.cpp [--prompt 4000] [--rounds 5]
+    mkdir -p /tmp/before && git archive HEAD~1 ember/kernels | tar -x -C /tmp/before
+    python bench/attention_versions.py /tmp/before/ember/kernels/attention.cpp [--prompt 4000] [--rounds 5]
         [--decode-contexts 128,256,512,1024,2048]
 
-The other source is built beside ember's kernels (with this tree's common.h) under an op namespace
-of its own, and both run the default model's attention shapes (9 query heads, 3 KV heads, head
-dim 64, bfloat16) on the same random cache: a whole prompt in chunks of 512 rows, as prefill runs
-it, and one decode row at the prompt's end. The two are timed in alternation, in a new random
-order each round; the table gives each one's median time for the model's 30 layers and the median
-of the per-round ratios, this tree over the other, and whether the outputs have the same bits.
+The other source is built beside ember's kernels under an op namespace of its own, with the headers
+of its folder (that commit's; a lone .cpp takes this tree's), and both run the default model's
+attention shapes (9 query heads, 3 KV heads, head dim 64, bfloat16) on the same random cache: a
+whole prompt in chunks of 512 rows, as prefill runs it, and one decode row at the prompt's end. The
+two are timed in alternation, in a new random order each round; the table gives each one's median
+time for the model's 30 layers and the median of the per-round ratios, this tree over the other,
+and whether the outputs have the same bits.
 
 A second table times one decode row at each of --decode-contexts three ways, microseconds a call
 (the best of the rounds' medians): `warm`, one layer's cache again and again (in the caches: the

@@ -1,15 +1,15 @@
 """This tree's linear kernel against another version of its source, in one process.
 
-    git show HEAD~1:ember/kernels/linear.cpp > /tmp/linear_before.cpp
-    python bench/linear_versions.py /tmp/linear_before.cpp [--rows 1,2,5,9,17,128] [--rounds 30]
+    mkdir -p /tmp/before && git archive HEAD~1 ember/kernels | tar -x -C /tmp/before
+    python bench/linear_versions.py /tmp/before/ember/kernels/linear.cpp [--rows 1,2,5,9,17,128] [--rounds 30]
 
-The other source is built beside ember's kernels (with this tree's common.h) under an op namespace
-of its own. Both run one decode step's linear layers of the default model (its 30 layers' four
-projections in 4-bit blocks and the 8-bit LM head, random weights of those shapes, bfloat16 rows)
-at each row count: the rows of a batch, or one stream's last token and its drafts being verified.
-The two are timed in alternation, in a new random order each round; the table gives each one's
-median time for the step's layers, the median of the per-round ratios (this tree over the other)
-and whether every output has the same bits.
+The other source is built beside ember's kernels under an op namespace of its own, with the headers
+of its folder (that commit's; a lone .cpp takes this tree's). Both run one decode step's linear
+layers of the default model (its 30 layers' four projections in 4-bit blocks and the 8-bit LM head,
+random weights of those shapes, bfloat16 rows) at each row count: the rows of a batch, or one
+stream's last token and its drafts being verified. The two are timed in alternation, in a new
+random order each round; the table gives each one's median time for the step's layers, the median
+of the per-round ratios (this tree over the other) and whether every output has the same bits.
 """
 
 from __future__ import annotations

@@ -1,15 +1,16 @@
 """This tree's row-wise layer ops (layer_ops.cpp) against another version of their source, in one
 process.
 
-    git show HEAD~1:ember/kernels/layer_ops.cpp > /tmp/layer_ops_before.cpp
-    python bench/row_ops_versions.py /tmp/layer_ops_before.cpp [--rows 1,9,32,256] [--rounds 200]
+    mkdir -p /tmp/before && git archive HEAD~1 ember/kernels | tar -x -C /tmp/before
+    python bench/row_ops_versions.py /tmp/before/ember/kernels/layer_ops.cpp [--rows 1,9,32,256] [--rounds 200]
 
-The other source is built beside ember's kernels (with this tree's common.h) under an op namespace
-of its own. Both run the default model's row ops at each row count (a decode row, a drafted
-round being verified, a batch, a prompt's chunk): the norm with the residual add (576 wide), SiLU
-times up (1,536), the rotary embedding (12 heads of 64, angles on the unit circle). The two are
-timed in alternation, call by call; the table gives each one's median time in microseconds per
-call, the ratio (this tree over the other) and whether every output has the same bits.
+The other source is built beside ember's kernels under an op namespace of its own, with the headers
+of its folder (that commit's; a lone .cpp takes this tree's). Both run the default model's row ops
+at each row count (a decode row, a drafted round being verified, a batch, a prompt's chunk): the
+norm with the residual add (576 wide), SiLU times up (1,536), the rotary embedding (12 heads of 64,
+angles on the unit circle). The two are timed in alternation, call by call; the table gives each
+one's median time in microseconds per call, the ratio (this tree over the other) and whether every
+output has the same bits.
 """
 
 from __future__ import annotations

@@ -115,14 +115,17 @@ def status() -> str:
 
 
 def kernel_copy(source: Path, namespace: str, target: str = "native"):
-    """One kernel source built a second time, beside this tree's headers, under the op namespace
-    `namespace`, for a target of _TARGETS: for tests and benchmarks that hold one version or
-    build of a kernel against another in one process. Returns torch.ops.<namespace>."""
+    """One kernel source built a second time under the op namespace `namespace`, for a target of
+    _TARGETS: for tests and benchmarks that hold one version or build of a kernel against another
+    in one process. Its headers are those beside it where its folder has ember's (common.h among
+    them: another commit's kernels folder, `git archive REV ember/kernels | tar -x -C DIR`), else
+    this tree's. Returns torch.ops.<namespace>."""
     from torch.utils import cpp_extension
 
     folder = Path(tempfile.mkdtemp(prefix=f"{namespace}-"))
     shutil.copy(source, folder / source.name)
-    for header in _HEADERS:
+    own = sorted(source.parent.glob("*.h")) if (source.parent / "common.h").is_file() else []
+    for header in own or _HEADERS:
         shutil.copy(header, folder / header.name)
     flags = _TARGETS[target]
     cpp_extension.load(name=f"{namespace}_{source.stem}", sources=[str(folder / source.name)],
