@@ -63,7 +63,10 @@ def one_rank():
 
 def test_two_nodes_on_loopback(one_rank):
     address = f"127.0.0.1:{free_port()}"
-    parallel = ["--tensor-parallel-size", "2", "--nnodes", "2", "--dist-init-addr", address]
+    # each launch's rank takes a launch's cores, as on a machine of its own; here both share this
+    # one's, so each computes with one thread (two ranks of two spinning threads on two cores
+    # crawled at half a second a token)
+    parallel = ["--tensor-parallel-size", "2", "--nnodes", "2", "--dist-init-addr", address, "--threads", "1"]
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
 
     def launch_node_1() -> subprocess.Popen:

@@ -10,6 +10,7 @@ EMBER_ATTENTION_TILES whether bfloat16 attention takes AMX tiles."""
 import os
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -21,22 +22,38 @@ from ember.models.weights import BlockWeights
 
 
 @pytest.fixture(scope="module")
-def plain_ops():
+def copies() -> dict:
+    """The second builds this module holds the processor's own to: the plain linear kernel wherever
+    there is a vector path, and on AVX-512 the AVX2 linear kernel and row ops. Built side by side:
+    each is one compiler process, so on two cores together they take about half as long."""
     assert kernels.available(), kernels.status()  # the suite needs a C++ compiler (see README)
-    if torch.ops.ember.vector_bits() == 0:
-        pytest.skip("this processor has no vector path: the kernels are plain C++ already")
-    ops = kernels.plain_linear_copy()
-    assert ops.vector_bits() == 0
-    return ops
+    bits = torch.ops.ember.vector_bits()
+    builds = {}
+    if bits:
+        builds["plain"] = kernels.plain_linear_copy
+    if bits == 512:
+        builds["avx2"] = kernels.avx2_linear_copy
+        builds["avx2 row ops"] = lambda: kernels.kernel_copy(Path(kernels.__file__).parent / "layer_ops.cpp",
+                                                             "ember_avx2_row_ops", "avx2")
+    with ThreadPoolExecutor(max(len(builds), 1)) as pool:
+        started = {name: pool.submit(build) for name, build in builds.items()}
+        return {name: future.result() for name, future in started.items()}
 
 
 @pytest.fixture(scope="module")
-def avx2_ops():
-    if torch.ops.ember.vector_bits() != 512:
+def plain_ops(copies):
+    if "plain" not in copies:
+        pytest.skip("this processor has no vector path: the kernels are plain C++ already")
+    assert copies["plain"].vector_bits() == 0
+    return copies["plain"]
+
+
+@pytest.fixture(scope="module")
+def avx2_ops(copies):
+    if "avx2" not in copies:
         pytest.skip("this processor's own build takes the AVX2 path (or none): the test above tries it")
-    ops = kernels.avx2_linear_copy()
-    assert ops.vector_bits() == 256
-    return ops
+    assert copies["avx2"].vector_bits() == 256
+    return copies["avx2"]
 
 
 def check_vector_against_plain(vector_ops, plain_ops, format, dtype):
@@ -71,14 +88,13 @@ def test_the_avx2_path_gives_the_plain_bits_too(avx2_ops, plain_ops, format):
     check_vector_against_plain(avx2_ops, plain_ops, format, torch.bfloat16)
 
 
-def test_silu_and_rotary_give_the_avx2_paths_bits():
+def test_silu_and_rotary_give_the_avx2_paths_bits(copies):
     """SiLU times up and the rotary embedding go lane by lane (the same exp polynomial, IEEE
     divisions and roundings on both paths): on a processor with AVX-512 its 16-lane loops, masked
     over a row's last lanes, give the AVX2 build's bits, zeros, infinities and NaN included."""
-    assert kernels.available(), kernels.status()
-    if torch.ops.ember.vector_bits() != 512:
+    if "avx2 row ops" not in copies:
         pytest.skip("this processor's own build takes the AVX2 path (or none)")
-    layer_ops = kernels.kernel_copy(Path(kernels.__file__).parent / "layer_ops.cpp", "ember_avx2_row_ops", "avx2")
+    layer_ops = copies["avx2 row ops"]
     generator = torch.Generator().manual_seed(0)
     special = torch.tensor([0.0, -0.0, float("nan"), float("inf"), -float("inf"), 1e-40, -100.0, 100.0])
     for dtype in (torch.bfloat16, torch.float32):
