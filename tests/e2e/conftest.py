@@ -1,8 +1,9 @@
 """Real `ember serve` processes on the default model, and clients for them.
 
 `server` is the main one (default limits, shared by most tests); `thinking_server` and
-`thinking_xml_server` (reasoning templates with hermes and Qwen3 XML tool calls) and
-`one_slot_server` (one seat, no queue) are shared by the modules that need them.
+`thinking_xml_server` (reasoning templates with hermes and Qwen3 XML tool calls),
+`one_slot_server` (one seat, no queue) and `vision_server` (a tiny SmolVLM with image limits and
+URL fetching) are shared by the modules that need them.
 Tests that need other limits (auth, CORS, 413/429/503) start their own instance with `ServerProcess`.
 """
 
@@ -142,6 +143,28 @@ def thinking_xml_server():
 def one_slot_server():
     """One seat and no queue, so a second request is refused at once; with the chat page."""
     process = ServerProcess("--ui", "--max-model-len", "1024", "--max-num-seqs", "1", "--max-pending", "0").start()
+    yield process
+    process.stop()
+
+
+VISION_MODEL = "tiny-smolvlm"  # vision_server's model, as its folder is named
+VISION_MAX_IMAGE_MB = 0.1
+
+
+@pytest.fixture(scope="session")
+def smolvlm(tmp_path_factory):
+    """A tiny SmolVLM folder with random weights (tests/vision_fixtures.py)."""
+    from vision_fixtures import add_random_weights, write_smolvlm_folder
+    return add_random_weights(write_smolvlm_folder(tmp_path_factory.mktemp("smolvlm") / VISION_MODEL))
+
+
+@pytest.fixture(scope="session")
+def vision_server(smolvlm):
+    """The tiny SmolVLM with the chat page: at most 2 images of 0.1 MiB a request within 0.5 MiB,
+    and images by URL fetched within 1 s."""
+    process = ServerProcess(str(smolvlm), "--ui", "--max-model-len", "1024", "--max-images", "2",
+                            "--max-image-mb", str(VISION_MAX_IMAGE_MB), "--media-budget-mb", "0.5",
+                            "--image-urls", "--image-fetch-timeout", "1").start()
     yield process
     process.stop()
 

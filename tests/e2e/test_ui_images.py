@@ -16,11 +16,11 @@ import pytest
 
 from browser import browser  # noqa: F401 (a fixture)
 from browser import close_page, newest_logged, request_after, wait_until, watched_page
+from conftest import VISION_MAX_IMAGE_MB as MAX_IMAGE_MB
+from conftest import VISION_MODEL as MODEL
 from conftest import ServerProcess
-from vision_fixtures import add_random_weights, data_url, image_bytes, write_smolvlm_folder
+from vision_fixtures import data_url, image_bytes
 
-MODEL = "tiny-smolvlm"
-MAX_IMAGE_MB = 0.1
 RED = image_bytes(40, 30, (220, 30, 30))
 BLUE = image_bytes(30, 40, (30, 30, 220))
 SHOWN = "(name) => document.querySelector('#model-name').textContent === name"
@@ -35,19 +35,6 @@ def noise_png(side: int) -> bytes:
     out = io.BytesIO()
     Image.fromarray(np.random.default_rng(0).integers(0, 256, (side, side, 3), dtype=np.uint8)).save(out, "PNG")
     return out.getvalue()
-
-
-@pytest.fixture(scope="module")
-def smolvlm(tmp_path_factory):
-    return add_random_weights(write_smolvlm_folder(tmp_path_factory.mktemp("smolvlm") / MODEL))
-
-
-@pytest.fixture(scope="module")
-def vision_server(smolvlm):
-    process = ServerProcess(str(smolvlm), "--ui", "--max-model-len", "1024", "--max-images", "2",
-                            "--max-image-mb", str(MAX_IMAGE_MB), "--media-budget-mb", "0.5").start()
-    yield process
-    process.stop()
 
 
 @pytest.fixture

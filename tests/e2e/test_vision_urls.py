@@ -1,7 +1,7 @@
-"""Images by http(s) URL under a real `ember serve --image-urls` of a tiny random SmolVLM folder: the
-server fetches them from a local HTTP server, within its size limit and timeout; a fetched image
-answers as the same image sent inline does; every failure is a clear error naming the part, and
-nothing leaks."""
+"""Images by http(s) URL under a real `ember serve --image-urls` of a tiny random SmolVLM folder (the
+shared vision_server): the server fetches them from a local HTTP server, within its size limit and
+timeout; a fetched image answers as the same image sent inline does; every failure is a clear error
+naming the part, and nothing leaks."""
 
 from __future__ import annotations
 
@@ -14,9 +14,9 @@ import httpx
 import openai
 import pytest
 
-from conftest import ServerProcess, wait_idle
+from conftest import wait_idle
 from test_vision_http import QUESTION
-from vision_fixtures import add_random_weights, data_url, picture, write_smolvlm_folder
+from vision_fixtures import data_url, picture
 
 IMAGE = picture(120, 80, seed=7)
 HUGE = picture(400, 400, seed=8)  # about 480 KB of noise: past --max-image-mb 0.1
@@ -53,22 +53,13 @@ def pictures():
 
 
 @pytest.fixture(scope="module")
-def url_server(tmp_path_factory):
-    folder = add_random_weights(write_smolvlm_folder(tmp_path_factory.mktemp("smolvlm") / "tiny-smolvlm"))
-    process = ServerProcess(str(folder), "--max-model-len", "1024", "--image-urls", "--image-fetch-timeout", "1",
-                            "--max-image-mb", "0.1").start()
-    yield process
-    process.stop()
+def client(vision_server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=vision_server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
 
 
 @pytest.fixture(scope="module")
-def client(url_server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=url_server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
-
-
-@pytest.fixture(scope="module")
-def http_client(url_server):
-    with httpx.Client(base_url=url_server.url, timeout=120) as session:
+def http_client(vision_server):
+    with httpx.Client(base_url=vision_server.url, timeout=120) as session:
         yield session
 
 
@@ -79,12 +70,12 @@ def ask(client, url: str):
                                                {"type": "text", "text": QUESTION}]}])
 
 
-def test_a_fetched_image_answers_as_the_same_image_inline(client, url_server, pictures):
+def test_a_fetched_image_answers_as_the_same_image_inline(client, vision_server, pictures):
     fetched, inline = ask(client, pictures + "/picture.png"), ask(client, data_url(IMAGE))
     assert fetched.choices[0].message.content == inline.choices[0].message.content
     assert fetched.usage.prompt_tokens == inline.usage.prompt_tokens > 20
 
-    message = anthropic.Anthropic(base_url=url_server.url, api_key="unused", max_retries=0).messages.create(
+    message = anthropic.Anthropic(base_url=vision_server.url, api_key="unused", max_retries=0).messages.create(
         model="tiny-smolvlm", max_tokens=6, extra_body={"ignore_eos": True, "temperature": 0},
         messages=[{"role": "user", "content": [{"type": "image", "source": {"type": "url",
                                                                             "url": pictures + "/picture.png"}},
