@@ -36,8 +36,16 @@ import torch
 logger = logging.getLogger("ember.kernels")
 
 _FOLDER = Path(__file__).parent
-_SOURCES = [_FOLDER / name for name in ("linear.cpp", "attention.cpp", "layer_ops.cpp", "sampling.cpp", "decoder.cpp",
-                                        "tower_attention.cpp")]
+
+
+def _units(source: Path) -> list[Path]:
+    """A kernel's source and the units compiled with it (linear.cpp's linear_*.cpp: the column work,
+    a few formats a unit, so that the compiler runs them side by side), the units first."""
+    return [*sorted(source.parent.glob(f"{source.stem}_*.cpp")), source]
+
+
+_SOURCES = [path for name in ("linear.cpp", "attention.cpp", "layer_ops.cpp", "sampling.cpp", "decoder.cpp",
+                              "tower_attention.cpp") for path in _units(_FOLDER / name)]
 _HEADERS = sorted(_FOLDER.glob("*.h"))
 # The instructions a build may use: this processor's own, AVX2 with FMA and F16C only (the path
 # of processors without AVX-512), or the compiler's baseline (no vector path).
@@ -117,18 +125,21 @@ def status() -> str:
 def kernel_copy(source: Path, namespace: str, target: str = "native"):
     """One kernel source built a second time under the op namespace `namespace`, for a target of
     _TARGETS: for tests and benchmarks that hold one version or build of a kernel against another
-    in one process. Its headers are those beside it where its folder has ember's (common.h among
-    them: another commit's kernels folder, `git archive REV ember/kernels | tar -x -C DIR`), else
-    this tree's. Returns torch.ops.<namespace>."""
+    in one process, with the units beside it that are compiled with it (_units). Its headers are
+    those beside it where its folder has ember's (common.h among them: another commit's kernels
+    folder, `git archive REV ember/kernels | tar -x -C DIR`), else this tree's. Returns
+    torch.ops.<namespace>."""
     from torch.utils import cpp_extension
 
     folder = Path(tempfile.mkdtemp(prefix=f"{namespace}-"))
-    shutil.copy(source, folder / source.name)
+    units = _units(source)
+    for unit in units:
+        shutil.copy(unit, folder / unit.name)
     own = sorted(source.parent.glob("*.h")) if (source.parent / "common.h").is_file() else []
     for header in own or _HEADERS:
         shutil.copy(header, folder / header.name)
     flags = _TARGETS[target]
-    cpp_extension.load(name=f"{namespace}_{source.stem}", sources=[str(folder / source.name)],
+    cpp_extension.load(name=f"{namespace}_{source.stem}", sources=[str(folder / unit.name) for unit in units],
                        extra_cflags=[*flags, "-fopenmp", f"-DEMBER_OPS={namespace}"], extra_ldflags=["-fopenmp"],
                        is_python_module=False, verbose=False)
     return getattr(torch.ops, namespace)

@@ -21,6 +21,9 @@
 // An int8 cache (kv_int8.h) is read by the same splits and chunks, block by block, its rows
 // quantized as they are stored; q and the output stay in the model's dtype.
 
+#include <ATen/ATen.h>
+#include <torch/library.h>
+
 #include <atomic>
 #include <memory>
 #include <optional>

@@ -1,9 +1,12 @@
-// Shared by ember's CPU kernels: float conversions, the vector exp, dtype dispatch.
+// Shared by ember's CPU kernels: float conversions, the vector exp, dtype dispatch. Light on
+// torch's headers (a unit that only computes, as the linear kernel's column units, compiles in
+// seconds); a unit that defines ops includes ATen and torch/library.h itself.
 #pragma once
 
-#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <torch/library.h>
+#include <c10/core/ScalarType.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Exception.h>
 
 #include <algorithm>
 #include <cmath>
@@ -41,6 +44,11 @@
 #ifndef EMBER_OPS
 #define EMBER_OPS ember
 #endif
+// The namespace of the linear kernel's units, which call one another across them: one for each op
+// namespace, so that a second build loaded in the same process never lends the first its functions.
+#define EMBER_JOIN_(a, b) a##_##b
+#define EMBER_JOIN(a, b) EMBER_JOIN_(a, b)
+#define EMBER_LINEAR EMBER_JOIN(linear, EMBER_OPS)
 
 namespace ember_kernels {
 

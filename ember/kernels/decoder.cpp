@@ -7,6 +7,9 @@
 
 #include "common.h"
 
+#include <ATen/ATen.h>
+#include <torch/library.h>
+
 #include <ATen/core/dispatch/Dispatcher.h>
 
 #include <string>

@@ -3,6 +3,9 @@
 
 #include "common.h"
 
+#include <ATen/ATen.h>
+#include <torch/library.h>
+
 namespace ember_kernels {
 namespace {
 

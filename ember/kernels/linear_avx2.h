@@ -1,6 +1,6 @@
 // The linear kernel's tiles on AVX2 (with FMA and F16C): processors without AVX-512. Part of
-// linear.cpp, which includes it inside its namespace after the formats (linear_formats.h), the
-// activations' quantization and prefetch_share.
+// linear_column_range.h, which includes it inside its namespace after the formats
+// (linear_formats.h) and prefetch_share.
 
 #pragma once
 

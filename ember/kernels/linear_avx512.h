@@ -1,5 +1,5 @@
-// The linear kernel's tiles on AVX-512 VNNI. Part of linear.cpp, which includes it inside its
-// namespace after the formats (linear_formats.h), the activations' quantization and prefetch_share.
+// The linear kernel's tiles on AVX-512 VNNI. Part of linear_column_range.h, which includes it inside
+// its namespace after the formats (linear_formats.h) and prefetch_share.
 
 #pragma once
 

@@ -1,6 +1,7 @@
 // ember's block formats for the linear kernel: their arithmetic, their bytes, and scalar readers
-// of codes, scales and minimums. Part of linear.cpp (the formats are listed at its top), which
-// includes it inside its namespace before everything that reads a packed weight.
+// of codes, scales and minimums. Part of linear.cpp (the formats are listed at its top) and of its
+// column units (linear_column_range.h), which include it inside namespace
+// ember_kernels::EMBER_LINEAR before everything that reads a packed weight.
 
 #pragma once
 

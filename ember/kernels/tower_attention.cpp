@@ -22,6 +22,9 @@
 
 #include "common.h"
 
+#include <ATen/ATen.h>
+#include <torch/library.h>
+
 #if EMBER_BF16_DOT
 
 namespace ember_kernels {
