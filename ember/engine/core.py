@@ -280,7 +280,7 @@ class EngineCore:
                 pooled=self._pooled_vector(request) if finished else None,
             ))
             if finished:
-                self._forget(request.request_id)
+                self._forget(request)
         for request_id, reason in result.failed.items():  # a constraint gave up: that request alone ends
             outputs += self._finish_all([request_id], FinishReason.ERROR, reason)
         seconds = time.perf_counter() - began
@@ -330,16 +330,17 @@ class EngineCore:
                               num_preemptions=r.num_preemptions)
                    for r in finished]
         for request in finished:
-            self._forget(request.request_id)
+            self._forget(request)
         return outputs
 
-    def _forget(self, request_id: str) -> None:
+    def _forget(self, request: Request) -> None:
         """Drop what the core keeps of a request that ended."""
+        request_id = request.request_id
         self._scheduled_at.pop(request_id, None)
         self._progress_ids.discard(request_id)
         self.pooled.forget(request_id)
         if self.speculator is not None:
-            self.speculator.forget(request_id)
+            self.speculator.forget(request)
         if self.images is not None:
             self.images.remove(request_id)
 

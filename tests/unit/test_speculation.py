@@ -7,7 +7,7 @@ import pytest
 
 from ember.config import BATCH_TUNED_DRAFT_TOKENS, MAX_TUNED_DRAFT_TOKENS, SpeculativeConfig
 from ember.engine.spec.ngram import LONGEST_MATCH, NgramIndex
-from ember.engine.spec.speculator import NgramProposer, Speculator
+from ember.engine.spec.speculator import Lookups, NgramProposer, Speculator
 from ember.engine.spec.tuning import DraftingGate, DraftLength, StepCost, best_draft_length
 from ember.engine.request import RequestStatus
 from tests.unit.test_scheduler import make_request, make_scheduler  # noqa: F401 (fixture)
@@ -238,3 +238,29 @@ def test_a_position_not_reached_for_a_while_forgets_an_old_miss():
     holds = length.holds()
     assert early < 0.6 and holds[3] > 0.9  # the old miss has faded: as likely as the position before
     assert best_draft_length(holds, 1, (1.0, 0.05, 0.0, 0.0), 16) > 3
+
+
+def test_a_lookup_teaches_how_far_it_held_past_what_was_drafted():
+    estimate = DraftLength(None)
+    lookups = Lookups()
+    tokens = [1, 2, 3]
+    lookups.add(len(tokens), [4, 5, 6, 7, 8, 9], estimate)  # drafted from or not, it is judged alike
+    before = estimate.holds()
+    tokens += [4, 5, 6]
+    lookups.settle(tokens)
+    assert estimate.holds() == before  # held so far, but three of its tokens have not come
+    tokens += [7, 8, 9]
+    lookups.settle(tokens)
+    held_all = estimate.holds()
+    assert held_all[0] > before[0] and min(held_all[:6]) > 0.6  # every position held
+    lookups.add(len(tokens), [1, 2, 3, 4], estimate)
+    tokens += [1, 2, 0]  # breaks at its third token, before its fourth has come
+    lookups.settle(tokens)
+    assert estimate.holds()[2] < held_all[2]
+    lookups.add(len(tokens), [5, 6, 7], estimate)
+    tokens += [5]
+    lookups.settle(tokens, ended=True)  # the request ended: held as far as it went
+    settled = estimate.holds()
+    assert settled[0] > 0.6
+    lookups.settle(tokens + [6, 7], ended=True)
+    assert estimate.holds() == settled  # each lookup is counted once

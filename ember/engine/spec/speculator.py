@@ -71,14 +71,49 @@ class NgramProposer:
         self._indexes.pop(request_id, None)
 
 
+class Lookups:
+    """One request's lookups by a free proposer whose guessed tokens have not all come yet. Each
+    teaches its evidence's estimate how far it held once those tokens have come, whatever length
+    was drafted from it: a verified round tells only whether its drafts held, not how far the
+    lookup would have gone on holding, and tuned lengths would then learn too little of long
+    copies (the positions past the drafted length are never seen)."""
+
+    __slots__ = ("_waiting",)
+
+    def __init__(self) -> None:
+        self._waiting: list[tuple[int, list[int], DraftLength]] = []  # (first token's position, tokens, estimate)
+
+    def add(self, start: int, tokens: list[int], estimate: DraftLength) -> None:
+        self._waiting.append((start, tokens, estimate))
+
+    def settle(self, token_ids: list[int], ended: bool = False) -> None:
+        """Record each lookup whose tokens have come or that has missed; once the request has
+        `ended`, the rest too, as having held as far as its tokens went."""
+        waiting = []
+        for start, tokens, estimate in self._waiting:
+            came = min(len(tokens), len(token_ids) - start)
+            held = 0
+            while held < came and token_ids[start + held] == tokens[held]:
+                held += 1
+            if held < came or came == len(tokens):
+                estimate.record(len(tokens), held)
+            elif ended:
+                if came:
+                    estimate.record(came, came)
+            else:
+                waiting.append((start, tokens, estimate))
+        self._waiting = waiting
+
+
 class Speculator:
     """Owned by the engine core, called from its one thread: `propose` before each schedule,
     `after_step` once the step's forward has run, `forget` when a request ends.
 
     A tuned draft's length comes from the acceptance its evidence has earned (DraftLength): for
-    n-gram lookup, all requests' rounds with the same matched suffix length share one estimate (a
-    long match in code being copied holds nearly always, a short one in chat seldom); for a draft
-    model, each request has its own."""
+    n-gram lookup, all requests' lookups with the same matched suffix length share one estimate (a
+    long match in code being copied holds nearly always, a short one in chat seldom), each lookup
+    counted by how far it held (Lookups); for a draft model, each request has its own, from its
+    verified rounds."""
 
     def __init__(self, config: SpeculativeConfig, proposer: Proposer, max_model_len: int) -> None:
         self.config = config
@@ -86,6 +121,7 @@ class Speculator:
         self.max_model_len = max_model_len
         self._lengths: dict[Hashable, DraftLength] = {}  # evidence (or request id) -> its estimate
         self._used: dict[str, DraftLength] = {}  # request id -> the estimate its pending round rests on
+        self._lookups: dict[str, Lookups] = {}  # request id -> a free proposer's lookups not yet settled
         self.step_cost = StepCost()  # fitted from the engine's decode steps (observe_step)
         self.gate = DraftingGate()
         self.drafting = True  # whether the last step with requests decoding let them draft
@@ -138,13 +174,19 @@ class Speculator:
                 request.draft_token_ids = [_GRANTED] * wanted
             return
         began = time.perf_counter()
+        for request, _ in wants:
+            lookups = self._lookups.get(request.request_id)
+            if lookups is not None:
+                lookups.settle(request.token_ids)
         proposals = self.proposer.propose(wants)
         longest = 0
         for (request, _), (drafts, evidence) in zip(wants, proposals):
+            drafts = _before_end_token(request, drafts)
             if drafts:
-                length = self._used[request.request_id] = self._length(("evidence", evidence))
+                length = self._length(("evidence", evidence))
+                self._lookups.setdefault(request.request_id, Lookups()).add(request.num_tokens, drafts, length)
                 drafts = drafts[:length.next(len(decoding), cost, len(drafts))]
-            request.draft_token_ids = _before_end_token(request, drafts)
+            request.draft_token_ids = drafts
             longest = max(longest, len(drafts))
         self.step_cost.observe_drafting(longest, time.perf_counter() - began)
 
@@ -210,10 +252,13 @@ class Speculator:
         if length is not None:
             length.record(proposed, accepted)
 
-    def forget(self, request_id: str) -> None:
-        self._lengths.pop(request_id, None)
-        self._used.pop(request_id, None)
-        self.proposer.forget(request_id)
+    def forget(self, request: Request) -> None:
+        lookups = self._lookups.pop(request.request_id, None)
+        if lookups is not None:
+            lookups.settle(request.token_ids, ended=True)
+        self._lengths.pop(request.request_id, None)
+        self._used.pop(request.request_id, None)
+        self.proposer.forget(request.request_id)
 
 
 def _before_end_token(request: Request, drafts: list[int]) -> list[int]:
