@@ -81,18 +81,20 @@ class Lookups:
     __slots__ = ("_waiting",)
 
     def __init__(self) -> None:
-        self._waiting: list[tuple[int, list[int], DraftLength]] = []  # (first token's position, tokens, estimate)
+        # [first token's position, tokens, estimate, how many have come and held so far]
+        self._waiting: list[list] = []
 
     def add(self, start: int, tokens: list[int], estimate: DraftLength) -> None:
-        self._waiting.append((start, tokens, estimate))
+        self._waiting.append([start, tokens, estimate, 0])
 
     def settle(self, token_ids: list[int], ended: bool = False) -> None:
         """Record each lookup whose tokens have come or that has missed; once the request has
-        `ended`, the rest too, as having held as far as its tokens went."""
+        `ended`, the rest too, as having held as far as its tokens went. Each token is compared
+        once, however many steps a lookup waits."""
         waiting = []
-        for start, tokens, estimate in self._waiting:
+        for lookup in self._waiting:
+            start, tokens, estimate, held = lookup
             came = min(len(tokens), len(token_ids) - start)
-            held = 0
             while held < came and token_ids[start + held] == tokens[held]:
                 held += 1
             if held < came or came == len(tokens):
@@ -101,7 +103,8 @@ class Lookups:
                 if came:
                     estimate.record(came, came)
             else:
-                waiting.append((start, tokens, estimate))
+                lookup[3] = held
+                waiting.append(lookup)
         self._waiting = waiting
 
 
