@@ -2,7 +2,7 @@
 
     mkdir -p /tmp/before && git archive HEAD~1 ember/kernels | tar -x -C /tmp/before
     python bench/attention_versions.py /tmp/before/ember/kernels/attention.cpp [--prompt 4000] [--rounds 5]
-        [--decode-contexts 128,256,512,1024,2048]
+        [--decode-contexts 128,256,512,1024,2048] [--store-rows 1,8,9,16,24,32,256]
 
 The other source is built beside ember's kernels under an op namespace of its own, with the headers
 of its folder (that commit's; a lone .cpp takes this tree's), and both run the default model's
@@ -18,7 +18,12 @@ kernel's arithmetic); `cold`, thirty layers' caches called layer after layer aft
 (a decode step's case: the weights stream through the caches between one layer's attention and
 the next), each sequence's blocks in a run, as the KV manager hands them out while it can;
 `scattered`, the same with blocks drawn at random from the pool (a pool after much coming and
-going). An empty --decode-contexts leaves it out."""
+going). An empty --decode-contexts leaves it out.
+
+A third table times the rotary embedding with the cache store (rotary_store_) for --store-rows rows
+of one sequence, from a position at a block's start and from one inside a block (angles on the unit
+circle, so rotating in place keeps the values' size), microseconds a call in alternation, with
+whether q and the cache come out with the same bits. An empty --store-rows leaves it out."""
 
 from __future__ import annotations
 
@@ -43,6 +48,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--decode-contexts", default="128,256,512,1024,2048",
                         help="contexts of the decode table (empty: none)")
+    parser.add_argument("--store-rows", default="1,8,9,16,24,32,256", help="rows of the store table (empty: none)")
     args = parser.parse_args()
     contexts = [int(c) for c in args.decode_contexts.split(",")] if args.decode_contexts else []
     if contexts and max(contexts) > POOL_BLOCKS * BLOCK:  # a longer row's table would reach past the pool
@@ -94,6 +100,8 @@ def main() -> None:
               f"{statistics.median(theirs) * LAYERS * factor:.2f} {unit} | {ratio:.2f}x | {'yes' if same else 'no'} |")
     if contexts:
         decode_table(ops, contexts, args.rounds)
+    if args.store_rows:
+        store_table(ops, [int(rows) for rows in args.store_rows.split(",")], args.rounds * 60)
 
 
 def time_decode_calls(op, layers, tables, context: int, cold: bool, repeats: int) -> float:
@@ -139,6 +147,35 @@ def decode_table(ops: dict, contexts: list[int], rounds: int) -> None:
             theirs, mine = min(figures[setting, "other"]), min(figures[setting, "this tree"])
             cells.append(f"{theirs:.2f}, {mine:.2f} ({theirs / mine:.2f}x)")
         print(f"| {context:,} | " + " | ".join(cells) + " |")
+
+
+def store_table(ops: dict, row_counts: list[int], calls: int) -> None:
+    generator = torch.Generator().manual_seed(2)
+    print(f"\nrotary_store_, us a call ({torch.get_num_threads()} threads)")
+    print("| rows | first position | this tree | other | this tree / other | same bits |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for rows in row_counts:
+        for first in (304, 300):
+            qkv = torch.randn(rows, (HEADS + 2 * KV_HEADS) * HEAD_DIM, generator=generator).bfloat16()
+            angles = torch.rand(rows, HEAD_DIM // 2, generator=generator) * 6.3
+            cos, sin = angles.cos().bfloat16(), angles.sin().bfloat16()
+            slots = torch.arange(first, first + rows)
+            caches = {name: [torch.zeros(KV_HEADS, (first + rows) // BLOCK + 1, BLOCK * HEAD_DIM, dtype=torch.bfloat16)
+                             for _ in range(2)] for name in ops}
+            outputs = {}
+            for name, op in ops.items():
+                rotated = qkv.clone()
+                op.rotary_store_(rotated, cos, sin, *caches[name], slots, HEADS, KV_HEADS)
+                outputs[name] = torch.cat([rotated.flatten(), *(cache.flatten() for cache in caches[name])])
+            times = {name: [] for name in ops}
+            for _ in range(calls):
+                for name, op in ops.items():
+                    began = time.perf_counter()
+                    op.rotary_store_(qkv, cos, sin, *caches[name], slots, HEADS, KV_HEADS)
+                    times[name].append(time.perf_counter() - began)
+            mine, theirs = (statistics.median(times[name]) * 1e6 for name in ("this tree", "other"))
+            same = torch.equal(outputs["this tree"].view(torch.int16), outputs["other"].view(torch.int16))
+            print(f"| {rows} | {first} | {mine:.1f} | {theirs:.1f} | {mine / theirs:.2f} | {'yes' if same else 'no'} |")
 
 
 if __name__ == "__main__":

@@ -384,18 +384,36 @@ void rotary_store_(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin
   TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.numel() == T, "one int64 slot per row");
   TORCH_CHECK(cos.size(0) == T && cos.size(-1) == half && cos.stride(-1) == 1 && sin.strides() == cos.strides() &&
               sin.sizes() == cos.sizes() && cos.scalar_type() == qkv.scalar_type(), "cos and sin: (T, D / 2) rows");
-  const int64_t row_stride = cos.stride(0);
+  const int64_t row_stride = cos.stride(0), heads_in_row = heads + kv_heads, width = qkv.stride(0);
+  // No two threads store into one cache block of one KV head, whose lines interleave its 16 keys
+  // (a thread each writing half of a block's keys moved every line between the cores: 9 to 32
+  // rows took up to three times as long). Rows are cut into parts at block changes once a part
+  // holds a block's worth; with a part or two per thread, each part's heads are split too: an item
+  // rotates one q head, or one k head and stores that KV head's k and v, over its part's rows.
+  // Up to 8 rows run on the calling thread, not worth waking the others for.
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  std::vector<int64_t> part_begin{0};
+  for (int64_t t = 1; t < T && T > 8; ++t)
+    if (t - part_begin.back() >= BLOCK && slot[t] / BLOCK != slot[t - 1] / BLOCK) part_begin.push_back(t);
+  part_begin.push_back(T);
+  const int64_t parts = int64_t(part_begin.size()) - 1;
+  const int64_t heads_apart = T > 8 && parts < 2 * at::get_num_threads() ? heads_in_row : 1;
   dispatch_float_or_bf16(qkv.scalar_type(), [&](auto tag) {
     using T_ = decltype(tag);
-    at::parallel_for(0, T, 8, [&](int64_t begin, int64_t end) {
+    T_* const rows = qkv.data_ptr<T_>();
+    const T_ *const cos_rows = cos.data_ptr<T_>(), *const sin_rows = sin.data_ptr<T_>();
+    at::parallel_for(0, parts * heads_apart, 1, [&](int64_t begin, int64_t end) {
       std::vector<float> c(half), s(half);
-      for (int64_t t = begin; t < end; ++t) {
-        T_* row = qkv.data_ptr<T_>() + t * qkv.stride(0);
-        rotate_heads<T_>(row, heads + kv_heads, D, half, cos.data_ptr<T_>() + t * row_stride,
-                         sin.data_ptr<T_>() + t * row_stride, c.data(), s.data());
-        for (int64_t h = 0; h < kv_heads; ++h)
-          store_slot<T_>(row + (heads + h) * D, row + (heads + kv_heads + h) * D, slots.data_ptr<int64_t>()[t], h,
-                         k_cache, v_cache, D);
+      for (int64_t item = begin; item < end; ++item) {
+        const int64_t part = item / heads_apart;
+        const int64_t first = heads_apart == 1 ? 0 : item % heads_apart, last = heads_apart == 1 ? heads_in_row : first + 1;
+        for (int64_t t = part_begin[part]; t < part_begin[part + 1]; ++t) {
+          T_* row = rows + t * width;
+          rotate_heads<T_>(row + first * D, last - first, D, half, cos_rows + t * row_stride, sin_rows + t * row_stride,
+                           c.data(), s.data());
+          for (int64_t head = std::max(first, heads); head < last; ++head)
+            store_slot<T_>(row + head * D, row + (head + kv_heads) * D, slot[t], head - heads, k_cache, v_cache, D);
+        }
       }
     });
   });

@@ -319,3 +319,36 @@ def test_the_bfloat16_kernel_keeps_its_promises_for_other_head_shapes(heads, kv_
     assert torch.equal(attend([(131, q[131:])]), whole[131:])
     together = attend([(299, q[299:]), (40, q[40:90]), (7, q[7:8])])
     assert torch.equal(together, torch.cat((whole[299:], whole[40:90], whole[7:8])))
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float32, torch.int8])
+@pytest.mark.parametrize("rows_of", [[1], [8], [12], [16], [21, 3, 40], [9, 9]], ids=str)
+def test_rotating_and_storing_in_one_call_matches_the_two_steps(cache_dtype, rows_of):
+    """rotary_store_ (rows split among the threads by cache block and head) leaves q and the cache
+    as rotary_ then store_kv_ do: sequences of 1 to 40 rows from positions inside a block, so that
+    rows of one block and of several blocks, sequences and threads meet."""
+    from ember import kernels
+    assert kernels.available(), kernels.status()
+    heads, kv_heads, head_dim = KERNEL_HEADS, KERNEL_KV_HEADS, KERNEL_HEAD_DIM
+    dtype = torch.float32 if cache_dtype == torch.float32 else torch.bfloat16
+    generator = torch.Generator().manual_seed(sum(rows_of))
+    slots = torch.cat([start * KERNEL_BLOCK + 5 + torch.arange(rows)
+                       for start, rows in zip((2, 9, 20), rows_of)])  # each sequence from its own blocks
+    T = len(slots)
+    qkv = torch.randn(T, (heads + 2 * kv_heads) * head_dim, generator=generator).to(dtype)
+    angles = torch.rand(T, head_dim // 2, generator=generator) * 6.3
+    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+    block_bytes = KERNEL_BLOCK * (head_dim + 4) if cache_dtype == torch.int8 else KERNEL_BLOCK * head_dim
+    caches = [tuple(torch.zeros(kv_heads, 32, block_bytes, dtype=cache_dtype) for _ in range(2)) for _ in range(2)]
+
+    fused = qkv.clone()
+    torch.ops.ember.rotary_store_(fused, cos, sin, *caches[0], slots, heads, kv_heads)
+    apart = qkv.clone().view(T, heads + 2 * kv_heads, head_dim)
+    rotated = apart[:, :heads + kv_heads].contiguous()
+    torch.ops.ember.rotary_(rotated, cos, sin)
+    apart[:, :heads + kv_heads] = rotated
+    torch.ops.ember.store_kv_(apart[:, heads:heads + kv_heads].contiguous(), apart[:, heads + kv_heads:].contiguous(),
+                              *caches[1], slots)
+    assert torch.equal(fused.view(torch.uint8), apart.view(T, -1).view(torch.uint8))
+    for ours, theirs in zip(*caches):
+        assert torch.equal(ours.view(torch.uint8), theirs.view(torch.uint8))
