@@ -16,7 +16,8 @@
 // its position and its data alone: it is the same alone or in a batch, decoded or inside a prompt
 // chunk, whatever rows share its tile. Sequences of one row spread their splits over the threads;
 // longer ones their tiles of ROW_TILE rows (TILES_ROW_TILE on AMX tiles: attention_tiles.h, a
-// bfloat16 path of its own, with one softmax step a split).
+// bfloat16 path of its own, with one softmax step a split), and where the tiles are few, each
+// tile's splits too.
 //
 // An int8 cache (kv_int8.h) is read by the same splits and chunks, block by block, its rows
 // quantized as they are stored; q and the output stay in the model's dtype.
@@ -213,11 +214,28 @@ template <typename T, typename C>
 void attention_impl(const Batch& b, int64_t S) {
   const int64_t G = b.G, D = b.D, P = partial_floats(D);
   // Work items: (sequence, kv head, split) for one-row sequences, (sequence, kv head, tile) else.
-  struct Item { int64_t s, kvh, part; };
+  // Where the tiles are fewer than two a thread (a drafted round's rows fill one tile a KV head,
+  // and the default model has 3 KV heads for 2 threads), each tile's splits are items of their own
+  // too: the item that computes a tile's last split merges its rows, as for one-row sequences.
+  // The same calls on the same rows either way, so the same bits. Where there are tiles, the
+  // threads take the items longest first, each the next one left as it finishes one (a prompt
+  // chunk's later tiles read more keys than its first: shared out in even runs, one thread got
+  // most of them); one-row sequences alone are shared out in even runs, which keeps each one's
+  // splits of a KV head on one core for its merge.
+  struct Item { int64_t s, kvh, part, split, group, cost; };  // group >= 0: one split of a split tile
   const int64_t row_tile = b.tiles ? TILES_ROW_TILE : ROW_TILE;
+  const auto tile_splits = [&](int64_t s, int64_t r1) {  // the splits a tile ending before row r1 reaches
+    return (b.first_pos[s] + (r1 - 1 - b.row_begin[s])) / SPLIT + 1;
+  };
+  int64_t tiles_in_step = 0;
+  for (int64_t s = 0; s < S; ++s) {
+    const int64_t rows = b.row_begin[s + 1] - b.row_begin[s];
+    if (rows > 1) tiles_in_step += b.KVH * ((rows + row_tile - 1) / row_tile);
+  }
+  const bool split_tiles = tiles_in_step < 2 * at::get_num_threads();
   std::vector<Item> items;
-  std::vector<int64_t> first_split(S, -1), splits_of(S, 0);
-  int64_t single_partials = 0;
+  std::vector<int64_t> first_split(S, -1), splits_of(S, 0), group_first;  // group_first: offsets into `grouped`
+  int64_t single_partials = 0, grouped_partials = 0;
   for (int64_t s = 0; s < S; ++s) {
     const int64_t rows = b.row_begin[s + 1] - b.row_begin[s];
     const int64_t last = b.first_pos[s] + rows - 1;  // the position of its last row
@@ -226,47 +244,85 @@ void attention_impl(const Batch& b, int64_t S) {
       first_split[s] = single_partials;
       single_partials += splits_of[s] * b.KVH;
       for (int64_t kvh = 0; kvh < b.KVH; ++kvh)
-        for (int64_t j = 0; j < splits_of[s]; ++j) items.push_back({s, kvh, j});
-    } else {
-      for (int64_t kvh = 0; kvh < b.KVH; ++kvh)
-        for (int64_t tile = 0; tile * row_tile < rows; ++tile) items.push_back({s, kvh, tile});
+        for (int64_t j = 0; j < splits_of[s]; ++j)
+          items.push_back({s, kvh, j, 0, -1, std::min(SPLIT, last + 1 - j * SPLIT)});
+      continue;
     }
+    for (int64_t kvh = 0; kvh < b.KVH; ++kvh)
+      for (int64_t tile = 0; tile * row_tile < rows; ++tile) {
+        const int64_t tile_rows = std::min(row_tile, rows - tile * row_tile);
+        const int64_t keys = b.first_pos[s] + tile * row_tile + tile_rows;  // its last row's
+        if (!split_tiles) {
+          items.push_back({s, kvh, tile, 0, -1, tile_rows * keys});
+          continue;
+        }
+        const int64_t group = int64_t(group_first.size()), splits = (keys - 1) / SPLIT + 1;
+        group_first.push_back(grouped_partials);
+        grouped_partials += splits * tile_rows * G * P;
+        for (int64_t j = 0; j < splits; ++j)
+          items.push_back({s, kvh, tile, j, group, tile_rows * std::min(SPLIT, keys - j * SPLIT)});
+      }
   }
-  std::vector<float> single(single_partials * G * P);
-  // Splits of each (one-row sequence, kv head) computed so far: the item that computes the last
-  // one merges them all, in order, so one parallel region serves (a second costs a wake-up of
-  // every thread) and the bits are the merge's whoever runs it.
-  const std::unique_ptr<std::atomic<int64_t>[]> splits_done(new std::atomic<int64_t>[S * b.KVH]);
-  for (int64_t pair = 0; pair < S * b.KVH; ++pair) splits_done[pair].store(0, std::memory_order_relaxed);
+  std::vector<float> single(single_partials * G * P), grouped(grouped_partials);
+  // Splits of each (one-row sequence, kv head), and of each split tile, computed so far: the item
+  // that computes the last one merges them all, in order (one parallel region serves: a second
+  // costs a wake-up of every thread), and the bits are the merge's whoever runs it.
+  const int64_t groups = int64_t(group_first.size());
+  const std::unique_ptr<std::atomic<int64_t>[]> splits_done(new std::atomic<int64_t>[S * b.KVH + groups]);
+  for (int64_t i = 0; i < S * b.KVH + groups; ++i) splits_done[i].store(0, std::memory_order_relaxed);
   T* out = static_cast<T*>(b.out);
-  at::parallel_for(0, int64_t(items.size()), 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> local;
-    for (int64_t i = begin; i < end; ++i) {
-      const Item item = items[i];
-      const int64_t s = item.s, kvh = item.kvh, row0 = b.row_begin[s];
-      if (first_split[s] >= 0) {  // one split of a one-row sequence
-        float* first = single.data() + ((first_split[s] + kvh * splits_of[s]) * G) * P;
-        split_partials<T, C>(b, s, kvh, item.part, row0, row0 + 1, first + item.part * G * P);
-        // acq_rel: the last sees every other split's partials, written before their increments
-        if (splits_done[s * b.KVH + kvh].fetch_add(1, std::memory_order_acq_rel) + 1 == splits_of[s])
-          for (int64_t g = 0; g < G; ++g)
-            merge<T>(first + g * P, splits_of[s], G * P, D, out + row0 * b.H * D + (kvh * G + g) * D);
-        continue;
-      }
-      const int64_t r0 = row0 + item.part * row_tile, r1 = std::min<int64_t>(b.row_begin[s + 1], r0 + row_tile);
-      const int64_t splits = (b.first_pos[s] + (r1 - 1 - row0)) / SPLIT + 1;
-      local.assign(splits * (r1 - r0) * G * P, 0.f);
-      for (int64_t j = 0; j < splits; ++j)
-        split_partials<T, C>(b, s, kvh, j, r0, r1, local.data() + j * (r1 - r0) * G * P);
-      for (int64_t r = r0; r < r1; ++r) {
-        const int64_t own = (b.first_pos[s] + (r - row0)) / SPLIT + 1;  // splits this row reaches
+  // A tile's rows [r0, r1), each from the splits it reaches, out of partials laid out split by split.
+  const auto merge_tile = [&](int64_t s, int64_t kvh, int64_t r0, int64_t r1, const float* partials) {
+    for (int64_t r = r0; r < r1; ++r)
+      for (int64_t g = 0; g < G; ++g)
+        merge<T>(partials + ((r - r0) * G + g) * P, tile_splits(s, r + 1), (r1 - r0) * G * P, D,
+                 out + r * b.H * D + (kvh * G + g) * D);
+  };
+  const auto attend_item = [&](const Item& item, std::vector<float>& local) {
+    const int64_t s = item.s, kvh = item.kvh, row0 = b.row_begin[s];
+    // acq_rel below: the last sees every other split's partials, written before their increments
+    if (first_split[s] >= 0) {  // one split of a one-row sequence
+      float* first = single.data() + ((first_split[s] + kvh * splits_of[s]) * G) * P;
+      split_partials<T, C>(b, s, kvh, item.part, row0, row0 + 1, first + item.part * G * P);
+      if (splits_done[s * b.KVH + kvh].fetch_add(1, std::memory_order_acq_rel) + 1 == splits_of[s])
         for (int64_t g = 0; g < G; ++g)
-          merge<T>(local.data() + ((r - r0) * G + g) * P, own, (r1 - r0) * G * P, D,
-                   out + r * b.H * D + (kvh * G + g) * D);
-      }
+          merge<T>(first + g * P, splits_of[s], G * P, D, out + row0 * b.H * D + (kvh * G + g) * D);
+      return;
     }
+    const int64_t r0 = row0 + item.part * row_tile, r1 = std::min<int64_t>(b.row_begin[s + 1], r0 + row_tile);
+    const int64_t splits = tile_splits(s, r1);
+    if (item.group >= 0) {  // one split of a split tile
+      float* partials = grouped.data() + group_first[item.group];
+      split_partials<T, C>(b, s, kvh, item.split, r0, r1, partials + item.split * (r1 - r0) * G * P);
+      if (splits_done[S * b.KVH + item.group].fetch_add(1, std::memory_order_acq_rel) + 1 == splits)
+        merge_tile(s, kvh, r0, r1, partials);
+      return;
+    }
+    local.assign(splits * (r1 - r0) * G * P, 0.f);
+    for (int64_t j = 0; j < splits; ++j)
+      split_partials<T, C>(b, s, kvh, j, r0, r1, local.data() + j * (r1 - r0) * G * P);
+    merge_tile(s, kvh, r0, r1, local.data());
+  };
+  const int64_t count = int64_t(items.size());
+  if (tiles_in_step == 0) {  // one-row sequences alone: equal splits, each run of them on one thread
+    at::parallel_for(0, count, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> local;
+      for (int64_t i = begin; i < end; ++i) attend_item(items[i], local);
 #if EMBER_AMX_TILES
-    if (b.tiles) tiles::release();  // other code (oneDNN's kernels) may configure them its own way
+      if (b.tiles) tiles::release();  // other code (oneDNN's kernels) may configure them its own way
+#endif
+    });
+    return;
+  }
+  std::stable_sort(items.begin(), items.end(), [](const Item& x, const Item& y) { return x.cost > y.cost; });
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, std::min<int64_t>(count, at::get_num_threads()), 1, [&](int64_t, int64_t) {
+    std::vector<float> local;
+    for (int64_t i = next.fetch_add(1, std::memory_order_relaxed); i < count;
+         i = next.fetch_add(1, std::memory_order_relaxed))
+      attend_item(items[i], local);
+#if EMBER_AMX_TILES
+    if (b.tiles) tiles::release();
 #endif
   });
 }
