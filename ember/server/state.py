@@ -117,6 +117,13 @@ def _make_engine(config: ServerConfig, source) -> Engine:
                          for replica, env in replica_launches(settings, config.data_parallel_size)])
 
 
+def _shut_down(holder: list[Engine]) -> None:
+    """Stop the engine that `holder` holds and let go of it before returning: the executor's thread
+    keeps its task (here the list, not the engine) a moment after the caller resumes, and an engine
+    held there would miss the collection that follows an unload."""
+    holder.pop().shutdown()
+
+
 def _release_unreachable() -> None:
     """Free what an unloaded model left (its engine client sits in reference cycles, which only the
     collector frees) and hand the pages back: the loading thread's arena would keep them resident."""
@@ -271,7 +278,7 @@ class ModelState:
         for a later load."""
         self.status = "unloading"
         if self.loaded is not None:
-            await asyncio.to_thread(self.loaded.engine.shutdown)
+            await asyncio.to_thread(_shut_down, [self.loaded.engine])
         self.loaded, self.status, self.keep_alive = None, "unloaded", None
         if self.model is not None:
             self.model = replace(self.model, single_token_id=lambda text: None)
