@@ -461,8 +461,8 @@ void rotary_store_(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin
     at::parallel_for(0, parts * heads_apart, 1, [&](int64_t begin, int64_t end) {
       std::vector<float> c(half), s(half);
       for (int64_t item = begin; item < end; ++item) {
-        const int64_t part = item / heads_apart;
-        const int64_t first = heads_apart == 1 ? 0 : item % heads_apart, last = heads_apart == 1 ? heads_in_row : first + 1;
+        const int64_t part = item / heads_apart, first = heads_apart == 1 ? 0 : item % heads_apart;
+        const int64_t last = heads_apart == 1 ? heads_in_row : first + 1;  // the item's heads: [first, last)
         for (int64_t t = part_begin[part]; t < part_begin[part + 1]; ++t) {
           T_* row = rows + t * width;
           rotate_heads<T_>(row + first * D, last - first, D, half, cos_rows + t * row_stride, sin_rows + t * row_stride,
