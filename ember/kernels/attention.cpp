@@ -251,12 +251,13 @@ void attention_impl(const Batch& b, int64_t S) {
     for (int64_t kvh = 0; kvh < b.KVH; ++kvh)
       for (int64_t tile = 0; tile * row_tile < rows; ++tile) {
         const int64_t tile_rows = std::min(row_tile, rows - tile * row_tile);
-        const int64_t keys = b.first_pos[s] + tile * row_tile + tile_rows;  // its last row's
+        const int64_t r1 = b.row_begin[s] + tile * row_tile + tile_rows;  // the row after its last
+        const int64_t keys = b.first_pos[s] + (r1 - b.row_begin[s]);  // the keys its last row attends
         if (!split_tiles) {
           items.push_back({s, kvh, tile, 0, -1, tile_rows * keys});
           continue;
         }
-        const int64_t group = int64_t(group_first.size()), splits = (keys - 1) / SPLIT + 1;
+        const int64_t group = int64_t(group_first.size()), splits = tile_splits(s, r1);
         group_first.push_back(grouped_partials);
         grouped_partials += splits * tile_rows * G * P;
         for (int64_t j = 0; j < splits; ++j)
