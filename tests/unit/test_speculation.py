@@ -248,11 +248,16 @@ def test_a_lookup_teaches_how_far_it_held_past_what_was_drafted():
     before = estimate.holds()
     tokens += [4, 5, 6]
     lookups.settle(tokens)
-    assert estimate.holds() == before  # held so far, but three of its tokens have not come
+    part = estimate.holds()
+    assert part[0] > before[0] and min(part[:3]) > 0.6  # three have come and held: learnt at once
     tokens += [7, 8, 9]
     lookups.settle(tokens)
     held_all = estimate.holds()
-    assert held_all[0] > before[0] and min(held_all[:6]) > 0.6  # every position held
+    assert held_all[:3] == part[:3]  # learnt once, not again when the rest come
+    assert min(held_all[:6]) > 0.6  # every position held
+    whole = DraftLength(None)
+    whole.record(6, 6)
+    assert held_all == whole.holds()  # in parts as in one round
     lookups.add(len(tokens), [1, 2, 3, 4], estimate)
     tokens += [1, 2, 0]  # breaks at its third token, before its fourth has come
     lookups.settle(tokens)
@@ -264,3 +269,19 @@ def test_a_lookup_teaches_how_far_it_held_past_what_was_drafted():
     assert settled[0] > 0.6
     lookups.settle(tokens + [6, 7], ended=True)
     assert estimate.holds() == settled  # each lookup is counted once
+
+
+def test_a_new_evidence_drafts_long_within_steps_of_a_long_copy():
+    """A copy's first lookups on a new evidence are drafted short (the prior); once a few of their
+    tokens have held, the next step drafts long, without waiting for the whole lookup to come."""
+    estimate = DraftLength(None)
+    lookups = Lookups()
+    copy = list(range(100, 132))
+    tokens = [1, 2, 3]
+    cost = (1.0, 0.1, 0.0, 0.0)
+    first = estimate.next(1, cost)
+    lookups.add(len(tokens), copy, estimate)
+    tokens += copy[:first + 1]  # the round's drafts held, and the step's own token too
+    lookups.settle(tokens)
+    lookups.add(len(tokens), copy[first + 1:], estimate)
+    assert estimate.next(1, cost) > 2 * first

@@ -73,10 +73,12 @@ class NgramProposer:
 
 class Lookups:
     """One request's lookups by a free proposer whose guessed tokens have not all come yet. Each
-    teaches its evidence's estimate how far it held once those tokens have come, whatever length
-    was drafted from it: a verified round tells only whether its drafts held, not how far the
-    lookup would have gone on holding, and tuned lengths would then learn too little of long
-    copies (the positions past the drafted length are never seen)."""
+    teaches its evidence's estimate how far it held as its tokens come, whatever length was drafted
+    from it: a verified round tells only whether its drafts held, not how far the lookup would have
+    gone on holding, and tuned lengths would then learn too little of long copies (the positions
+    past the drafted length are never seen). It teaches at each step rather than once all its
+    tokens have come: a new evidence's first lookups, drafted a few tokens at a time from the prior,
+    would otherwise keep that evidence drafting short for as many steps as a copy of 32 tokens takes."""
 
     __slots__ = ("_waiting",)
 
@@ -88,23 +90,25 @@ class Lookups:
         self._waiting.append([start, tokens, estimate, 0])
 
     def settle(self, token_ids: list[int], ended: bool = False) -> None:
-        """Record each lookup whose tokens have come or that has missed; once the request has
-        `ended`, the rest too, as having held as far as its tokens went. Each token is compared
-        once, however many steps a lookup waits."""
+        """Teach each lookup's estimate what its tokens have shown since the last call: the positions
+        that came and held, and the first that did not. A lookup leaves once it has missed, its tokens
+        have all come, or the request has `ended` (it then held as far as its tokens went). Each token
+        is compared once, however many steps a lookup waits."""
         waiting = []
         for lookup in self._waiting:
             start, tokens, estimate, held = lookup
             came = min(len(tokens), len(token_ids) - start)
-            while held < came and token_ids[start + held] == tokens[held]:
-                held += 1
-            if held < came or came == len(tokens):
-                estimate.record(len(tokens), held)
-            elif ended:
-                if came:
-                    estimate.record(came, came)
-            else:
-                lookup[3] = held
+            now = held
+            while now < came and token_ids[start + now] == tokens[now]:
+                now += 1
+            missed = now < came
+            if now > held or missed:
+                estimate.learn(held, now - held, missed)
+            if not (missed or ended or came == len(tokens)):
+                lookup[3] = now
                 waiting.append(lookup)
+            elif not missed and now:
+                estimate.held_whole()
         self._waiting = waiting
 
 

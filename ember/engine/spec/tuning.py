@@ -226,10 +226,25 @@ class DraftLength:
     def record(self, proposed: int, accepted: int) -> None:
         """A verified round: `accepted` of its `proposed` drafts kept (positions up to the first
         miss were reached)."""
-        reached = min(accepted + 1, proposed, MAX_TUNED_DRAFT_TOKENS)
-        for i in range(MAX_TUNED_DRAFT_TOKENS):  # every position's evidence ages, reached or not
-            self._reached[i] = self._reached[i] * _MEMORY + (i < reached)
-            self._kept[i] = self._kept[i] * _MEMORY + (i < min(accepted, reached))
+        self.learn(0, accepted, missed=accepted < proposed)
         if proposed and accepted == proposed:
-            self._paused_for = _PAUSE_ROUNDS
-            self._probe = True  # it held: worth probing again at once if the estimate still says no
+            self.held_whole()
+
+    def learn(self, first: int, kept: int, missed: bool) -> None:
+        """Part of a draft's outcome: its positions first .. first + kept - 1 held, and if `missed`
+        the one after them did not. A draft may be learnt in parts as its tokens come (Lookups);
+        its first part (first 0) ages every position's evidence, reached or not, once a draft."""
+        if first == 0:
+            for i in range(MAX_TUNED_DRAFT_TOKENS):
+                self._reached[i] *= _MEMORY
+                self._kept[i] *= _MEMORY
+        for i in range(first, min(first + kept, MAX_TUNED_DRAFT_TOKENS)):
+            self._reached[i] += 1
+            self._kept[i] += 1
+        if missed and first + kept < MAX_TUNED_DRAFT_TOKENS:
+            self._reached[first + kept] += 1
+
+    def held_whole(self) -> None:
+        """A draft held to its end: worth probing again at once if the estimate still says no."""
+        self._paused_for = _PAUSE_ROUNDS
+        self._probe = True
