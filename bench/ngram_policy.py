@@ -1,5 +1,7 @@
-"""n-gram drafting's choices replayed on a modelled clock: how a change to the policy would do,
-the same every run, and what the lookup would give if it knew where each copy breaks.
+"""n-gram drafting's choices replayed on a modelled clock, beside the lookup's oracle.
+
+How a change to the drafting policy would do, the same every run, and what the lookup would give
+if it knew where each copy breaks.
 
     python bench/ngram_policy.py [--sets repetitive,long copy,chat] [--passes 3]
                                  [--cost A_MS,B_MS,PREFILL_MS]
