@@ -91,46 +91,66 @@ def run_for_real(llm: LLM, prompts: list[list[int]], max_tokens: int) -> tuple[l
     return replies, Cost(a, b, prefill_seconds / sum(map(len, prompts)))
 
 
+def held(tokens: list[int], reply: list[int], position: int) -> int:
+    """How many of `tokens` the reply writes next, from `position` on."""
+    count = 0
+    while count < len(tokens) and position + count < len(reply) and tokens[count] == reply[position + count]:
+        count += 1
+    return count
+
+
+def request_id(index: int) -> str:
+    return f"r{index}"
+
+
+class Oracle:
+    """The speculator's part in a replay, played by one that knows the replies: each step drafts
+    exactly the tokens of the full lookup (up to the tuned most) that the reply goes on to write."""
+
+    def __init__(self, replies: list[list[int]]) -> None:
+        self.replies = {request_id(i): reply for i, reply in enumerate(replies)}
+        self.indexes: dict[str, NgramIndex] = {}
+
+    def propose(self, requests: list[Request]) -> None:
+        for request in requests:
+            index = self.indexes.setdefault(request.request_id, NgramIndex(LOOKUP.ngram_min, LOOKUP.ngram_max))
+            lookup, _ = index.propose(request.token_ids, MAX_TUNED_DRAFT_TOKENS)
+            request.draft_token_ids = lookup[:held(lookup, self.replies[request.request_id], request.num_output_tokens)]
+
+    def observe_step(self, *_) -> None:
+        pass
+
+    def forget(self, request: Request) -> None:
+        self.indexes.pop(request.request_id, None)
+
+
 def replay(speculator, prompts: list[list[int]], replies: list[list[int]], max_tokens: int, eos: set[int],
-           cost: Cost, oracle: bool = False) -> dict:
-    """One pass of the set through `speculator` (or the oracle) on the modelled clock."""
+           cost: Cost) -> dict:
+    """One pass of the set through `speculator` (ember's, or the Oracle) on the modelled clock."""
     plain = drafted_clock = 0.0
     steps = rows = not_kept = all_missed = 0
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     for i, (prompt, reply) in enumerate(zip(prompts, replies)):
         plain += cost.prefill_per_token * len(prompt) + cost.step(1) * (len(reply) - 1)
         drafted_clock += cost.prefill_per_token * len(prompt)
-        request = Request(f"r{i}", prompt, params, max_tokens=max_tokens, eos_token_ids=eos, arrival_time=0.0)
+        request = Request(request_id(i), prompt, params, max_tokens=max_tokens, eos_token_ids=eos, arrival_time=0.0)
         request.token_ids.append(reply[0])  # the prefill's token
-        index = NgramIndex(LOOKUP.ngram_min, LOOKUP.ngram_max) if oracle else None
         position = 1
         while position < len(reply):
             request.num_computed_tokens = request.num_tokens - 1
-            if oracle:
-                lookup, _ = index.propose(request.token_ids, MAX_TUNED_DRAFT_TOKENS)
-                drafts = []
-                for token in lookup:
-                    if len(drafts) + position >= len(reply) or token != reply[position + len(drafts)]:
-                        break
-                    drafts.append(token)
-            else:
-                speculator.propose([request])
-                drafts = request.draft_token_ids
-            kept = 0
-            while kept < len(drafts) and position + kept < len(reply) and drafts[kept] == reply[position + kept]:
-                kept += 1
+            speculator.propose([request])
+            drafts = request.draft_token_ids
+            kept = held(drafts, reply, position)
             new_tokens = reply[position:position + kept + 1]
             seconds = cost.step(1 + len(drafts))
             drafted_clock += seconds
             steps, rows = steps + 1, rows + len(drafts)
             not_kept += len(drafts) - kept
             all_missed += bool(drafts) and not kept
-            if not oracle:
-                speculator.observe_step(1, 1 + len(drafts), bool(drafts), len(new_tokens), seconds, seconds)
+            speculator.observe_step(1, 1 + len(drafts), bool(drafts), len(new_tokens), seconds, seconds)
             request.token_ids += new_tokens
             position += len(new_tokens)
-        if not oracle:
-            speculator.forget(request)
+        speculator.forget(request)
     return dict(ratio=plain / drafted_clock, steps=steps, rows=rows, not_kept=not_kept, all_missed=all_missed)
 
 
@@ -155,7 +175,7 @@ def main() -> None:
         speculator.step_cost = UntimedLookups()
         runs = [(f"pass {p + 1}", replay(speculator, prompts, replies, max_tokens, eos, cost))
                 for p in range(args.passes)]
-        runs.append(("oracle", replay(None, prompts, replies, max_tokens, eos, cost, oracle=True)))
+        runs.append(("oracle", replay(Oracle(replies), prompts, replies, max_tokens, eos, cost)))
         for label, r in runs:
             print(f"  {label:7s} {r['ratio']:.3f}x plain, {r['steps']} steps, {r['rows']} rows drafted, "
                   f"{r['not_kept']} of them not kept, {r['all_missed']} steps whose drafts all missed",
