@@ -14,7 +14,9 @@ plain torch paths. EMBER_KERNEL_TARGET=avx2 builds them for AVX2 with FMA and F1
 of processors without AVX-512, so that path can be run and measured on an AVX-512 machine;
 `plain` builds them for the compiler's baseline (no vector path). Where the build has AMX tiles
 (a Xeon's own -march=native), bfloat16 attention runs on them; EMBER_ATTENTION_TILES=0 keeps it on
-the vector path's dot products instead (other bits, the same promises; docs/cpu-kernels.md).
+the vector path's dot products instead (other bits, the same promises; docs/cpu-kernels.md). The
+linear layers' integer products take them too for 32 rows and more (a prompt's chunk, many
+streams), with the vector path's bits.
 """
 
 from __future__ import annotations
@@ -113,6 +115,8 @@ def available() -> bool:
     vector = {512: "AVX-512 VNNI", 256: "AVX2"}.get(torch.ops.ember.vector_bits(), "plain C++")
     if torch.ops.ember.attention_tiles(tiles == "1"):
         vector += ", AMX tiles for bfloat16 attention"
+    if torch.ops.ember.linear_tiles():
+        vector += ", AMX tiles for int8 linear layers of many rows"
     _status = f"loaded ({vector}, {time.perf_counter() - began:.1f} s to build or load)"
     logger.info("ember's CPU kernels: %s", _status)
     return True

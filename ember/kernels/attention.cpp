@@ -35,20 +35,6 @@
 #include "common.h"
 #include "kv_int8.h"
 
-// AMX tiles for bfloat16 attention (attention_tiles.h), where the build targets a processor with
-// them (and so has a compiler and assembler that know them).
-#if EMBER_BF16_DOT && defined(__AMX_TILE__) && defined(__AMX_BF16__)
-#define EMBER_AMX_TILES 1
-#else
-#define EMBER_AMX_TILES 0
-#endif
-
-#if EMBER_AMX_TILES
-#include <cpuid.h>
-#include <sys/syscall.h>
-#include <unistd.h>
-#endif
-
 namespace ember_kernels {
 namespace {
 
@@ -198,16 +184,27 @@ template <typename T>
 void merge(const float* partials, int64_t splits, int64_t stride, int64_t D, T* out) {
   float max = -std::numeric_limits<float>::infinity();
   for (int64_t j = 0; j < splits; ++j) max = std::max(max, partials[j * stride]);
-  std::vector<float> values(D, 0.f);
+  constexpr int64_t MOST_ON_STACK = 512;  // a row-head's dims; more (none known) take the heap
+  float on_stack[MOST_ON_STACK];
+  std::vector<float> on_heap(D > MOST_ON_STACK ? D : 0);
+  float* const values = D > MOST_ON_STACK ? on_heap.data() : on_stack;
+  std::fill(values, values + D, 0.f);
   float total = 0.f;
   for (int64_t j = 0; j < splits; ++j) {
     const float* p = partials + j * stride;
     const float weight = std::exp(p[0] - max);
     total = std::fma(weight, p[1], total);
-    axpy(weight, p + 2, values.data(), D);
+    axpy(weight, p + 2, values, D);
   }
   const float inv = 1.f / total;
-  for (int64_t d = 0; d < D; ++d) out[d] = from_float<T>(values[d] * inv);
+  int64_t d = 0;
+#if EMBER_AVX512
+  for (; d < D; d += 16) {
+    const __mmask16 lanes = first_lanes(D - d);
+    store16(out + d, _mm512_mul_ps(_mm512_maskz_loadu_ps(lanes, values + d), _mm512_set1_ps(inv)), lanes);
+  }
+#endif
+  for (; d < D; ++d) out[d] = from_float<T>(values[d] * inv);
 }
 
 template <typename T, typename C>
@@ -299,7 +296,8 @@ void attention_impl(const Batch& b, int64_t S) {
         merge_tile(s, kvh, r0, r1, partials);
       return;
     }
-    local.assign(splits * (r1 - r0) * G * P, 0.f);
+    // every entry is written (split_partials) before the merge reads it: no zeroing first
+    if (int64_t(local.size()) < splits * (r1 - r0) * G * P) local.resize(splits * (r1 - r0) * G * P);
     for (int64_t j = 0; j < splits; ++j)
       split_partials<T, C>(b, s, kvh, j, r0, r1, local.data() + j * (r1 - r0) * G * P);
     merge_tile(s, kvh, r0, r1, local.data());

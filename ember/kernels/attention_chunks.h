@@ -334,9 +334,13 @@ template <int MOST_BLOCKS>
 __attribute__((always_inline)) inline float chunk_softmax(const __m512* raw, int count, int64_t first, int64_t valid,
                                                           float scale, State& state, uint32_t* prob_pairs) {
   __m512 scores[MOST_BLOCKS];
+  __mmask16 masks[MOST_BLOCKS];
   __m512 vmax = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   for (int blk = 0; blk < count; ++blk) {
-    const __mmask16 mask = visible_keys(first - blk * BLOCK, valid - blk * BLOCK);
+    // every key seen (the blocks between the row's first and last): no mask to work out
+    const bool whole = blk * BLOCK >= first && (blk + 1) * BLOCK <= valid;
+    const __mmask16 mask = masks[blk] =
+        whole ? __mmask16(0xffff) : visible_keys(first - blk * BLOCK, valid - blk * BLOCK);
     scores[blk] = _mm512_mul_ps(raw[blk], _mm512_set1_ps(scale));
     vmax = _mm512_mask_max_ps(vmax, mask, vmax, scores[blk]);
   }
@@ -344,8 +348,8 @@ __attribute__((always_inline)) inline float chunk_softmax(const __m512* raw, int
   const float factor = std::exp(state.max - max);  // 0 on the first chunk (max was -inf)
   __m512 sum = _mm512_setzero_ps();
   for (int blk = 0; blk < count; ++blk) {
-    const __mmask16 mask = visible_keys(first - blk * BLOCK, valid - blk * BLOCK);
-    const __m512 probs = _mm512_maskz_mov_ps(mask, exp_nonpositive(_mm512_sub_ps(scores[blk], _mm512_set1_ps(max))));
+    const __m512 shifted = _mm512_sub_ps(scores[blk], _mm512_set1_ps(max));
+    const __m512 probs = _mm512_maskz_mov_ps(masks[blk], exp_nonpositive(shifted));
     sum = _mm512_add_ps(sum, probs);
     _mm256_store_si256(reinterpret_cast<__m256i*>(prob_pairs + blk * BLOCK / 2), (__m256i)_mm512_cvtneps_pbh(probs));
   }

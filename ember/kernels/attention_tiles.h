@@ -26,16 +26,7 @@ namespace tiles {
 
 constexpr int64_t MOST_ROWS = 16, MOST_DIMS = 256, SPAN = SPLIT;  // keys of one softmax step
 
-bool granted() {
-  static const bool yes = [] {
-    unsigned eax, ebx, ecx, edx;
-    if (!__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx)) return false;
-    const bool tile = edx & (1u << 24), bf16 = edx & (1u << 22);
-    constexpr long REQUEST_PERMISSION = 0x1023, TILE_DATA = 18;
-    return tile && bf16 && syscall(SYS_arch_prctl, REQUEST_PERMISSION, TILE_DATA) == 0;
-  }();
-  return yes;
-}
+bool granted() { return amx::granted(true, false); }
 
 std::atomic<bool> wanted{true};  // attention_tiles(False) turns them off
 
@@ -45,43 +36,30 @@ bool apply(int64_t D) { return D % 32 == 0 && D <= MOST_DIMS && wanted.load() &&
 // of the weighted values; 4 A: sixteen pairs of the rows' dims; 5 B: a K block's sixteen
 // pairs of dims, 16 keys each; 6 A: a block's eight pairs of weights; 7 B: a V block's eight pairs
 // of keys, sixteen dims each.
-struct alignas(64) Config {
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t bytes[16] = {};
-  uint8_t rows[16] = {};
-};
-
 thread_local int64_t rows_configured = 0;  // 0: not configured (released at the end of each call's work)
 
 void configure(int64_t M) {
   if (M == rows_configured) return;
-  Config config;
+  amx::Config config;
   for (int t = 0; t < 5; ++t) config.rows[t] = uint8_t(M), config.bytes[t] = 64;
   config.rows[5] = 16, config.bytes[5] = 64;
   config.rows[6] = uint8_t(M), config.bytes[6] = 32;
   config.rows[7] = 8, config.bytes[7] = 64;
-  asm volatile("ldtilecfg %0" ::"m"(config) : "memory");
+  amx::configure(config);
   rows_configured = M;
 }
 
 // Hands the tiles back (their state then costs a context switch nothing); configure takes them again.
 void release() {
   if (rows_configured == 0) return;
-  asm volatile("tilerelease" ::: "memory");
+  amx::release();
   rows_configured = 0;
 }
 
-// The compiler's own tile intrinsics do not tell it that a load reads memory; these do.
-template <int T> inline void load(const void* base, int64_t stride) {
-  asm volatile("tileloadd (%0,%1,1), %%tmm%c2" ::"r"(base), "r"(stride), "i"(T) : "memory");
-}
-template <int T> inline void store(void* base, int64_t stride) {
-  asm volatile("tilestored %%tmm%c2, (%0,%1,1)" ::"r"(base), "r"(stride), "i"(T) : "memory");
-}
-template <int T> inline void zero() { asm volatile("tilezero %%tmm%c0" ::"i"(T)); }
-template <int C, int A, int B> inline void dot() {
-  asm volatile("tdpbf16ps %%tmm%c2, %%tmm%c1, %%tmm%c0" ::"i"(C), "i"(A), "i"(B));
-}
+using amx::load;
+using amx::store;
+using amx::zero;
+template <int C, int A, int B> inline void dot() { amx::dot_bf16<C, A, B>(); }
 
 // f(std::integral_constant<int, t>) for t in [0, n), n <= 4: a tile's number must be a constant.
 template <typename F> inline void each_tile(int n, F&& f) {

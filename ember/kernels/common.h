@@ -39,6 +39,22 @@
 #else
 #define EMBER_BF16_DOT 0
 #endif
+// AMX tiles (Xeons since Sapphire Rapids; amx.h), where the build targets a processor with them
+// (and so has a compiler and assembler that know them): bfloat16 products for attention, int8
+// ones for the linear layers of many rows.
+#if EMBER_BF16_DOT && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define EMBER_AMX_TILES 1
+#else
+#define EMBER_AMX_TILES 0
+#endif
+#if EMBER_AVX512 && defined(__AMX_TILE__) && defined(__AMX_INT8__)
+#define EMBER_AMX_INT8 1
+#else
+#define EMBER_AMX_INT8 0
+#endif
+#if EMBER_AMX_TILES || EMBER_AMX_INT8
+#include "amx.h"
+#endif
 
 // The namespace of the ops under torch.ops: a test builds a second copy under another name.
 #ifndef EMBER_OPS

@@ -128,12 +128,82 @@ inline float quantize_block(const T* src, int8_t* dst, int32_t& sum, int32_t& fi
 #endif
 }
 
+#if EMBER_AVX512
+// Lane b: the largest lane of v[b], for 16 vectors (a transposing tree: pairs of vectors, then
+// pairs of pairs, interleaved a step at a time). A maximum's order never changes it.
+inline __m512 lane_maxima(const __m512* v) {
+  __m512 t[8], u[4], w[2];
+  for (int i = 0; i < 8; ++i)  // each 128-bit lane: v[2i]'s, v[2i+1]'s, v[2i]'s, v[2i+1]'s
+    t[i] = _mm512_max_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int j = 0; j < 4; ++j) {  // each 128-bit lane: v[4j]'s .. v[4j+3]'s
+    const __m512d a = _mm512_castps_pd(t[2 * j]), b = _mm512_castps_pd(t[2 * j + 1]);
+    u[j] = _mm512_max_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+  }
+  for (int k = 0; k < 2; ++k)  // 128-bit lanes of u[2k] and u[2k+1] in pairs
+    w[k] = _mm512_max_ps(_mm512_shuffle_f32x4(u[2 * k], u[2 * k + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(u[2 * k], u[2 * k + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+  return _mm512_max_ps(_mm512_shuffle_f32x4(w[0], w[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(w[0], w[1], _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+// Blocks [0, n), n <= 16, of a row: quantize_block's d, codes and sums, sixteen blocks at once so
+// that their maxima and divisions are taken together rather than block by block (the same IEEE
+// operations on the same values, so the same bits).
+template <typename T>
+inline void quantize_blocks16(const T* src, int64_t n, int8_t* dst, float* dx, float* sx, int32_t* qsum,
+                              int32_t* qlow) {
+  __m512 largest[16];
+  for (int64_t b = 0; b < 16; ++b)
+    largest[b] = b < n ? _mm512_max_ps(_mm512_abs_ps(load16(src + b * QBLOCK)),
+                                       _mm512_abs_ps(load16(src + b * QBLOCK + 16)))
+                       : _mm512_setzero_ps();
+  const __m512 d = _mm512_div_ps(lane_maxima(largest), _mm512_set1_ps(127.f));
+  const __m512 id = _mm512_maskz_div_ps(_mm512_cmp_ps_mask(d, _mm512_setzero_ps(), _CMP_GT_OQ), _mm512_set1_ps(1.f), d);
+  alignas(64) float ds[16], ids[16];
+  _mm512_store_ps(ds, d);
+  _mm512_store_ps(ids, id);
+  // Codes two blocks (64 bytes) at a time (past the last block, zeros), and their sums from the
+  // bytes: psadbw adds each run of 8 (each code + 128) into a 64-bit lane, two lanes a half block.
+  alignas(64) uint64_t runs[8][8];
+  const __m512i low = _mm512_set1_epi32(-127), high = _mm512_set1_epi32(127);
+  for (int64_t b = 0; b < n; b += 2) {
+    __m512i codes = _mm512_setzero_si512();
+    for (int h = 0; h < 4; ++h) {
+      const int64_t blk = b + h / 2;
+      if (blk == n) break;
+      const __m512 v = load16(src + blk * QBLOCK + 16 * (h % 2));
+      // cvtps rounds to nearest even, as nearbyint does in the default rounding mode
+      const __m512 scaled = _mm512_mul_ps(v, _mm512_set1_ps(ids[blk]));
+      const __m512i q = _mm512_max_epi32(low, _mm512_min_epi32(high, _mm512_cvtps_epi32(scaled)));
+      codes = _mm512_inserti32x4(codes, _mm512_cvtepi32_epi8(q), h);
+    }
+    _mm512_mask_storeu_epi8(dst + b * QBLOCK, b + 1 < n ? ~__mmask64(0) : __mmask64(0xffffffffu), codes);
+    _mm512_store_si512(runs[b / 2], _mm512_sad_epu8(_mm512_xor_si512(codes, _mm512_set1_epi8(char(0x80))),
+                                                    _mm512_setzero_si512()));
+  }
+  for (int64_t b = 0; b < n; ++b) {
+    const uint64_t* r = runs[b / 2] + 4 * (b % 2);
+    const int32_t first_half = int32_t(r[0] + r[1]) - HALF * 128, sum = first_half + int32_t(r[2] + r[3]) - HALF * 128;
+    dx[b] = ds[b];
+    sx[b] = ds[b] * float(sum);
+    qsum[b] = sum;
+    qlow[b] = first_half;
+  }
+}
+#endif
+
 template <typename T>
 void quantize_rows(const T* x, int64_t M, int64_t K, int8_t* xq, float* dx, float* sx, int32_t* qsum,
                    int32_t* qlow) {
   const int64_t KB = K / QBLOCK;
   at::parallel_for(0, M, 1, [&](int64_t begin, int64_t end) {
     for (int64_t m = begin; m < end; ++m) {
+#if EMBER_AVX512
+      for (int64_t kb = 0; kb < KB; kb += 16)
+        quantize_blocks16<T>(x + m * K + kb * QBLOCK, std::min<int64_t>(16, KB - kb), xq + m * K + kb * QBLOCK,
+                             dx + m * KB + kb, sx + m * KB + kb, qsum + m * KB + kb, qlow + m * KB + kb);
+      continue;
+#endif
       for (int64_t kb = 0; kb < KB; ++kb) {
         int32_t sum, first_half;
         const float d = quantize_block<T>(x + m * K + kb * QBLOCK, xq + m * K + kb * QBLOCK, sum, first_half);
@@ -283,6 +353,16 @@ at::Tensor block_rows(const at::Tensor& packed, const at::Tensor& ids, int64_t i
 // The vector registers' width in bits the kernels were built for: 512, 256, or 0 (plain C++).
 int64_t vector_bits() { return EMBER_AVX512 ? 512 : EMBER_AVX2 ? 256 : 0; }
 
+// Whether linear layers of many rows take AMX tiles here (linear_amx.h): built for them, and the
+// processor grants them.
+bool linear_tiles() {
+#if EMBER_AMX_INT8
+  return amx::granted(false, true);
+#else
+  return false;
+#endif
+}
+
 }  // namespace ember_kernels
 
 TORCH_LIBRARY_FRAGMENT(EMBER_OPS, m) {
@@ -290,6 +370,7 @@ TORCH_LIBRARY_FRAGMENT(EMBER_OPS, m) {
   m.def("quantized_linear_parts(Tensor x, Tensor[] packed, int[] out_features, int[] formats) -> Tensor");
   m.def("quantized_linear_accumulate_(Tensor x, Tensor packed, int out_features, int format, Tensor(a!) sums) -> ()");
   m.def("vector_bits() -> int", &ember_kernels::vector_bits);
+  m.def("linear_tiles() -> bool", &ember_kernels::linear_tiles);
   m.def("block_rows(Tensor packed, Tensor ids, int in_features, int format, ScalarType dtype) -> Tensor");
 }
 

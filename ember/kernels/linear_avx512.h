@@ -44,6 +44,41 @@ inline __m512 load_steps(const uint8_t* p, bool is_signed) {
   return _mm512_cvtepi32_ps(is_signed ? _mm512_cvtepi8_epi32(bytes) : _mm512_cvtepu8_epi32(bytes));
 }
 
+// A k block's 16 column scales (d, times s where stepped) and minimums (m, times t), for the
+// formats whose steps cover whole blocks; add: a row's sums so far plus that block's products,
+// from its integer sums over the block (`dot`, the codes as stored) and the row's scale, sum
+// and codes' sum (at `row` of dx, sx and qsum). The one float arithmetic of the VNNI tiles and
+// the AMX ones (linear_amx.h), so both give the same bits.
+template <Format F> struct BlockScales {
+  __m512 d, mins;
+  __attribute__((always_inline)) BlockScales(const uint8_t* scales, const uint8_t* steps) {
+    d = load_halves(scales);
+    mins = HAS_MIN<F> ? load_halves(scales + 32) : _mm512_setzero_ps();
+    if constexpr (STEP_AND_MIN<F>) {
+      d = _mm512_mul_ps(d, load_steps(steps, false));
+      mins = _mm512_mul_ps(mins, load_steps(steps + MIN_STEPS_AT<F>, false));
+    }
+  }
+  __attribute__((always_inline)) __m512 add(__m512 acc, __m512i dot, int64_t row, const float* dx, const float* sx,
+                                            const int32_t* qsum) const {
+    if constexpr (OFFSET<F>) dot = _mm512_sub_epi32(dot, _mm512_set1_epi32(ZERO<F> * qsum[row]));
+    const __m512 scale = _mm512_mul_ps(d, _mm512_set1_ps(dx[row]));
+    acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, acc);
+    if constexpr (HAS_MIN<F>) acc = _mm512_fmadd_ps(mins, _mm512_set1_ps(sx[row]), acc);
+    return acc;
+  }
+};
+
+// Row m's 16 sums of the columns from n0 (those before N) into y (M, N).
+template <typename T>
+__attribute__((always_inline)) inline void store_sums(__m512 sums, T* y, int64_t m, int64_t n0, int64_t N) {
+  alignas(64) float out[NBLOCK];
+  _mm512_store_ps(out, sums);
+  const int64_t count = std::min<int64_t>(NBLOCK, N - n0);
+  T* dst = y + m * N + n0;
+  for (int64_t j = 0; j < count; ++j) dst[j] = from_float<T>(out[j]);
+}
+
 // Rows [m0, m0 + MR) against column blocks [nb0, nb0 + NB), whose bytes start at `w` (column block
 // nb0's); accumulators stay in registers. `next` (or nullptr): the NB column blocks the thread
 // takes after these, fetched into L2 (L1 keeps the blocks in use) block by block as the tile goes
@@ -131,33 +166,13 @@ inline void tile(const uint8_t* w, int64_t KB, int64_t nb0, int64_t N, const int
       }
     } else if constexpr (!HALF_STEPS<F>) {
       for (int c = 0; c < NB; ++c) {
-        __m512 d = load_halves(scales[c]);
-        __m512 mins = HAS_MIN<F> ? load_halves(scales[c] + 32) : _mm512_setzero_ps();
-        if constexpr (STEP_AND_MIN<F>) {
-          d = _mm512_mul_ps(d, load_steps(steps[c], false));
-          mins = _mm512_mul_ps(mins, load_steps(steps[c] + MIN_STEPS_AT<F>, false));
-        }
-        for (int r = 0; r < MR; ++r) {
-          const int64_t row = (m0 + r) * KB + kb;
-          __m512i dot = dots[r][c];
-          if constexpr (OFFSET<F>) dot = _mm512_sub_epi32(dot, _mm512_set1_epi32(ZERO<F> * qsum[row]));
-          const __m512 scale = _mm512_mul_ps(d, _mm512_set1_ps(dx[row]));
-          acc[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, acc[r][c]);
-          if constexpr (HAS_MIN<F>) acc[r][c] = _mm512_fmadd_ps(mins, _mm512_set1_ps(sx[row]), acc[r][c]);
-        }
+        const BlockScales<F> block(scales[c], steps[c]);
+        for (int r = 0; r < MR; ++r) acc[r][c] = block.add(acc[r][c], dots[r][c], (m0 + r) * KB + kb, dx, sx, qsum);
       }
     }
   }
-  for (int r = 0; r < MR; ++r) {
-    for (int c = 0; c < NB; ++c) {
-      alignas(64) float out[NBLOCK];
-      _mm512_store_ps(out, acc[r][c]);
-      const int64_t n0 = (nb0 + c) * NBLOCK;
-      const int64_t count = std::min<int64_t>(NBLOCK, N - n0);
-      T* dst = y + (m0 + r) * N + n0;
-      for (int64_t j = 0; j < count; ++j) dst[j] = from_float<T>(out[j]);
-    }
-  }
+  for (int r = 0; r < MR; ++r)
+    for (int c = 0; c < NB; ++c) store_sums(acc[r][c], y, m0 + r, (nb0 + c) * NBLOCK, N);
 }
 
 // Column blocks [nb, nb + NB) (their bytes from `w`) against every row, in tiles of four rows; a

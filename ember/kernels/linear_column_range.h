@@ -6,6 +6,7 @@
 
 #include "common.h"
 
+#include <cstdlib>
 #include <memory>
 
 namespace ember_kernels {
@@ -32,6 +33,9 @@ __attribute__((always_inline)) inline void prefetch_share(const uint8_t* next, i
 
 #if EMBER_AVX512
 #include "linear_avx512.h"
+#if EMBER_AMX_INT8
+#include "linear_amx.h"
+#endif
 #elif EMBER_AVX2
 #include "linear_avx2.h"
 #else  // plain C++: the same sums, element by element
@@ -122,15 +126,48 @@ void column_range(const QuantizedRows& rows, const uint8_t* w, int64_t nb_first,
     std::unique_ptr<uint8_t[]> unpacked;
     if constexpr (U != F)
       if (M > UNPACK_ROWS<F>) unpacked.reset(new uint8_t[2 * column_bytes<U>(KB)]);
+#if EMBER_AMX_INT8
+    // Formats the AMX tiles take, for many rows where the processor has them: column blocks one
+    // at a time, a nibble format's codes unpacked into the tiles' layout first.
+    const bool tiles = AMX_FORMAT<U> && M >= AMX_FROM_ROWS && amx::granted(false, true);
+    bool configured = false;
+    std::unique_ptr<uint8_t[], void (*)(void*)> codes(nullptr, std::free);
+    if (tiles && NIBBLES<U>) codes.reset(static_cast<uint8_t*>(std::aligned_alloc(64, KB * 512)));
+    // Whole tiles of 16 rows on the AMX tiles; the rows after them (a short tile costs as much as a
+    // whole one there) on the VNNI tiles, which give the same bits.
+    const int64_t tiled = M / AMX_ROWS * AMX_ROWS;
+    const auto tile_columns = [&](const uint8_t* blocks, int64_t b, int n) {
+      if constexpr (AMX_FORMAT<U>) {
+        const QuantizedRows whole{tiled, K, KB, xq, dx, sx, qsum, qlow};
+        if (!configured) amx_configure(), configured = true;
+        for (int c = 0; c < n; ++c) {
+          const uint8_t* block = blocks + c * column_bytes<U>(KB);
+          if constexpr (NIBBLES<U>) unpack_nibbles<U>(block, KB, codes.get());
+          amx_column_block<U>(block, codes.get(), nb_first + b + c, N, whole, y, start);
+        }
+        if (tiled < M)
+          columns<U>(blocks, KB, nb_first + b, n, N, xq + tiled * K, dx + tiled * KB, sx + tiled * KB,
+                     qsum + tiled * KB, qlow + tiled * KB, K, M - tiled, y + tiled * N,
+                     start == nullptr ? nullptr : start + tiled * N, nullptr);
+      }
+    };
+#endif
     const auto pass = [&](int64_t b, int n, const uint8_t* next) {
       if constexpr (U != F) {
         if (unpacked) {
           for (int c = 0; c < n; ++c)
             unpack<F>(w + (b + c) * column, KB, unpacked.get() + c * column_bytes<U>(KB));
+#if EMBER_AMX_INT8
+          if (tiles) return tile_columns(unpacked.get(), b, n);
+#endif
           columns<U>(unpacked.get(), KB, nb_first + b, n, N, xq, dx, sx, qsum, qlow, K, M, y, start, nullptr);
           return;
         }
       }
+#if EMBER_AMX_INT8
+      if constexpr (U == F)
+        if (tiles) return tile_columns(w + b * column, b, n);
+#endif
       columns<F>(w + b * column, KB, nb_first + b, n, N, xq, dx, sx, qsum, qlow, K, M, y, start, next);
     };
 #endif
@@ -139,6 +176,9 @@ void column_range(const QuantizedRows& rows, const uint8_t* w, int64_t nb_first,
     for (; b + 2 <= last; b += 2)  // a pair fetches the next pair, when there is one
       pass(b, 2, b + 4 <= last ? w + (b + 2) * column : nullptr);
     if (b < last) pass(b, 1, nullptr);
+#if EMBER_AMX_INT8
+    if (configured) amx::release();  // other code (oneDNN's kernels, attention) configures them its own way
+#endif
 #elif EMBER_AVX2
     for (int64_t b = first; b < last; ++b)  // a block fetches the next, when there is one
       pass(b, 1, b + 1 < last ? w + (b + 1) * column : nullptr);

@@ -1,10 +1,10 @@
-"""How the kernels are built: the linear kernel's vector path (AVX-512 VNNI or AVX2, whichever
-this processor has) gives the bits of its plain C++ path (a second copy of the kernel is built
-without vector instructions, under its own op namespace, and both copies run the same
-products), in every block format; on a processor with AVX-512, an AVX2 copy gives them too; on
-all, sums over K cut between blocks and continued give one call's bits; SiLU and the rotary
-embedding give the AVX2 build's bits on AVX-512; a build killed midway
-does not stall the next one; EMBER_KERNEL_TARGET picks the build's instructions and
+"""How the kernels are built: the linear kernel's vector path (AVX-512 VNNI, with AMX tiles for
+32 rows and more where the processor has them, or AVX2) gives the bits of its plain C++ path (a
+second copy of the kernel is built without vector instructions, under its own op namespace, and
+both copies run the same products), in every block format and for rows of any width; on a
+processor with AVX-512, an AVX2 copy gives them too; on all, sums over K cut between blocks and
+continued give one call's bits; SiLU and the rotary embedding give the AVX2 build's bits on
+AVX-512; a build killed midway does not stall the next one; EMBER_KERNEL_TARGET picks the build's instructions and
 EMBER_ATTENTION_TILES whether bfloat16 attention takes AMX tiles."""
 
 import os
@@ -63,12 +63,13 @@ def check_vector_against_plain(vector_ops, plain_ops, format, dtype):
     weight[3, :32] = 0  # an all-zero block: scale 0
     layer = BlockWeights(blocks_of_format(weight, format), None, dtype)
     assert layer.format == format
-    x = torch.randn(32, 512, generator=generator) * 3
+    x = torch.randn(50, 512, generator=generator) * 3
     x[1, 32:64] = 0  # an all-zero activation block
     x[2, :32] *= 100  # codes at the int8 limits
     x = x.to(dtype)
-    # every tile shape and mix of them; past 12 or 24 rows, six-bit and Q4_K blocks unpacked once
-    for rows in (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 13, 14, 25, 32):
+    # every tile shape and mix of them; past 12 or 24 rows, six-bit and Q4_K blocks unpacked once;
+    # from 32 rows, tiles of 16 on AMX where the processor has them and the rest on the vector tiles
+    for rows in (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 13, 14, 16, 25, 32, 50):
         vector = vector_ops.quantized_linear(x[:rows], layer.packed, 200, format)
         plain = plain_ops.quantized_linear(x[:rows], layer.packed, 200, format)
         assert torch.equal(vector, plain), rows
@@ -86,6 +87,26 @@ def test_the_vector_linear_gives_the_plain_bits(plain_ops, format, dtype):
 @pytest.mark.parametrize("format", FORMATS)
 def test_the_avx2_path_gives_the_plain_bits_too(avx2_ops, plain_ops, format):
     check_vector_against_plain(avx2_ops, plain_ops, format, torch.bfloat16)
+
+
+@pytest.mark.parametrize("format", [4, 24])  # sums of whole blocks; of half blocks too
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rows_of_any_width_quantize_as_the_plain_path_does(plain_ops, format, dtype):
+    """The vector path quantizes a row's activation blocks sixteen at a time: a row of 1, 3, 16,
+    17 or 21 blocks (a last group short, odd or even) gives the plain path's bits, with all-zero
+    blocks (scale 0), blocks at the int8 limits and values of every size among them."""
+    generator = torch.Generator().manual_seed(7)
+    for blocks in (1, 3, 16, 17, 21):
+        K = 32 * blocks
+        layer = BlockWeights(blocks_of_format(torch.randn(40, K, generator=generator) * 0.05, format), None, dtype)
+        x = torch.randn(9, K, generator=generator) * torch.logspace(-3, 3, K).flip(0)
+        x[1, :32] = 0
+        x[2, -32:] = 0
+        x[3, 5::32] *= 1e4  # one value far above the rest of each block
+        x = x.to(dtype)
+        vector = torch.ops.ember.quantized_linear(x, layer.packed, 40, format)
+        plain = plain_ops.quantized_linear(x, layer.packed, 40, format)
+        assert torch.equal(vector, plain), blocks
 
 
 def test_silu_and_rotary_give_the_avx2_paths_bits(copies):
@@ -193,7 +214,7 @@ def test_attention_tiles_are_turned_off_by_name_and_a_wrong_value_is_refused():
     assert kernels.available(), kernels.status()
     off = _load_kernels_with("0")
     assert off.returncode == 0, off.stderr
-    assert off.stdout.startswith("False") and "AMX" not in off.stdout
+    assert off.stdout.startswith("False") and "AMX tiles for bfloat16 attention" not in off.stdout
     on = _load_kernels_with("1")
     assert on.returncode == 0, on.stderr
     has_tiles = torch.ops.ember.attention_tiles()  # this process's: the default, on where they are there
