@@ -161,10 +161,29 @@ inline __m512i bf16_bits(__m512 v) {  // in each lane's high half
   const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
   return _mm512_and_si512(_mm512_mask_blend_epi32(nan, rounded, quiet), _mm512_set1_epi32(int(0xffff0000u)));
 }
+#if EMBER_BF16_DOT && defined(__AVX512DQ__)
+#define EMBER_BF16_ROUND 1
+#else
+#define EMBER_BF16_ROUND 0
+#endif
+#if EMBER_BF16_ROUND
+// vcvtneps2bf16 rounds as float_to_bf16 does (to nearest even, a NaN's high half quieted) but
+// flushes subnormals to zero: where a lane is subnormal (rare), the integer steps above instead.
+inline bool has_subnormal(__m512 v) { return _mm512_fpclass_ps_mask(v, 0x20) != 0; }
+#endif
 inline __m512 round16(float, __m512 v) { return v; }
-inline __m512 round16(at::BFloat16, __m512 v) { return _mm512_castsi512_ps(bf16_bits(v)); }
+inline __m512 round16(at::BFloat16, __m512 v) {
+#if EMBER_BF16_ROUND
+  if (!has_subnormal(v))
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v)), 16));
+#endif
+  return _mm512_castsi512_ps(bf16_bits(v));
+}
 inline void store16(float* p, __m512 v, __mmask16 lanes) { _mm512_mask_storeu_ps(p, lanes, v); }
 inline void store16(at::BFloat16* p, __m512 v, __mmask16 lanes) {
+#if EMBER_BF16_ROUND
+  if (!has_subnormal(v)) return _mm256_mask_storeu_epi16(p, lanes, (__m256i)_mm512_cvtneps_pbh(v));
+#endif
   _mm256_mask_storeu_epi16(p, lanes, _mm512_cvtepi32_epi16(_mm512_srli_epi32(bf16_bits(v), 16)));
 }
 #endif
