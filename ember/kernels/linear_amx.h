@@ -1,7 +1,7 @@
 // The linear kernel's column blocks on AMX tiles, for many rows (Xeons since Sapphire Rapids). Part
 // of linear_column_range.h, which includes it inside its namespace after linear_avx512.h.
 //
-// A tile product (tdpbsud) of a tile of rows' codes (A: up to 16 rows, one k block's 32 signed
+// A tile product (tdpbsud) of a tile of rows' codes (A: 16 rows, one k block's 32 signed
 // bytes each) and a column block's codes of that k block (B: 8 rows of 64 bytes, four codes of each
 // of the 16 columns a row: the VNNI layout, as a byte format stores them, a nibble format's
 // unpacked) gives each row's 16 integer sums over the block: the VNNI tiles' sums, exactly (an
