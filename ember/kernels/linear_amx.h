@@ -37,8 +37,8 @@ template <Format F> inline void unpack_nibbles(const uint8_t* column, int64_t KB
   for (int64_t kb = 0; kb < KB; ++kb)
     for (int p = 0; p < 4; ++p) {
       const __m512i packed = _mm512_loadu_si512(column + offsets<F>(kb).codes + p * 64);
-      _mm512_store_si512(to + kb * 512 + p * 64, _mm512_and_si512(packed, low));
-      _mm512_store_si512(to + kb * 512 + (p + 4) * 64, _mm512_and_si512(_mm512_srli_epi16(packed, 4), low));
+      _mm512_storeu_si512(to + kb * 512 + p * 64, _mm512_and_si512(packed, low));
+      _mm512_storeu_si512(to + kb * 512 + (p + 4) * 64, _mm512_and_si512(_mm512_srli_epi16(packed, 4), low));
     }
 }
 

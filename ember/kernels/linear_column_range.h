@@ -6,7 +6,6 @@
 
 #include "common.h"
 
-#include <cstdlib>
 #include <memory>
 
 namespace ember_kernels {
@@ -131,8 +130,8 @@ void column_range(const QuantizedRows& rows, const uint8_t* w, int64_t nb_first,
     // at a time, a nibble format's codes unpacked into the tiles' layout first.
     const bool tiles = AMX_FORMAT<U> && M >= AMX_FROM_ROWS && amx::granted(false, true);
     bool configured = false;
-    std::unique_ptr<uint8_t[], void (*)(void*)> codes(nullptr, std::free);
-    if (tiles && NIBBLES<U>) codes.reset(static_cast<uint8_t*>(std::aligned_alloc(64, KB * 512)));
+    std::unique_ptr<uint8_t[]> codes;
+    if (tiles && NIBBLES<U>) codes.reset(new uint8_t[KB * 512]);
     // Whole tiles of 16 rows on the AMX tiles; the rows after them (a short tile costs as much as a
     // whole one there) on the VNNI tiles, which give the same bits.
     const int64_t tiled = M / AMX_ROWS * AMX_ROWS;
