@@ -81,8 +81,8 @@ def profile(llm: LLM, context: int, steps: int) -> dict:
     runner._sample = clock.timed("sample", runner._sample)
     scheduler.schedule = clock.timed("schedule", scheduler.schedule)
     scheduler.update_from_output = clock.timed("update", scheduler.update_from_output)
-    text = "The keeper of the lighthouse wrote down the weather every hour of the night. " * 64
-    prompt = llm.tokenizer.encode(text)[:context]
+    sentence = llm.tokenizer.encode("The keeper of the lighthouse wrote down the weather every hour of the night. ")
+    prompt = (sentence * (context // len(sentence) + 1))[:context]
     params = SamplingParams(temperature=0.0, max_tokens=steps + 16, ignore_eos=True)
     llm.generate([prompt[:32]], SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True))  # warm-up
     core.add_request("profiled", prompt, params)

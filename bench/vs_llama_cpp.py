@@ -10,7 +10,9 @@ stopped. Resident memory is read from /proc after the server is ready and at its
 workloads. The default model's GGUF is used unless --model names another file.
 
 The bounds: one stream's decode against read bandwidth / weight bytes per token (ember's from its
-/health, llama-server's the GGUF file's size), many streams and prefill (prompt tokens over the
+/health, llama-server's the GGUF file's size; at 8,000 tokens of context the keys and values each
+step reads are added, 16-bit in both servers, their size from the file's layers and KV heads),
+many streams and prefill (prompt tokens over the
 time to first token) against int8 peak / (2 x weights), the weights as ember counts them. One
 stream is shown two ways against the read bound: output tokens over the whole run (each request's
 prefill and the gaps between requests included) and its decode alone (1 / TPOT, as `ember bench`
@@ -41,7 +43,8 @@ class Workload:
     name: str
     args: tuple[str, ...]
     # (label, summary key, statistic, higher is better, bound): the bound its speed is held
-    # against, "read" (one stream's decode), "int8" (many streams, prefill) or "" (none)
+    # against, "read" (one stream's decode), "read@N" (the same with N tokens of keys and values
+    # read each step), "int8" (many streams, prefill) or "" (none)
     metrics: tuple[tuple[str, str, str, bool, str], ...]
 
 
@@ -60,7 +63,7 @@ WORKLOADS = (
              (("1,500-token prompt, time to first token s", "ttft", "p50", False, "int8"),)),
     Workload("prompt-8000", ("--concurrency", "1", "--input-len", "8000", "--output-len", "48", "--num-requests", "2"),
              (("8,000-token prompt, time to first token s", "ttft", "p50", False, "int8"),
-              ("decode at 8,000 tokens of context, ms per token", "tpot", "p50", False, "read"))),
+              ("decode at 8,000 tokens of context, ms per token", "tpot", "p50", False, "read@8000"))),
     Workload("multiturn", ("--workload", "multiturn", "--turns", "6", "--concurrency", "1", "--input-len", "600",
                            "--output-len", "64"),
              (("6-turn conversation (600 new tokens a turn), mean time to first token s", "ttft", "mean", False, ""),
@@ -257,12 +260,13 @@ def main() -> None:
 
     ember, llama = servers
     bounds = {server.name: Bounds(limits, server.weight_bytes, num_weights) for server in servers}
+    per_token = cache_bytes_per_token(Path(args.model))
     rows = []
     for workload in workloads:
         for label, key, statistic, higher_better, bound in workload.metrics:
             results = (ember.results[workload.name], llama.results[workload.name])
             a, b = (value(result, key, statistic) for result in results)
-            shares = [share_of_bound(bounds[server.name], bound, speed(result, key, statistic))
+            shares = [share_of_bound(bounds[server.name], bound, speed(result, key, statistic), per_token)
                       for server, result in zip(servers, results)]
             rows.append((label, a, b, a / b if b else float("nan"), higher_better, *shares))
     rows.append(("resident memory after load, MiB", ember.rss_after_load_mib, llama.rss_after_load_mib,
@@ -286,11 +290,28 @@ def main() -> None:
                                                "results": {s.name: s.results for s in servers}}, indent=1))
 
 
-def share_of_bound(bounds, bound: str, tokens_per_s: float) -> float | None:
-    """A speed as a fraction of the bound its metric names ("read", "int8"), None for none."""
-    if bound == "read":
-        return bounds.of_read(tokens_per_s)
+def share_of_bound(bounds, bound: str, tokens_per_s: float, cache_bytes_per_token: int) -> float | None:
+    """A speed as a fraction of the bound its metric names ("read", "read@N", "int8"), None for none."""
+    if bound.startswith("read"):
+        context = int(bound.partition("@")[2] or 0)
+        return bounds.of_read(tokens_per_s, context * cache_bytes_per_token)
     return bounds.of_int8(tokens_per_s) if bound == "int8" else None
+
+
+def cache_bytes_per_token(gguf: Path) -> int:
+    """The keys and values one token holds in a 16-bit cache, every layer's, from the file's shape."""
+    from gguf import GGUFReader
+    fields = GGUFReader(str(gguf)).fields
+    arch = fields["general.architecture"].contents()
+
+    def key(name: str):
+        field = fields.get(f"{arch}.{name}")
+        return None if field is None else field.contents()
+
+    head_dim = key("attention.key_length") or key("embedding_length") // key("attention.head_count")
+    value_dim = key("attention.value_length") or head_dim
+    kv_heads = key("attention.head_count_kv") or key("attention.head_count")
+    return key("block_count") * kv_heads * (head_dim + value_dim) * 2
 
 
 def _percent(share: float | None) -> str:

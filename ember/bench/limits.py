@@ -58,8 +58,10 @@ class Bounds:
         """Many streams' and prefill's ceiling: every token multiplies and adds every weight once."""
         return self.limits.int8_gops * 1e9 / (2 * self.num_weights)
 
-    def of_read(self, tokens_per_s: float) -> float:
-        return tokens_per_s / self.decode_tokens_per_s
+    def of_read(self, tokens_per_s: float, cache_bytes: int = 0) -> float:
+        """One stream's speed against the read bound; `cache_bytes`: the keys and values each step
+        reads besides the weights (a long context's, which can outweigh them)."""
+        return tokens_per_s * (self.weight_bytes + cache_bytes) / (self.limits.read_gb_per_s * 1e9)
 
     def of_int8(self, tokens_per_s: float) -> float:
         return tokens_per_s / self.compute_tokens_per_s

@@ -46,6 +46,8 @@ def test_bounds_divide_the_limits_by_the_model_weights():
     assert decode_share(bounds, 1, 50.0) == pytest.approx(0.5)
     assert decode_share(bounds, 32, 500.0) == pytest.approx(0.25)
     assert decode_share(bounds, None, 500.0) == pytest.approx(0.25)  # an open loop: many streams
+    # a long context's keys and values are read beside the weights: 50 tok/s over 0.4 GB a step
+    assert bounds.of_read(50.0, cache_bytes=200 * 10**6) == pytest.approx(1.0)
     assert json.loads(json.dumps(bounds.to_json()))["decode_tokens_per_s"] == pytest.approx(100.0)
 
 
