@@ -314,15 +314,27 @@ inline void attend_chunk<at::BFloat16>(const at::BFloat16* const* q, int64_t G, 
 #endif
 
 #if EMBER_BF16_DOT
-// bfloat16 over one chunk of up to CHUNK / BLOCK blocks, for N heads of a group at once: they
-// share the chunk's key and value loads, each q pair and probability pair is broadcast once per
-// chunk, and every sum stays in a register. C = head_dim / 16. A head's arithmetic is the same
-// whatever heads it is grouped with.
 // Lanes of a block's 16 keys that a row sees: [hidden, left), both counted from the block's start.
 inline __mmask16 visible_keys(int64_t hidden, int64_t left) {
   const uint32_t upto = left >= BLOCK ? 0xffffu : (1u << std::max<int64_t>(left, 0)) - 1;
   const uint32_t before = hidden <= 0 ? 0u : hidden >= BLOCK ? 0xffffu : (1u << hidden) - 1;
   return __mmask16(upto & ~before);
+}
+
+// The keys of block `blk` a row sees, where it sees keys [first, valid) counted from the step's
+// first key: a block between the two, seen whole, needs no mask worked out.
+inline __mmask16 block_keys(int64_t blk, int64_t first, int64_t valid) {
+  const bool whole = blk * BLOCK >= first && (blk + 1) * BLOCK <= valid;
+  return whole ? __mmask16(0xffff) : visible_keys(first - blk * BLOCK, valid - blk * BLOCK);
+}
+
+// One block's weights in a softmax step whose max is known: e^(score - max) on the keys seen and 0
+// elsewhere, to `pairs` in bfloat16 (8 pairs); the float weights come back for the step's sum.
+__attribute__((always_inline)) inline __m512 block_weights(__m512 scaled, float max, __mmask16 seen,
+                                                           uint32_t* pairs) {
+  const __m512 probs = _mm512_maskz_mov_ps(seen, exp_nonpositive(_mm512_sub_ps(scaled, _mm512_set1_ps(max))));
+  _mm256_store_si256(reinterpret_cast<__m256i*>(pairs), (__m256i)_mm512_cvtneps_pbh(probs));
+  return probs;
 }
 
 // One row-head's online-softmax step over `count` blocks (at most MOST_BLOCKS), `raw` their 16 dot
@@ -337,27 +349,24 @@ __attribute__((always_inline)) inline float chunk_softmax(const __m512* raw, int
   __mmask16 masks[MOST_BLOCKS];
   __m512 vmax = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   for (int blk = 0; blk < count; ++blk) {
-    // every key seen (the blocks between the row's first and last): no mask to work out
-    const bool whole = blk * BLOCK >= first && (blk + 1) * BLOCK <= valid;
-    const __mmask16 mask = masks[blk] =
-        whole ? __mmask16(0xffff) : visible_keys(first - blk * BLOCK, valid - blk * BLOCK);
+    masks[blk] = block_keys(blk, first, valid);
     scores[blk] = _mm512_mul_ps(raw[blk], _mm512_set1_ps(scale));
-    vmax = _mm512_mask_max_ps(vmax, mask, vmax, scores[blk]);
+    vmax = _mm512_mask_max_ps(vmax, masks[blk], vmax, scores[blk]);
   }
   const float max = std::max(state.max, _mm512_reduce_max_ps(vmax));
   const float factor = std::exp(state.max - max);  // 0 on the first chunk (max was -inf)
   __m512 sum = _mm512_setzero_ps();
-  for (int blk = 0; blk < count; ++blk) {
-    const __m512 shifted = _mm512_sub_ps(scores[blk], _mm512_set1_ps(max));
-    const __m512 probs = _mm512_maskz_mov_ps(masks[blk], exp_nonpositive(shifted));
-    sum = _mm512_add_ps(sum, probs);
-    _mm256_store_si256(reinterpret_cast<__m256i*>(prob_pairs + blk * BLOCK / 2), (__m256i)_mm512_cvtneps_pbh(probs));
-  }
+  for (int blk = 0; blk < count; ++blk)
+    sum = _mm512_add_ps(sum, block_weights(scores[blk], max, masks[blk], prob_pairs + blk * BLOCK / 2));
   state.sum = std::fma(state.sum, factor, _mm512_reduce_add_ps(sum));
   state.max = max;
   return factor;
 }
 
+// bfloat16 over one chunk of up to CHUNK / BLOCK blocks, for N heads of a group at once: they
+// share the chunk's key and value loads, each q pair and probability pair is broadcast once per
+// chunk, and every sum stays in a register. C = head_dim / 16. A head's arithmetic is the same
+// whatever heads it is grouped with.
 template <int N, int C, int COUNT>
 inline void attend_chunk_heads(const uint32_t* const* q_pairs, const at::BFloat16* const* kblocks,
                                const at::BFloat16* const* vblocks, int64_t first, int64_t valid, float scale,

@@ -120,6 +120,41 @@ void attend(const Pass& p, int64_t D, float scale, Prefetch&& prefetch, Blocks&&
   const at::BFloat16* kblocks[SPAN / BLOCK];
   const at::BFloat16* vblocks[SPAN / BLOCK];
   for (int64_t blk = 0; blk < count; ++blk) std::tie(kblocks[blk], vblocks[blk]) = blocks_at(p.from + blk * BLOCK);
+  // Each row-head's keys in the split: [first, seen) from its start, in its first `blocks_of` blocks;
+  // `whole`: the blocks every row of the pass reads whole. A row that ends before the split has
+  // no blocks, and its weights are zero.
+  int64_t first[MOST_ROWS], seen[MOST_ROWS], blocks_of[MOST_ROWS], whole = count;
+  for (int64_t m = 0; m < M; ++m) {
+    const int64_t row = p.row_of[m];
+    seen[m] = p.end[row] - p.from, first[m] = std::max<int64_t>(0, p.begin[row] - p.from);
+    blocks_of[m] = seen[m] > 0 ? (seen[m] + BLOCK - 1) / BLOCK : 0;
+    if (seen[m] > 0) whole = std::min(whole, seen[m] / BLOCK);
+    else std::fill(pairs[m], pairs[m] + SPAN / 2, 0u);
+  }
+  // The softmax step (chunk_softmax's, split into its block-by-block parts so that the vector unit
+  // works while the tiles do, the same operations in the same order for each row-head): the
+  // maxima of a round's scores are taken while the next round's products run, and a block's
+  // weights while the values take the weights of the block two before (a tile load then finds
+  // its weights' stores done).
+  __m512 vmax[MOST_ROWS], sums[MOST_ROWS];
+  __mmask16 masks[MOST_ROWS][SPAN / BLOCK];
+  float maxima[MOST_ROWS];
+  const auto take_maxima = [&](int64_t b0, int64_t n) {
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t blk = b0; blk < std::min(b0 + n, blocks_of[m]); ++blk) {
+        masks[m][blk] = block_keys(blk, first[m], seen[m]);
+        const __m512 scaled = _mm512_mul_ps(_mm512_load_ps(scores[blk][m]), _mm512_set1_ps(scale));
+        vmax[m] = _mm512_mask_max_ps(vmax[m], masks[m][blk], vmax[m], scaled);
+      }
+  };
+  const auto take_weights = [&](int64_t blk) {
+    for (int64_t m = 0; m < M; ++m)
+      if (blk < blocks_of[m]) {
+        const __m512 scaled = _mm512_mul_ps(_mm512_load_ps(scores[blk][m]), _mm512_set1_ps(scale));
+        sums[m] = _mm512_add_ps(sums[m], block_weights(scaled, maxima[m], masks[m][blk], pairs[m] + blk * BLOCK / 2));
+      }
+  };
+  for (int64_t m = 0; m < M; ++m) vmax[m] = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   // Scores, four blocks to a round of the C tiles.
   const int64_t q_bytes = D * sizeof(at::BFloat16), sums_bytes = D * sizeof(float);
   for (int64_t b0 = 0; b0 < count; b0 += 4) {  // the blocks of this round and the next asked for ahead
@@ -133,29 +168,28 @@ void attend(const Pass& p, int64_t D, float scale, Prefetch&& prefetch, Blocks&&
         dot<decltype(t)::value, 4, 5>();
       });
     }
+    if (b0 > 0) take_maxima(b0 - 4, 4);
     each_tile(n, [&](auto t) { store<decltype(t)::value>(scores[b0 + decltype(t)::value], BLOCK * sizeof(float)); });
   }
-  // Each row-head's softmax step over the blocks its row reaches; `whole`: the blocks every row
-  // of the pass reads whole.
-  int64_t whole = count;
+  take_maxima((count - 1) / 4 * 4, 4);
   for (int64_t m = 0; m < M; ++m) {
-    const int64_t row = p.row_of[m], seen = p.end[row] - p.from;
-    if (seen <= 0) {  // the row ends before this split: its sums are never kept
-      std::fill(pairs[m], pairs[m] + SPAN / 2, 0u);
-      continue;
-    }
-    whole = std::min(whole, seen / BLOCK);
-    __m512 raw[SPAN / BLOCK];
-    const int own_count = int((seen + BLOCK - 1) / BLOCK);
-    for (int blk = 0; blk < own_count; ++blk) raw[blk] = _mm512_load_ps(scores[blk][m]);
-    chunk_softmax<SPAN / BLOCK>(raw, own_count, std::max<int64_t>(0, p.begin[row] - p.from), seen, scale, p.states[m],
-                                pairs[m]);
+    maxima[m] = std::max(p.states[m].max, _mm512_reduce_max_ps(vmax[m]));
+    sums[m] = _mm512_setzero_ps();
   }
-  // Weighted values, sixty-four dims to a round of the C tiles.
+  // Weighted values, sixty-four dims to a round of the C tiles; the first round's blocks take
+  // their weights as they go.
+  constexpr int64_t LAG = 2;
   for (int64_t d0 = 0; d0 < D; d0 += 64) {
     const int n = int(std::min<int64_t>(4, (D - d0) / 16));
     each_tile(n, [&](auto t) { zero<decltype(t)::value>(); });
-    for (int64_t blk = 0; blk < whole; ++blk) add_block(pairs[0], blk, vblocks[blk], D, d0, n);
+    if (d0 == 0) {
+      for (int64_t blk = 0; blk < count + LAG; ++blk) {
+        if (blk >= LAG && blk - LAG < whole) add_block(pairs[0], blk - LAG, vblocks[blk - LAG], D, d0, n);
+        if (blk < count) take_weights(blk);
+      }
+    } else {
+      for (int64_t blk = 0; blk < whole; ++blk) add_block(pairs[0], blk, vblocks[blk], D, d0, n);
+    }
     each_tile(n, [&](auto t) { store<decltype(t)::value>(weighted + d0 + 16 * decltype(t)::value, sums_bytes); });
     // Each row's blocks past the shared ones, row by row: the tiles take every row-head's sums
     // and the row's own come back.
@@ -163,11 +197,10 @@ void attend(const Pass& p, int64_t D, float scale, Prefetch&& prefetch, Blocks&&
       const int64_t row = p.row_of[m0];
       int64_t m1 = m0;
       while (m1 < M && p.row_of[m1] == row) ++m1;
-      const int64_t seen = p.end[row] - p.from;
-      if (seen > whole * BLOCK) {
+      if (seen[m0] > whole * BLOCK) {
         each_tile(n, [&](auto t) { load<decltype(t)::value>(weighted + d0 + 16 * decltype(t)::value, sums_bytes); });
-        for (int64_t blk = whole; blk * BLOCK < seen; ++blk) {
-          const int64_t keys = std::min<int64_t>(BLOCK, seen - blk * BLOCK);
+        for (int64_t blk = whole; blk * BLOCK < seen[m0]; ++blk) {
+          const int64_t keys = std::min<int64_t>(BLOCK, seen[m0] - blk * BLOCK);
           add_block(pairs[0], blk, keys == BLOCK ? vblocks[blk] : values_up_to(vblocks[blk], keys, D, copy), D, d0, n);
         }
         each_tile(n, [&](auto t) { store<decltype(t)::value>(own + d0 + 16 * decltype(t)::value, sums_bytes); });
@@ -176,8 +209,13 @@ void attend(const Pass& p, int64_t D, float scale, Prefetch&& prefetch, Blocks&&
       m0 = m1;
     }
   }
-  for (int64_t m = 0; m < M; ++m)  // the split's one step: its state held no values before
-    if (p.end[p.row_of[m]] > p.from) std::memcpy(p.states[m].values, weighted + m * D, sizeof(float) * D);
+  for (int64_t m = 0; m < M; ++m) {  // the split's one step: its state held no values before
+    if (seen[m] <= 0) continue;
+    State& state = p.states[m];
+    state.sum = std::fma(state.sum, std::exp(state.max - maxima[m]), _mm512_reduce_add_ps(sums[m]));
+    state.max = maxima[m];
+    std::memcpy(state.values, weighted + m * D, sizeof(float) * D);
+  }
 }
 
 }  // namespace tiles
