@@ -16,8 +16,8 @@ calls (perf_counter around them; the step's other work is the remainder):
     other      the rest of EngineCore.step (outputs, counters, the KV tiers' moves)
 
 Beside each weight-reading part, its bound: its weight bytes over the machine's read bandwidth
-(ember.bench.machine_probe, on the engine's thread count); the layers' adds the keys and values
-their attention reads, the timed steps' mean context of them. The front end (HTTP, detokenizing,
+(ember.bench.machine_probe, on the engine's thread count); the layers' bound counts as well the
+keys and values their attention reads, at the timed steps' mean context. The front end (HTTP, detokenizing,
 streaming) is not in this profile: `ember bench` against a server measures the whole path.
 """
 
@@ -125,10 +125,11 @@ def main() -> None:
     bounds = {"layers": (total - head + cache) / read, "lm head": head / read}
     step = result["step_seconds"]
     print(f"{limits.describe()}")
+    bound = (total + cache) / read
     print(f"weights read per token: {total / 1e6:.1f} MB (LM head {head / 1e6:.1f} MB), keys and values "
-          f"{cache / 1e6:.1f} MB; bound {(total + cache) / read * 1e3:.3f} ms a step, {read / (total + cache):.0f} tok/s")
+          f"{cache / 1e6:.1f} MB; bound {bound * 1e3:.3f} ms a step, {1 / bound:.0f} tok/s")
     print(f"one stream, context {args.context}: {step * 1e3:.3f} ms a step (median of {args.steps}), "
-          f"{1 / step:.1f} tok/s = {(total + cache) / read / step:.0%} of the read bound")
+          f"{1 / step:.1f} tok/s = {bound / step:.0%} of the read bound")
     print(f"{'part':<10} {'ms':>8} {'share':>7} {'bound ms':>9} {'of bound':>9}")
     for part in PARTS:
         seconds = result["parts"].get(part, 0.0)

@@ -340,8 +340,8 @@ __attribute__((always_inline)) inline __m512 block_weights(__m512 scaled, float 
 // One row-head's online-softmax step over `count` blocks (at most MOST_BLOCKS), `raw` their 16 dot
 // products each (not yet scaled), keys [first, valid) of them seen: the state's max and sum move on,
 // the weights go to prob_pairs (bfloat16, 8 pairs a block) and the factor the state's values must
-// take comes back. The one step of both bfloat16 paths (the dot instructions' and the tiles'),
-// inlined so that the dot path's sums stay in registers.
+// take comes back. The dot instructions' step, inlined so that their sums stay in registers; the
+// tiles take the same step in its block-by-block parts (attention_tiles.h), the same operations.
 template <int MOST_BLOCKS>
 __attribute__((always_inline)) inline float chunk_softmax(const __m512* raw, int count, int64_t first, int64_t valid,
                                                           float scale, State& state, uint32_t* prob_pairs) {
