@@ -109,9 +109,11 @@ void split_partials(const Batch& b, int64_t s, int64_t kvh, int64_t split, int64
   const C* keys = static_cast<const C*>(b.k_cache) + kvh * b.head_stride;
   const C* vals = static_cast<const C*>(b.v_cache) + kvh * b.head_stride;
   const int32_t* table = b.tables + s * b.table_width;
-  std::vector<State> states(R * G);
-  std::vector<const T*> rows(R * G);
-  std::vector<int64_t> first_chunk(R), end(R), begin(R);
+  // the thread's scratch, kept from call to call (every entry is set below before it is read)
+  thread_local std::vector<State> states;
+  thread_local std::vector<const T*> rows;
+  thread_local std::vector<int64_t> first_chunk, end, begin;
+  states.resize(R * G), rows.resize(R * G), first_chunk.resize(R), end.resize(R), begin.resize(R);
   int64_t chunks = 0;  // the most any row of the tile takes
   for (int64_t r = r0; r < r1; ++r) {
     const int64_t i = r - r0, pos = b.first_pos[s] + (r - b.row_begin[s]);
