@@ -32,6 +32,7 @@ from collections import defaultdict
 import torch
 
 from ember import SamplingParams
+from ember.bench.limits import cache_bytes_read
 from ember.bench.machine_probe import probe
 from ember.engine.weight_footprint import weight_footprint
 from ember.llm import LLM
@@ -120,8 +121,9 @@ def main() -> None:
     head = weight_footprint(model.lm_head).num_bytes
     result = profile(llm, args.context, args.steps)
     read = limits.read_gb_per_s * 1e9
-    core = llm.engine
-    cache = (args.context + args.steps / 2) * core.kv_cache_bytes / core.kv_capacity_tokens
+    core, config = llm.engine, llm.engine.model_config
+    per_key = core.kv_cache_bytes / core.kv_capacity_tokens / config.num_hidden_layers  # the cache's own dtype
+    cache = cache_bytes_read(config.layer_windows, config.num_hidden_layers, per_key, args.context + args.steps // 2)
     bounds = {"layers": (total - head + cache) / read, "lm head": head / read}
     step = result["step_seconds"]
     print(f"{limits.describe()}")

@@ -11,7 +11,7 @@ workloads. The default model's GGUF is used unless --model names another file.
 
 The bounds: one stream's decode against read bandwidth / weight bytes per token (ember's from its
 /health, llama-server's the GGUF file's size; at 8,000 tokens of context the keys and values each
-step reads are added, 16-bit in both servers, their size from the file's layers and KV heads),
+step reads are added, 16-bit in both servers, a sliding window's layers reading their window's),
 many streams and prefill (prompt tokens over the
 time to first token) against int8 peak / (2 x weights), the weights as ember counts them. One
 stream is shown two ways against the read bound: output tokens over the whole run (each request's
@@ -260,13 +260,12 @@ def main() -> None:
 
     ember, llama = servers
     bounds = {server.name: Bounds(limits, server.weight_bytes, num_weights) for server in servers}
-    per_token = cache_bytes_per_token(Path(args.model))
     rows = []
     for workload in workloads:
         for label, key, statistic, higher_better, bound in workload.metrics:
             results = (ember.results[workload.name], llama.results[workload.name])
             a, b = (value(result, key, statistic) for result in results)
-            shares = [share_of_bound(bounds[server.name], bound, speed(result, key, statistic), per_token)
+            shares = [share_of_bound(bounds[server.name], bound, speed(result, key, statistic), Path(args.model))
                       for server, result in zip(servers, results)]
             rows.append((label, a, b, a / b if b else float("nan"), higher_better, *shares))
     rows.append(("resident memory after load, MiB", ember.rss_after_load_mib, llama.rss_after_load_mib,
@@ -290,28 +289,23 @@ def main() -> None:
                                                "results": {s.name: s.results for s in servers}}, indent=1))
 
 
-def share_of_bound(bounds, bound: str, tokens_per_s: float, cache_bytes_per_token: int) -> float | None:
+def share_of_bound(bounds, bound: str, tokens_per_s: float, gguf: Path) -> float | None:
     """A speed as a fraction of the bound its metric names ("read", "read@N", "int8"), None for none."""
     if bound.startswith("read"):
         context = int(bound.partition("@")[2] or 0)
-        return bounds.of_read(tokens_per_s, context * cache_bytes_per_token)
+        return bounds.of_read(tokens_per_s, cache_bytes_at(gguf, context) if context else 0)
     return bounds.of_int8(tokens_per_s) if bound == "int8" else None
 
 
-def cache_bytes_per_token(gguf: Path) -> int:
-    """The keys and values one token holds in a 16-bit cache, every layer's, from the file's shape."""
-    from gguf import GGUFReader
-    fields = GGUFReader(str(gguf)).fields
-    arch = fields["general.architecture"].contents()
-
-    def key(name: str):
-        field = fields.get(f"{arch}.{name}")
-        return None if field is None else field.contents()
-
-    head_dim = key("attention.key_length") or key("embedding_length") // key("attention.head_count")
-    value_dim = key("attention.value_length") or head_dim
-    kv_heads = key("attention.head_count_kv") or key("attention.head_count")
-    return key("block_count") * kv_heads * (head_dim + value_dim) * 2
+def cache_bytes_at(gguf: Path, context: int) -> int:
+    """The keys and values a decode step at `context` tokens reads from a 16-bit cache (both
+    servers' default), from the file's shape as ember reads it."""
+    from ember.bench.limits import cache_bytes_read
+    from ember.config import ModelConfig
+    from ember.loaders.gguf_file import GGUFModel
+    config = ModelConfig.from_hf(GGUFModel(gguf).hf_config([]))
+    per_key = config.num_key_value_heads * config.head_dim * 2 * 2  # a key and a value, 2 bytes each
+    return cache_bytes_read(config.layer_windows, config.num_hidden_layers, per_key, context)
 
 
 def _percent(share: float | None) -> str:

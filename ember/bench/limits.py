@@ -76,6 +76,14 @@ class Bounds:
                 "decode_tokens_per_s": self.decode_tokens_per_s, "compute_tokens_per_s": self.compute_tokens_per_s}
 
 
+def cache_bytes_read(layer_windows: list[int | None], num_layers: int, bytes_per_key: int, context: int) -> int:
+    """The keys and values a decode step at `context` tokens reads: every layer's, a sliding
+    window's layer its window's (`layer_windows` empty: none has one); `bytes_per_key`: one
+    token's key and value in one layer."""
+    windows = layer_windows or [None] * num_layers
+    return sum(min(context, window or context) for window in windows) * bytes_per_key
+
+
 def decode_share(bounds: Bounds, streams: int | None, tokens_per_s: float) -> float:
     """Decode speed as a fraction of its bound: one stream's against the read bound, many
     streams' (all of them together; None: an open loop) against the int8 peak."""

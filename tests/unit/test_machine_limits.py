@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from ember.bench.config import BenchConfig, Level
-from ember.bench.limits import Bounds, MachineLimits, decode_share
+from ember.bench.limits import Bounds, MachineLimits, cache_bytes_read, decode_share
 from ember.bench.machine_probe import probe
 from ember.bench.records import RequestRecord
 from ember.bench.report import format_report
@@ -49,6 +49,14 @@ def test_bounds_divide_the_limits_by_the_model_weights():
     # a long context's keys and values are read beside the weights: 50 tok/s over 0.4 GB a step
     assert bounds.of_read(50.0, cache_bytes=200 * 10**6) == pytest.approx(1.0)
     assert json.loads(json.dumps(bounds.to_json()))["decode_tokens_per_s"] == pytest.approx(100.0)
+
+
+def test_a_decode_step_reads_each_layers_keys_up_to_its_window():
+    assert cache_bytes_read([], 30, 768, 8000) == 30 * 8000 * 768  # no layer has a window
+    # Gemma 3 270M's shape: five local layers of 512 keys to each global one
+    windows = [None if (layer + 1) % 6 == 0 else 512 for layer in range(18)]
+    assert cache_bytes_read(windows, 18, 1024, 8000) == (15 * 512 + 3 * 8000) * 1024
+    assert cache_bytes_read(windows, 18, 1024, 100) == 18 * 100 * 1024  # a context inside every window
 
 
 def _level(index: int, concurrency: int, prompt_tokens: int, ttft: float, gap: float) -> LevelResult:
