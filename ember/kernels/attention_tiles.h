@@ -110,12 +110,20 @@ void attend(const Pass& p, int64_t D, float scale, Prefetch&& prefetch, Blocks&&
   for (int64_t m = 0; m < M; ++m) last = std::max(last, p.end[p.row_of[m]]);
   if (last <= p.from) return;  // no row of the pass reaches this split
   configure(M);
-  alignas(64) at::BFloat16 q[MOST_ROWS * MOST_DIMS];
+  alignas(64) at::BFloat16 copied[MOST_ROWS * MOST_DIMS];
   alignas(64) float scores[SPAN / BLOCK][MOST_ROWS][BLOCK];
   alignas(64) uint32_t pairs[MOST_ROWS][SPAN / 2];
   alignas(64) float weighted[MOST_ROWS * MOST_DIMS], own[MOST_ROWS * MOST_DIMS];
   alignas(64) at::BFloat16 copy[BLOCK * MOST_DIMS];
-  for (int64_t m = 0; m < M; ++m) std::memcpy(q + m * D, p.rows[m], sizeof(at::BFloat16) * D);
+  // The rows of A: read where they lie if they lie at one stride (a decode row's heads), else
+  // copied (a tile load just after the copy's stores would wait for them).
+  const int64_t stride = M > 1 ? p.rows[1] - p.rows[0] : D;
+  bool in_place = stride >= D;
+  for (int64_t m = 2; m < M && in_place; ++m) in_place = p.rows[m] == p.rows[0] + m * stride;
+  const at::BFloat16* q = in_place ? p.rows[0] : copied;
+  const int64_t q_bytes = (in_place ? stride : D) * int64_t(sizeof(at::BFloat16));
+  if (!in_place)
+    for (int64_t m = 0; m < M; ++m) std::memcpy(copied + m * D, p.rows[m], sizeof(at::BFloat16) * D);
   const int64_t count = (last - p.from + BLOCK - 1) / BLOCK;
   const at::BFloat16* kblocks[SPAN / BLOCK];
   const at::BFloat16* vblocks[SPAN / BLOCK];
@@ -156,7 +164,7 @@ void attend(const Pass& p, int64_t D, float scale, Prefetch&& prefetch, Blocks&&
   };
   for (int64_t m = 0; m < M; ++m) vmax[m] = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   // Scores, four blocks to a round of the C tiles.
-  const int64_t q_bytes = D * sizeof(at::BFloat16), sums_bytes = D * sizeof(float);
+  const int64_t sums_bytes = D * sizeof(float);
   for (int64_t b0 = 0; b0 < count; b0 += 4) {  // the blocks of this round and the next asked for ahead
     prefetch(b0 == 0 ? p.from : p.from + (b0 + 4) * BLOCK, std::min(last, p.from + (b0 + 8) * BLOCK));
     const int n = int(std::min<int64_t>(4, count - b0));
