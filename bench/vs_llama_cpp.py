@@ -12,8 +12,8 @@ workloads. The default model's GGUF is used unless --model names another file.
 The bounds: one stream's decode against read bandwidth / weight bytes per token (ember's from its
 /health, llama-server's the GGUF file's size; at 8,000 tokens of context the keys and values each
 step reads are added, 16-bit in both servers, a sliding window's layers reading their window's),
-many streams and prefill (prompt tokens over the
-time to first token) against int8 peak / (2 x weights), the weights as ember counts them. One
+many streams and prefill (prompt tokens over the time to first token) against int8 peak / (2 x
+weights), the weights as ember counts them. One
 stream is shown two ways against the read bound: output tokens over the whole run (each request's
 prefill and the gaps between requests included) and its decode alone (1 / TPOT, as `ember bench`
 reports it). 32 streams too: output tokens alone, and every token computed (each request's prompt,
