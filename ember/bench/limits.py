@@ -14,7 +14,8 @@ Three figures, each the best of a few calls on the thread count the engine uses:
   it, else F.linear) on the same shape.
 
 The bounds they give: one stream decodes at most read bandwidth / weight bytes per token tokens a
-second; many streams and prefill do at most int8 peak / (2 x weights) tokens a second (every weight
+second (at a long context, read bandwidth / (weight bytes + the keys and values a step reads:
+cache_bytes_read)); many streams and prefill do at most int8 peak / (2 x weights) tokens a second (every weight
 is one multiply and one add per token; a tied table counts once, as the LM head).
 """
 
