@@ -12,7 +12,9 @@ flags and the processor, so a second start loads them in milliseconds. Where no 
 found or the build fails, `available()` is False, `status()` says why, and the engine keeps its
 plain torch paths. EMBER_KERNEL_TARGET=avx2 builds them for AVX2 with FMA and F16C alone, the path
 of processors without AVX-512, so that path can be run and measured on an AVX-512 machine;
-`plain` builds them for the compiler's baseline (no vector path). Where the build has AMX tiles
+`icelake` for AVX-512 with VNNI but without BF16 or AMX (Ice Lake and Cascade Lake Xeons), `no-amx`
+for this processor's own instructions less AMX (on an AMX Xeon, a Zen 4's path), and `plain` for
+the compiler's baseline (no vector path). Where the build has AMX tiles
 (a Xeon's own -march=native), bfloat16 attention runs on them; EMBER_ATTENTION_TILES=0 keeps it on
 the vector path's dot products instead (other bits, the same promises; docs/cpu-kernels.md). The
 linear layers' integer products take them too for 32 rows and more (a prompt's chunk, many
@@ -49,15 +51,19 @@ def _units(source: Path) -> list[Path]:
 _SOURCES = [path for name in ("linear.cpp", "attention.cpp", "layer_ops.cpp", "sampling.cpp", "decoder.cpp",
                               "tower_attention.cpp") for path in _units(_FOLDER / name)]
 _HEADERS = sorted(_FOLDER.glob("*.h"))
-# The instructions a build may use: this processor's own, AVX2 with FMA and F16C only (the path
-# of processors without AVX-512), or the compiler's baseline (no vector path).
-_TARGETS = {"native": ["-O3", "-march=native"], "avx2": ["-O3", "-mavx2", "-mfma", "-mf16c"], "plain": ["-O2"]}
+# The instructions a build may use: this processor's own, those less AMX, Ice Lake's (AVX-512 with
+# VNNI, without BF16 or AMX), AVX2 with FMA and F16C only (the path of processors without AVX-512),
+# or the compiler's baseline (no vector path).
+_TARGETS = {"native": ["-O3", "-march=native"],
+            "no-amx": ["-O3", "-march=native", "-mno-amx-tile", "-mno-amx-int8", "-mno-amx-bf16"],
+            "icelake": ["-O3", "-march=icelake-server"],
+            "avx2": ["-O3", "-mavx2", "-mfma", "-mf16c"], "plain": ["-O2"]}
 _status = "not loaded yet"
 
 
-def build_flags() -> list[str]:
-    """The compiler flags of ember's own build, for the target EMBER_KERNEL_TARGET names."""
-    target = os.environ.get("EMBER_KERNEL_TARGET", "native")
+def build_flags(target: str | None = None) -> list[str]:
+    """The compiler flags of a build for `target`, by default the one EMBER_KERNEL_TARGET names."""
+    target = target or os.environ.get("EMBER_KERNEL_TARGET", "native")
     if target not in _TARGETS:
         raise ValueError(f"EMBER_KERNEL_TARGET={target!r}: expected one of {', '.join(_TARGETS)}")
     return [*_TARGETS[target], "-fopenmp"]
@@ -126,9 +132,9 @@ def status() -> str:
     return _status
 
 
-def kernel_copy(source: Path, namespace: str, target: str = "native"):
+def kernel_copy(source: Path, namespace: str, target: str | None = None):
     """One kernel source built a second time under the op namespace `namespace`, for a target of
-    _TARGETS: for tests and benchmarks that hold one version or build of a kernel against another
+    _TARGETS (by default ember's own build's): for tests and benchmarks that hold one version or build of a kernel against another
     in one process, with the units beside it that are compiled with it (_units). Its headers are
     those beside it where its folder has ember's (common.h among them: another commit's kernels
     folder, `git archive REV ember/kernels | tar -x -C DIR`), else this tree's. Returns
@@ -142,9 +148,8 @@ def kernel_copy(source: Path, namespace: str, target: str = "native"):
     own = sorted(source.parent.glob("*.h")) if (source.parent / "common.h").is_file() else []
     for header in own or _HEADERS:
         shutil.copy(header, folder / header.name)
-    flags = _TARGETS[target]
     cpp_extension.load(name=f"{namespace}_{source.stem}", sources=[str(folder / unit.name) for unit in units],
-                       extra_cflags=[*flags, "-fopenmp", f"-DEMBER_OPS={namespace}"], extra_ldflags=["-fopenmp"],
+                       extra_cflags=[*build_flags(target), f"-DEMBER_OPS={namespace}"], extra_ldflags=["-fopenmp"],
                        is_python_module=False, verbose=False)
     return getattr(torch.ops, namespace)
 

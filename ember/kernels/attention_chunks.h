@@ -29,17 +29,48 @@ inline void block_values(const float* probs, const T* vblock, int64_t D, int64_t
                          float* values);
 
 // The bfloat16 path without the bfloat16 dot-product instructions (with them, head_dim 64 and
-// 128 take attend_chunk below). On AVX2 a block's scores are a lane per key, summed in four
-// chains (even and odd dims of alternate pairs: one chain would wait on each fma in turn) that
-// are added at the end in a fixed order; its values a lane per dim, every key in order. The
-// heads of a KV group share each block's loads, and a prompt tile's rows take each chunk in turn
-// while it is in L1: neither changes any head's arithmetic.
+// 128 take attend_chunk below). A block's scores are a lane per key, summed in four chains (even
+// and odd dims of alternate pairs: one chain would wait on each fma in turn) that are added at the
+// end in a fixed order; its values a lane per dim, every key in order. The bfloat16 pairs are
+// widened to floats by shifts and masks, eight lanes at a time on AVX2 and sixteen where the build
+// has AVX-512 (Ice Lake and Cascade Lake Xeons: AVX-512 without the bfloat16 instructions); a
+// lane's arithmetic is the same at either width, so the two give the same bits. The heads of a KV
+// group share each block's loads, and a prompt tile's rows take each chunk in turn while it is in
+// L1: neither changes any head's arithmetic.
 #if EMBER_AVX2
-// A block's eight 32-bit lanes of bfloat16 pairs as floats: the even and the odd of each pair.
-inline __m256 even_halves(__m256i pairs) { return _mm256_castsi256_ps(_mm256_slli_epi32(pairs, 16)); }
-inline __m256 odd_halves(__m256i pairs) {
-  return _mm256_castsi256_ps(_mm256_and_si256(pairs, _mm256_set1_epi32(int(0xffff0000u))));
-}
+// The float vectors of the widening path, of WIDTH lanes. pairs(p): WIDTH 32-bit lanes of
+// bfloat16 pairs; even and odd: each pair's halves as floats (exact: a bfloat16 is a float's top half).
+struct Lanes8 {
+  using F = __m256;
+  static constexpr int64_t WIDTH = 8;
+  static __m256i pairs(const at::BFloat16* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+  static F even(__m256i v) { return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16)); }
+  static F odd(__m256i v) { return _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32(int(0xffff0000u)))); }
+  static F fma(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
+  static F broadcast(const float* p) { return _mm256_broadcast_ss(p); }
+  static F zero() { return _mm256_setzero_ps(); }
+  static F add(F a, F b) { return _mm256_add_ps(a, b); }
+  static F mul(F a, F b) { return _mm256_mul_ps(a, b); }
+  static F load(const float* p) { return _mm256_loadu_ps(p); }
+  static void store(float* p, F v) { _mm256_storeu_ps(p, v); }
+};
+
+#if EMBER_AVX512
+struct Lanes16 {
+  using F = __m512;
+  static constexpr int64_t WIDTH = 16;
+  static __m512i pairs(const at::BFloat16* p) { return _mm512_loadu_si512(p); }
+  static F even(__m512i v) { return _mm512_castsi512_ps(_mm512_slli_epi32(v, 16)); }
+  static F odd(__m512i v) { return _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32(int(0xffff0000u)))); }
+  static F fma(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
+  static F broadcast(const float* p) { return _mm512_set1_ps(*p); }
+  static F zero() { return _mm512_setzero_ps(); }
+  static F add(F a, F b) { return _mm512_add_ps(a, b); }
+  static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
+  static F load(const float* p) { return _mm512_loadu_ps(p); }
+  static void store(float* p, F v) { _mm512_storeu_ps(p, v); }
+};
+#endif
 
 // q's D bfloat16 values as floats, eight at a time (exact: a bfloat16 is a float's top half).
 inline void widen_query(const at::BFloat16* q, int64_t D, float* qf) {
@@ -49,30 +80,40 @@ inline void widen_query(const at::BFloat16* q, int64_t D, float* qf) {
   }
 }
 
-// The scores of N heads' queries (as floats) against one block, keys 8 * half to 8 * half + 7 of
-// each: the four chains of block_scores per head, so a head's sums are the same as alone, while
-// the block's pairs are loaded and widened once for all N.
-template <int N>
-inline void heads_scores(const float* const* qf, const at::BFloat16* kblock, int64_t D, float scale, int half,
+// The scores of N heads' queries (as floats) against one block's keys [key0, key0 + WIDTH): the
+// four chains per head, while the block's pairs are loaded and widened once for all N.
+template <typename L, int N>
+inline void heads_scores(const float* const* qf, const at::BFloat16* kblock, int64_t D, float scale, int64_t key0,
                          float* const* out) {
-  __m256 acc[N][4];
+  typename L::F acc[N][4];
   for (int h = 0; h < N; ++h)
-    for (int chain = 0; chain < 4; ++chain) acc[h][chain] = _mm256_setzero_ps();
+    for (int chain = 0; chain < 4; ++chain) acc[h][chain] = L::zero();
   for (int64_t i = 0; i < D / 2; i += 2) {
     for (int step = 0; step < 2; ++step) {
       const int64_t pair = i + step;
-      const __m256i pairs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(kblock + (pair * BLOCK + 8 * half) * 2));
-      const __m256 even = even_halves(pairs), odd = odd_halves(pairs);
+      const auto pairs = L::pairs(kblock + (pair * BLOCK + key0) * 2);
+      const typename L::F even = L::even(pairs), odd = L::odd(pairs);
       for (int h = 0; h < N; ++h) {
-        acc[h][2 * step] = _mm256_fmadd_ps(_mm256_broadcast_ss(qf[h] + 2 * pair), even, acc[h][2 * step]);
-        acc[h][2 * step + 1] = _mm256_fmadd_ps(_mm256_broadcast_ss(qf[h] + 2 * pair + 1), odd, acc[h][2 * step + 1]);
+        acc[h][2 * step] = L::fma(L::broadcast(qf[h] + 2 * pair), even, acc[h][2 * step]);
+        acc[h][2 * step + 1] = L::fma(L::broadcast(qf[h] + 2 * pair + 1), odd, acc[h][2 * step + 1]);
       }
     }
   }
   for (int h = 0; h < N; ++h) {
-    const __m256 sum = _mm256_add_ps(_mm256_add_ps(acc[h][0], acc[h][1]), _mm256_add_ps(acc[h][2], acc[h][3]));
-    _mm256_storeu_ps(out[h] + 8 * half, _mm256_mul_ps(sum, _mm256_set1_ps(scale)));
+    const typename L::F sum = L::add(L::add(acc[h][0], acc[h][1]), L::add(acc[h][2], acc[h][3]));
+    L::store(out[h] + key0, L::mul(sum, L::broadcast(&scale)));
   }
+}
+
+// The scores of N heads against a whole block, as wide as the build goes.
+template <int N>
+inline void heads_block_scores(const float* const* qf, const at::BFloat16* kblock, int64_t D, float scale,
+                               float* const* out) {
+#if EMBER_AVX512
+  heads_scores<Lanes16, N>(qf, kblock, D, scale, 0, out);
+#else
+  for (int64_t key0 = 0; key0 < BLOCK; key0 += Lanes8::WIDTH) heads_scores<Lanes8, N>(qf, kblock, D, scale, key0, out);
+#endif
 }
 #endif
 
@@ -85,7 +126,7 @@ inline void block_scores<at::BFloat16>(const at::BFloat16* q, const at::BFloat16
     widen_query(q, D, qf);
     const float* heads[1] = {qf};
     float* outs[1] = {out};
-    for (int half = 0; half < 2; ++half) heads_scores<1>(heads, kblock, D, scale, half, outs);
+    heads_block_scores<1>(heads, kblock, D, scale, outs);
     return;
   }
 #endif
@@ -98,55 +139,62 @@ inline void block_scores<at::BFloat16>(const at::BFloat16* q, const at::BFloat16
 }
 
 #if EMBER_AVX2
-// Dims [d0, d0 + 8 NC) of N heads' weighted values over one block: a register of eight sums per
-// head and eight dims, so N * NC fma chains run side by side and the heads share each widened
+// Dims [d0, d0 + WIDTH NC) of N heads' weighted values over one block: a register of WIDTH sums per
+// head and WIDTH dims, so N * NC fma chains run side by side and the heads share each widened
 // pair of keys; each head's dim still takes every key in order, from its sum times correction.
-template <int N, int NC>
+template <typename L, int N, int NC>
 inline void heads_values(const float* const* rounded, const at::BFloat16* vblock, int64_t D, int64_t d0,
                          int64_t valid, const float* correction, float* const* values) {
-  __m256 sums[N][NC];
+  constexpr int64_t W = L::WIDTH;
+  typename L::F sums[N][NC];
   for (int h = 0; h < N; ++h) {
-    for (int c = 0; c < NC; ++c) sums[h][c] = _mm256_loadu_ps(values[h] + d0 + 8 * c);
+    for (int c = 0; c < NC; ++c) sums[h][c] = L::load(values[h] + d0 + W * c);
     if (correction[h] != 1.f)  // times one changes nothing: most blocks leave the running max where it was
-      for (int c = 0; c < NC; ++c) sums[h][c] = _mm256_mul_ps(sums[h][c], _mm256_set1_ps(correction[h]));
+      for (int c = 0; c < NC; ++c) sums[h][c] = L::mul(sums[h][c], L::broadcast(correction + h));
   }
   int64_t key = 0;
   for (; key + 1 < valid; key += 2) {
     const at::BFloat16* pairs_at = vblock + ((key / 2) * D + d0) * 2;
     for (int c = 0; c < NC; ++c) {
-      const __m256i pairs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pairs_at + 16 * c));
-      const __m256 even = even_halves(pairs), odd = odd_halves(pairs);
+      const auto pairs = L::pairs(pairs_at + 2 * W * c);
+      const typename L::F even = L::even(pairs), odd = L::odd(pairs);
       for (int h = 0; h < N; ++h) {
-        sums[h][c] = _mm256_fmadd_ps(_mm256_broadcast_ss(rounded[h] + key), even, sums[h][c]);
-        sums[h][c] = _mm256_fmadd_ps(_mm256_broadcast_ss(rounded[h] + key + 1), odd, sums[h][c]);
+        sums[h][c] = L::fma(L::broadcast(rounded[h] + key), even, sums[h][c]);
+        sums[h][c] = L::fma(L::broadcast(rounded[h] + key + 1), odd, sums[h][c]);
       }
     }
   }
   if (key < valid) {  // a lone last key: the even halves
     const at::BFloat16* pairs_at = vblock + ((key / 2) * D + d0) * 2;
     for (int c = 0; c < NC; ++c) {
-      const __m256 even = even_halves(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(pairs_at + 16 * c)));
-      for (int h = 0; h < N; ++h) sums[h][c] = _mm256_fmadd_ps(_mm256_broadcast_ss(rounded[h] + key), even, sums[h][c]);
+      const typename L::F even = L::even(L::pairs(pairs_at + 2 * W * c));
+      for (int h = 0; h < N; ++h) sums[h][c] = L::fma(L::broadcast(rounded[h] + key), even, sums[h][c]);
     }
   }
   for (int h = 0; h < N; ++h)
-    for (int c = 0; c < NC; ++c) _mm256_storeu_ps(values[h] + d0 + 8 * c, sums[h][c]);
+    for (int c = 0; c < NC; ++c) L::store(values[h] + d0 + W * c, sums[h][c]);
 }
 
-// Dims [d0, D) (a multiple of 8 of them), NC eights at a time while they last, then fewer.
-template <int N, int NC>
+// Dims [d0, D) (a multiple of WIDTH of them), NC vectors at a time while they last, then fewer.
+template <typename L, int N, int NC>
 inline void heads_values_from(const float* const* rounded, const at::BFloat16* vblock, int64_t D, int64_t d0,
                               int64_t valid, const float* correction, float* const* values) {
-  for (; d0 + 8 * NC <= D; d0 += 8 * NC) heads_values<N, NC>(rounded, vblock, D, d0, valid, correction, values);
+  for (; d0 + L::WIDTH * NC <= D; d0 += L::WIDTH * NC)
+    heads_values<L, N, NC>(rounded, vblock, D, d0, valid, correction, values);
   if constexpr (NC > 1)
-    if (d0 < D) heads_values_from<N, NC - 1>(rounded, vblock, D, d0, valid, correction, values);
+    if (d0 < D) heads_values_from<L, N, NC - 1>(rounded, vblock, D, d0, valid, correction, values);
 }
 
-// N heads' weighted values, with as many sums in registers as leave room for the widened keys.
+// N heads' weighted values, as wide as the build and D allow, with as many sums in registers as
+// leave room for the widened keys.
 template <int N>
 inline void heads_block_values(const float* const* rounded, const at::BFloat16* vblock, int64_t D, int64_t valid,
                                const float* correction, float* const* values) {
-  heads_values_from<N, N == 1 ? 8 : N == 2 ? 4 : 2>(rounded, vblock, D, 0, valid, correction, values);
+#if EMBER_AVX512
+  if (D % 16 == 0)
+    return heads_values_from<Lanes16, N, N == 1 ? 8 : 4>(rounded, vblock, D, 0, valid, correction, values);
+#endif
+  heads_values_from<Lanes8, N, N == 1 ? 8 : N == 2 ? 4 : 2>(rounded, vblock, D, 0, valid, correction, values);
 }
 
 // A block's 16 probabilities in bfloat16 (to nearest even; they are never NaN), as floats.
@@ -292,12 +340,11 @@ inline void attend_chunk<at::BFloat16>(const at::BFloat16* const* q, int64_t G, 
   }
   for (int64_t blk = first / BLOCK; blk < count; ++blk) {
     for (int64_t g = 0; g < G; g += MAX_HEADS_AT_ONCE)
-      for (int half = 0; half < 2; ++half)
-        switch (std::min(MAX_HEADS_AT_ONCE, G - g)) {
-          case 1: heads_scores<1>(heads + g, kblocks[blk], D, scale, half, outs + g); break;
-          case 2: heads_scores<2>(heads + g, kblocks[blk], D, scale, half, outs + g); break;
-          default: heads_scores<3>(heads + g, kblocks[blk], D, scale, half, outs + g); break;
-        }
+      switch (std::min(MAX_HEADS_AT_ONCE, G - g)) {
+        case 1: heads_block_scores<1>(heads + g, kblocks[blk], D, scale, outs + g); break;
+        case 2: heads_block_scores<2>(heads + g, kblocks[blk], D, scale, outs + g); break;
+        default: heads_block_scores<3>(heads + g, kblocks[blk], D, scale, outs + g); break;
+      }
     const int64_t seen = std::min<int64_t>(BLOCK, valid - blk * BLOCK);
     for (int64_t g = 0; g < G; ++g) {
       corrections[g] = softmax_weights(scores[g], std::max<int64_t>(0, first - blk * BLOCK), seen, states[g]);
@@ -407,6 +454,7 @@ inline void attend_chunk_heads(const uint32_t* const* q_pairs, const at::BFloat1
     // whole block's loop has a fixed count, which keeps the sums in registers.
     const int64_t keys = std::min<int64_t>(BLOCK, valid - blk * BLOCK);
     if (keys == BLOCK) {
+#pragma GCC unroll 8
       for (int64_t j = 0; j < BLOCK / 2; ++j) add_pair(vblock, blk, j, __mmask32(0xffffffffu));
       continue;
     }

@@ -1,11 +1,17 @@
 """Paged attention on random tensors: long decodes read in chunks agree with the padded batch
 path and give the same bits wherever the sequence's blocks lie; prefill matches plain causal
-attention, and in exact mode gives a row the same bits however its prompt was chunked."""
+attention, and in exact mode gives a row the same bits however its prompt was chunked. The
+kernel's bfloat16 paths (dot products, AMX tiles, and the AVX2 and Ice Lake builds' widening)
+keep those promises for several head shapes."""
+
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 import torch
 
 from kernel_attention_checks import assert_rows_keep_their_bits, run_kernel as _kernel
+from ember import kernels
 from ember.engine.attention import DecodeGroup, KVCache, PagedAttention, long_decode, prefill_seq
 
 BLOCK_SIZE, KV_HEADS, HEADS, HEAD_DIM = 4, 2, 6, 16
@@ -284,18 +290,26 @@ def bfloat16_path(request):
     torch.ops.ember.attention_tiles(True)
 
 
-@pytest.mark.parametrize("heads, kv_heads, head_dim", [(4, 4, 64), (8, 4, 64), (8, 2, 128), (10, 2, 80), (12, 2, 32)])
+HEAD_SHAPES = [(4, 4, 64), (8, 4, 64), (8, 2, 128), (10, 2, 80), (12, 2, 32)]
+
+
+@pytest.mark.parametrize("heads, kv_heads, head_dim", HEAD_SHAPES)
 def test_the_bfloat16_kernel_keeps_its_promises_for_other_head_shapes(heads, kv_heads, head_dim, bfloat16_path):
     """One, two, four, five and six query heads per KV head, head dims from 32 to 128: plain causal
     attention's values, and a row's bits alone, in a prompt chunk, or among other sequences; the
     slots past the last key hold NaN, which no row may read."""
+    check_bfloat16_promises(torch.ops.ember, heads, kv_heads, head_dim)
+
+
+def check_bfloat16_promises(ops, heads, kv_heads, head_dim) -> torch.Tensor:
+    """The promises above for the kernel build `ops`; returns its output for the whole prompt."""
     length, block = 300, KERNEL_BLOCK  # past the kernel's first split of 256 keys
     generator = torch.Generator().manual_seed(1)
     num_blocks = length // block + 1
     k_cache = torch.full((kv_heads, num_blocks, block * head_dim), float("nan"), dtype=torch.bfloat16)
     v_cache = torch.full_like(k_cache, float("nan"))
     keys, values = (torch.randn(length, kv_heads, head_dim, generator=generator).bfloat16() for _ in range(2))
-    torch.ops.ember.store_kv_(keys, values, k_cache, v_cache, torch.arange(length))
+    ops.store_kv_(keys, values, k_cache, v_cache, torch.arange(length))
     q = torch.randn(length, heads, head_dim, generator=generator).bfloat16()
     table = torch.arange(num_blocks, dtype=torch.int32)[None]
 
@@ -303,8 +317,8 @@ def test_the_bfloat16_kernel_keeps_its_promises_for_other_head_shapes(heads, kv_
         rows = torch.cat([rows for _, rows in sequences])
         begins = torch.tensor([0] + [len(r) for _, r in sequences], dtype=torch.int32).cumsum(0).to(torch.int32)
         firsts = torch.tensor([start for start, _ in sequences], dtype=torch.int32)
-        return torch.ops.ember.paged_attention(rows, k_cache, v_cache, table.expand(len(sequences), -1).contiguous(),
-                                               begins, firsts, head_dim ** -0.5, 0)
+        return ops.paged_attention(rows, k_cache, v_cache, table.expand(len(sequences), -1).contiguous(),
+                                   begins, firsts, head_dim ** -0.5, 0)
 
     whole = attend([(0, q)])
     group = heads // kv_heads
@@ -319,6 +333,40 @@ def test_the_bfloat16_kernel_keeps_its_promises_for_other_head_shapes(heads, kv_
     assert torch.equal(attend([(131, q[131:])]), whole[131:])
     together = attend([(299, q[299:]), (40, q[40:90]), (7, q[7:8])])
     assert torch.equal(together, torch.cat((whole[299:], whole[40:90], whole[7:8])))
+    return whole
+
+
+# The instructions an Ice Lake build may use beyond AVX-512 VNNI, as /proc/cpuinfo names them.
+_ICELAKE_FLAGS = {"avx512ifma", "avx512vbmi", "avx512_vbmi2", "avx512_bitalg", "avx512_vpopcntdq", "gfni", "vaes",
+                  "vpclmulqdq"}
+
+
+@pytest.fixture(scope="module")
+def widening_builds() -> dict:
+    """bfloat16 attention built for AVX2 alone and for Ice Lake (AVX-512 without the bfloat16
+    instructions): the paths that widen the cache's bfloat16 pairs to floats, eight and sixteen
+    lanes at a time, which this processor's own build passes by where it has those instructions.
+    Built side by side, each one compiler process."""
+    try:
+        flags = set(next(line for line in open("/proc/cpuinfo") if line.startswith("flags")).split())
+    except (OSError, StopIteration):
+        flags = set()
+    assert kernels.available(), kernels.status()
+    if torch.ops.ember.vector_bits() != 512 or not _ICELAKE_FLAGS <= flags:
+        pytest.skip("the widening paths run as this processor's own build here, if at all")
+    source = Path(kernels.__file__).parent / "attention.cpp"
+    with ThreadPoolExecutor(2) as pool:
+        started = {target: pool.submit(kernels.kernel_copy, source, f"ember_{target}_attention", target)
+                   for target in ("avx2", "icelake")}
+        return {target: future.result() for target, future in started.items()}
+
+
+@pytest.mark.parametrize("heads, kv_heads, head_dim", HEAD_SHAPES)
+def test_the_widening_paths_keep_the_promises_with_the_same_bits(widening_builds, heads, kv_heads, head_dim):
+    """Each lane's arithmetic is the same eight lanes or sixteen at a time, and so are the softmax
+    step's sums: the Ice Lake build gives the AVX2 build's bits."""
+    outputs = [check_bfloat16_promises(ops, heads, kv_heads, head_dim) for ops in widening_builds.values()]
+    assert torch.equal(*outputs)
 
 
 @pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float32, torch.int8])

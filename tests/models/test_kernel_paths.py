@@ -198,6 +198,11 @@ def test_the_build_target_is_chosen_by_name_and_a_wrong_name_is_refused(monkeypa
     monkeypatch.setenv("EMBER_KERNEL_TARGET", "avx2")
     flags = kernels.build_flags()
     assert "-mavx2" in flags and "-march=native" not in flags and "-fopenmp" in flags
+    monkeypatch.setenv("EMBER_KERNEL_TARGET", "icelake")
+    assert "-march=icelake-server" in kernels.build_flags()
+    monkeypatch.setenv("EMBER_KERNEL_TARGET", "no-amx")
+    assert {"-march=native", "-mno-amx-tile"} <= set(kernels.build_flags())
+    assert "-march=icelake-server" in kernels.build_flags("icelake")  # a target named outright wins
     monkeypatch.setenv("EMBER_KERNEL_TARGET", "avx512")
     with pytest.raises(ValueError, match="EMBER_KERNEL_TARGET='avx512'"):
         kernels.build_flags()
