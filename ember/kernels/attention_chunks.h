@@ -314,6 +314,25 @@ inline void attend_chunk(const T* const* q, int64_t G, const T* const* kblocks, 
 }
 
 #if EMBER_AVX2 && !EMBER_BF16_DOT
+#if EMBER_AVX512
+// softmax_weights, then round_to_bf16, for a block the row sees whole, sixteen lanes in registers
+// rather than through memory: the same operations (a max is exact in any order; the sum's
+// sixteen lanes are reduced as exp_and_sum reduces them), so the same bits.
+inline float whole_block_weights(float* scores, State& state) {
+  const __m512 scaled = _mm512_load_ps(scores);
+  const float max = std::max(state.max, _mm512_reduce_max_ps(scaled));
+  const float correction = state.max == max && std::isfinite(max) ? 1.f : std::exp(state.max - max);
+  const __m512 weights = exp_nonpositive(_mm512_sub_ps(scaled, _mm512_set1_ps(max)));
+  state.sum = std::fma(state.sum, correction, _mm512_reduce_add_ps(weights));
+  state.max = max;
+  const __m512i u = _mm512_castps_si512(weights);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  const __m512i up = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), odd));
+  _mm512_store_ps(scores, _mm512_castsi512_ps(_mm512_and_si512(up, _mm512_set1_epi32(int(0xffff0000u)))));
+  return correction;
+}
+#endif
+
 constexpr int64_t MAX_HEADS_AT_ONCE = 3;  // twelve sums in registers, with the block's two widened vectors
 
 // bfloat16 heads [0, G) of a row over one chunk, block by block: each head's query widened to
@@ -347,6 +366,12 @@ inline void attend_chunk<at::BFloat16>(const at::BFloat16* const* q, int64_t G, 
       }
     const int64_t seen = std::min<int64_t>(BLOCK, valid - blk * BLOCK);
     for (int64_t g = 0; g < G; ++g) {
+#if EMBER_AVX512
+      if (seen == BLOCK && first <= blk * BLOCK) {
+        corrections[g] = whole_block_weights(scores[g], states[g]);
+        continue;
+      }
+#endif
       corrections[g] = softmax_weights(scores[g], std::max<int64_t>(0, first - blk * BLOCK), seen, states[g]);
       round_to_bf16(scores[g], scores[g]);
     }
