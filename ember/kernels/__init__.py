@@ -12,6 +12,7 @@ flags and the processor, so a second start loads them in milliseconds. Where no 
 found or the build fails, `available()` is False, `status()` says why, and the engine keeps its
 plain torch paths. EMBER_KERNEL_TARGET=avx2 builds them for AVX2 with FMA and F16C alone, the path
 of processors without AVX-512, so that path can be run and measured on an AVX-512 machine;
+`avx-vnni` for AVX2 with AVX-VNNI (Intel's laptop and desktop processors since Alder Lake),
 `icelake` for AVX-512 with VNNI but without BF16 or AMX (Ice Lake and Cascade Lake Xeons), `no-amx`
 for this processor's own instructions less AMX (on an AMX Xeon, a Zen 4's path), and `plain` for
 the compiler's baseline (no vector path). Where the build has AMX tiles
@@ -52,11 +53,13 @@ _SOURCES = [path for name in ("linear.cpp", "attention.cpp", "layer_ops.cpp", "s
                               "tower_attention.cpp") for path in _units(_FOLDER / name)]
 _HEADERS = sorted(_FOLDER.glob("*.h"))
 # The instructions a build may use: this processor's own, those less AMX, Ice Lake's (AVX-512 with
-# VNNI, without BF16 or AMX), AVX2 with FMA and F16C only (the path of processors without AVX-512),
-# or the compiler's baseline (no vector path).
+# VNNI, without BF16 or AMX), AVX2 with FMA, F16C and AVX-VNNI (Intel's processors since Alder Lake
+# that stop short of AVX-512), AVX2 with FMA and F16C only (the path of processors without
+# AVX-512), or the compiler's baseline (no vector path).
 _TARGETS = {"native": ["-O3", "-march=native"],
             "no-amx": ["-O3", "-march=native", "-mno-amx-tile", "-mno-amx-int8", "-mno-amx-bf16"],
             "icelake": ["-O3", "-march=icelake-server"],
+            "avx-vnni": ["-O3", "-mavx2", "-mfma", "-mf16c", "-mavxvnni"],
             "avx2": ["-O3", "-mavx2", "-mfma", "-mf16c"], "plain": ["-O2"]}
 _status = "not loaded yet"
 

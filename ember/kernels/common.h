@@ -33,6 +33,13 @@
 #if EMBER_AVX512 || EMBER_AVX2
 #include <immintrin.h>
 #endif
+// Byte dot products on AVX2's registers (AVX-VNNI: Intel's processors since Alder Lake that stop
+// short of AVX-512, most laptops of recent years among them), for the AVX2 path's linear layers.
+#if EMBER_AVX2 && defined(__AVXVNNI__)
+#define EMBER_AVX_VNNI 1
+#else
+#define EMBER_AVX_VNNI 0
+#endif
 // bfloat16 dot products (vdpbf16ps: Zen 4, Xeons since Cooper Lake), on top of AVX-512.
 #if EMBER_AVX512 && defined(__AVX512BF16__)
 #define EMBER_BF16_DOT 1

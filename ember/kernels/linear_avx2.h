@@ -45,6 +45,17 @@ inline __m256i five_bit_codes(const uint8_t* block, int g, int64_t half) {
   return _mm256_or_si256(low, _mm256_and_si256(set, _mm256_set1_epi8(16)));
 }
 
+// dots plus each 32-bit lane's four products of unsigned bytes u and signed bytes s, no pair of
+// which may reach past int16 (maddubs saturates there; dpbusd never does).
+inline __m256i byte_products(__m256i dots, __m256i u, __m256i s, __m256i ones) {
+#if EMBER_AVX_VNNI
+  (void)ones;
+  return _mm256_dpbusd_avx_epi32(dots, u, s);
+#else
+  return _mm256_add_epi32(dots, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), ones));
+#endif
+}
+
 // 8 steps as floats: unsigned (Q4S) or signed (Q8S) bytes.
 inline __m256 load_steps(const uint8_t* p, bool is_signed) {
   const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
@@ -58,7 +69,8 @@ inline __m256 load_steps(const uint8_t* p, bool is_signed) {
 // signed activations, in pairs, to int16) then madd (pairs to int32): exact, as no int16
 // saturates. Q4: a pair is at most 2 * 15 * 127 and the block's eight pairs sum in int16 (at most
 // 30480). Q8: the code b becomes the signed w = b - 128, and |w| times x with w's sign (at most
-// 2 * 128 * 127 a pair) goes straight to int32. `next` (or nullptr): the column block fetched
+// 2 * 128 * 127 a pair) goes straight to int32. With AVX-VNNI, dpbusd sums each lane's four
+// products straight to int32 instead: the same exact sums, so the same bits. `next` (or nullptr): the column block fetched
 // into L2 as this one is computed, as on the AVX-512 path.
 // `start` (or nullptr: zero): the (M, N) float32 sums to continue.
 template <Format F, int MR, int H, int HALVES, typename T>
@@ -91,8 +103,13 @@ inline void tile(const uint8_t* w, int64_t KB, int64_t nb, int64_t N, const int8
           const __m256i lo = _mm256_and_si256(packed, low);
           const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low);
           for (int r = 0; r < MR; ++r) {
+#if EMBER_AVX_VNNI
+            dots[r] = _mm256_dpbusd_avx_epi32(dots[r], lo, _mm256_set1_epi32(xk[r][p]));
+            dots[r] = _mm256_dpbusd_avx_epi32(dots[r], hi, _mm256_set1_epi32(xk[r][p + 4]));
+#else
             dots[r] = _mm256_add_epi16(dots[r], _mm256_maddubs_epi16(lo, _mm256_set1_epi32(xk[r][p])));
             dots[r] = _mm256_add_epi16(dots[r], _mm256_maddubs_epi16(hi, _mm256_set1_epi32(xk[r][p + 4])));
+#endif
           }
         };
         // Unrolled, with three rows or more, the compiler hoists all 8 * MR products above their
@@ -103,7 +120,8 @@ inline void tile(const uint8_t* w, int64_t KB, int64_t nb, int64_t N, const int8
 #pragma GCC unroll 1
           for (int p = 0; p < 4; ++p) pairs(p);
         }
-        for (int r = 0; r < MR; ++r) dots[r] = _mm256_madd_epi16(dots[r], ones);
+        if constexpr (!EMBER_AVX_VNNI)
+          for (int r = 0; r < MR; ++r) dots[r] = _mm256_madd_epi16(dots[r], ones);
       } else {  // Q8S and Q8SM sum each half of the block apart, with its own step; Q8 and Q8M at once
         constexpr int HALVES_K = HALF_STEPS<F> ? 2 : 1;
         for (int k_half = 0; k_half < HALVES_K; ++k_half) {
@@ -118,12 +136,12 @@ inline void tile(const uint8_t* w, int64_t KB, int64_t nb, int64_t N, const int8
               const __m256i magnitude = _mm256_sign_epi8(signed_w, signed_w);  // -128 stays 0x80: 128 unsigned
               for (int r = 0; r < MR; ++r) {
                 const __m256i x = _mm256_sign_epi8(_mm256_set1_epi32(xk[r][g]), signed_w);
-                dots[r] = _mm256_add_epi32(dots[r], _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude, x), ones));
+                dots[r] = byte_products(dots[r], magnitude, x, ones);
               }
             } else {  // Q8M's codes are below 128: a pair is at most 2 * 127 * 127, within int16
               for (int r = 0; r < MR; ++r) {
                 const __m256i x = _mm256_set1_epi32(xk[r][g]);
-                dots[r] = _mm256_add_epi32(dots[r], _mm256_madd_epi16(_mm256_maddubs_epi16(codes, x), ones));
+                dots[r] = byte_products(dots[r], codes, x, ones);
               }
             }
           }

@@ -2,7 +2,8 @@
 32 rows and more where the processor has them, or AVX2) gives the bits of its plain C++ path (a
 second copy of the kernel is built without vector instructions, under its own op namespace, and
 both copies run the same products), in every block format and for rows of any width; on a
-processor with AVX-512, an AVX2 copy gives them too; on all, sums over K cut between blocks and
+processor with AVX-512, an AVX2 copy gives them too, and so does one with AVX-VNNI where the
+processor has it; on all, sums over K cut between blocks and
 continued give one call's bits; SiLU and the rotary embedding give the AVX2 build's bits on
 AVX-512; a build killed midway does not stall the next one; EMBER_KERNEL_TARGET picks the build's instructions and
 EMBER_ATTENTION_TILES whether bfloat16 attention takes AMX tiles."""
@@ -32,12 +33,21 @@ def copies() -> dict:
     if bits:
         builds["plain"] = kernels.plain_linear_copy
     if bits == 512:
+        folder = Path(kernels.__file__).parent
         builds["avx2"] = kernels.avx2_linear_copy
-        builds["avx2 row ops"] = lambda: kernels.kernel_copy(Path(kernels.__file__).parent / "layer_ops.cpp",
-                                                             "ember_avx2_row_ops", "avx2")
+        builds["avx2 row ops"] = lambda: kernels.kernel_copy(folder / "layer_ops.cpp", "ember_avx2_row_ops", "avx2")
+        if "avx_vnni" in _processor_flags():
+            builds["avx-vnni"] = lambda: kernels.kernel_copy(folder / "linear.cpp", "ember_avx_vnni_copy", "avx-vnni")
     with ThreadPoolExecutor(max(len(builds), 1)) as pool:
         started = {name: pool.submit(build) for name, build in builds.items()}
         return {name: future.result() for name, future in started.items()}
+
+
+def _processor_flags() -> set[str]:
+    try:
+        return set(next(line for line in open("/proc/cpuinfo") if line.startswith("flags")).split())
+    except (OSError, StopIteration):
+        return set()
 
 
 @pytest.fixture(scope="module")
@@ -87,6 +97,15 @@ def test_the_vector_linear_gives_the_plain_bits(plain_ops, format, dtype):
 @pytest.mark.parametrize("format", FORMATS)
 def test_the_avx2_path_gives_the_plain_bits_too(avx2_ops, plain_ops, format):
     check_vector_against_plain(avx2_ops, plain_ops, format, torch.bfloat16)
+
+
+@pytest.mark.parametrize("format", FORMATS)
+def test_the_avx2_path_with_avx_vnni_gives_the_plain_bits_too(copies, plain_ops, format):
+    """AVX2 with AVX-VNNI (Intel's processors since Alder Lake without AVX-512) sums a block's
+    byte products with dpbusd instead of maddubs and madd: the same exact integer sums."""
+    if "avx-vnni" not in copies:
+        pytest.skip("no AVX-VNNI here beside AVX-512 (an AVX2 processor with it checks it as its own path)")
+    check_vector_against_plain(copies["avx-vnni"], plain_ops, format, torch.bfloat16)
 
 
 @pytest.mark.parametrize("format", [4, 24])  # sums of whole blocks; of half blocks too
