@@ -333,11 +333,23 @@ inline float whole_block_weights(float* scores, State& state) {
 }
 #endif
 
-constexpr int64_t MAX_HEADS_AT_ONCE = 3;  // twelve sums in registers, with the block's two widened vectors
+// Heads that share a block's widened keys and values: their sums fill twelve of AVX2's sixteen
+// registers, sixteen of AVX-512's thirty-two, beside the widened vectors.
+constexpr int MAX_HEADS_AT_ONCE = EMBER_AVX512 ? 4 : 3;
+
+// f(std::integral_constant<int, n>) for n heads, 1 <= n <= MAX_HEADS_AT_ONCE: a template's count.
+template <typename F> inline void with_heads(int64_t n, F&& f) {
+  switch (n) {
+    case 1: return f(std::integral_constant<int, 1>{});
+    case 2: return f(std::integral_constant<int, 2>{});
+    case 3: return f(std::integral_constant<int, 3>{});
+    default: return f(std::integral_constant<int, MAX_HEADS_AT_ONCE>{});
+  }
+}
 
 // bfloat16 heads [0, G) of a row over one chunk, block by block: each head's query widened to
-// floats once for the chunk, the block's scores for up to three heads at a time, then each
-// head's softmax step: the bits of attend_block, head by head.
+// floats once for the chunk, the block's scores for up to MAX_HEADS_AT_ONCE heads at a time,
+// then each head's softmax step: the bits of attend_block, head by head.
 template <>
 inline void attend_chunk<at::BFloat16>(const at::BFloat16* const* q, int64_t G, const at::BFloat16* const* kblocks,
                                        const at::BFloat16* const* vblocks, int64_t count, int64_t D, int64_t first,
@@ -359,11 +371,9 @@ inline void attend_chunk<at::BFloat16>(const at::BFloat16* const* q, int64_t G, 
   }
   for (int64_t blk = first / BLOCK; blk < count; ++blk) {
     for (int64_t g = 0; g < G; g += MAX_HEADS_AT_ONCE)
-      switch (std::min(MAX_HEADS_AT_ONCE, G - g)) {
-        case 1: heads_block_scores<1>(heads + g, kblocks[blk], D, scale, outs + g); break;
-        case 2: heads_block_scores<2>(heads + g, kblocks[blk], D, scale, outs + g); break;
-        default: heads_block_scores<3>(heads + g, kblocks[blk], D, scale, outs + g); break;
-      }
+      with_heads(std::min<int64_t>(MAX_HEADS_AT_ONCE, G - g), [&](auto n) {
+        heads_block_scores<decltype(n)::value>(heads + g, kblocks[blk], D, scale, outs + g);
+      });
     const int64_t seen = std::min<int64_t>(BLOCK, valid - blk * BLOCK);
     for (int64_t g = 0; g < G; ++g) {
 #if EMBER_AVX512
@@ -376,11 +386,9 @@ inline void attend_chunk<at::BFloat16>(const at::BFloat16* const* q, int64_t G, 
       round_to_bf16(scores[g], scores[g]);
     }
     for (int64_t g = 0; g < G; g += MAX_HEADS_AT_ONCE)
-      switch (std::min(MAX_HEADS_AT_ONCE, G - g)) {
-        case 1: heads_block_values<1>(outs + g, vblocks[blk], D, seen, corrections + g, values + g); break;
-        case 2: heads_block_values<2>(outs + g, vblocks[blk], D, seen, corrections + g, values + g); break;
-        default: heads_block_values<3>(outs + g, vblocks[blk], D, seen, corrections + g, values + g); break;
-      }
+      with_heads(std::min<int64_t>(MAX_HEADS_AT_ONCE, G - g), [&](auto n) {
+        heads_block_values<decltype(n)::value>(outs + g, vblocks[blk], D, seen, corrections + g, values + g);
+      });
   }
 }
 #endif
