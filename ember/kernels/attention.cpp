@@ -159,8 +159,9 @@ void split_partials(const Batch& b, int64_t s, int64_t kvh, int64_t split, int64
   for (int64_t c = 0; c < chunks; ++c) {
     const int64_t next = first_chunk[R - 1] + (c + 1) * CHUNK;
     prefetch(c == 0 ? first_chunk[R - 1] : next, std::min(end[R - 1], next + CHUNK));
-    for (int64_t i = 0; i < R; ++i) {
+    for (int64_t i = 0, rows_at_once = 1; i < R; i += rows_at_once) {
       const int64_t chunk = first_chunk[i] + c * CHUNK;
+      rows_at_once = 1;
       if (chunk >= end[i]) continue;
       const int64_t count = (std::min(end[i], chunk + CHUNK) - chunk + BLOCK - 1) / BLOCK;
       const C* kblocks[CHUNK / BLOCK];
@@ -171,11 +172,20 @@ void split_partials(const Batch& b, int64_t s, int64_t kvh, int64_t split, int64
         vblocks[blk] = vals + base;
       }
       const int64_t first = std::max<int64_t>(0, begin[i] - chunk), valid = std::min(end[i], chunk + CHUNK) - chunk;
+      if constexpr (WIDENED_ROWS_SHARE_CHUNKS && std::is_same_v<T, at::BFloat16> && std::is_same_v<C, T>) {
+        // the next rows that see this chunk's keys as this one does: more heads of one call
+        while (i + rows_at_once < R && (rows_at_once + 1) * G * D <= MOST_WIDENED &&
+               (rows_at_once + 1) * G <= MOST_WIDENED_HEADS &&
+               first_chunk[i + rows_at_once] == first_chunk[i] && begin[i + rows_at_once] == begin[i] &&
+               std::min(end[i + rows_at_once], chunk + CHUNK) == chunk + valid)
+          ++rows_at_once;
+      }
       if constexpr (std::is_same_v<C, int8_t>)
         attend_chunk_int8<T>(rows.data() + i * G, G, kblocks, vblocks, count, D, first, valid, b.scale,
                              states.data() + i * G);
       else
-        attend_chunk<T>(rows.data() + i * G, G, kblocks, vblocks, count, D, first, valid, b.scale, states.data() + i * G);
+        attend_chunk<T>(rows.data() + i * G, rows_at_once * G, kblocks, vblocks, count, D, first, valid, b.scale,
+                        states.data() + i * G);
     }
   }
   keep_max_and_sum(states.data(), R * G, D, partials);

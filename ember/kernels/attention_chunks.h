@@ -313,6 +313,13 @@ inline void attend_chunk(const T* const* q, int64_t G, const T* const* kblocks, 
   attend_blocks<T>(q, G, kblocks, vblocks, count, D, first, valid, scale, states);
 }
 
+// Whether a prompt tile's rows that see a chunk's keys alike go to attend_chunk as more heads of
+// one call (split_partials): the widening path's, below, whose passes of heads share each block's
+// widened keys and values, so that a group of fewer heads than a pass holds fills one too. A
+// call's heads and their widened queries (floats) live on the stack, up to these.
+constexpr bool WIDENED_ROWS_SHARE_CHUNKS = EMBER_AVX2 && !EMBER_BF16_DOT;
+constexpr int64_t MOST_WIDENED = 4096, MOST_WIDENED_HEADS = 64;
+
 #if EMBER_AVX2 && !EMBER_BF16_DOT
 #if EMBER_AVX512
 // softmax_weights, then round_to_bf16, for a block the row sees whole, sixteen lanes in registers
@@ -354,15 +361,14 @@ template <>
 inline void attend_chunk<at::BFloat16>(const at::BFloat16* const* q, int64_t G, const at::BFloat16* const* kblocks,
                                        const at::BFloat16* const* vblocks, int64_t count, int64_t D, int64_t first,
                                        int64_t valid, float scale, State* states) {
-  constexpr int64_t MOST = 4096, MOST_HEADS = 64;  // the widened queries and the scores live on the stack
-  if (D % 8 != 0 || G * D > MOST || G > MOST_HEADS)
+  if (D % 8 != 0 || G * D > MOST_WIDENED || G > MOST_WIDENED_HEADS)
     return attend_blocks<at::BFloat16>(q, G, kblocks, vblocks, count, D, first, valid, scale, states);
-  alignas(32) float qf[MOST];
-  alignas(64) float scores[MOST_HEADS][BLOCK];
-  const float* heads[MOST_HEADS];
-  float* outs[MOST_HEADS];
-  float* values[MOST_HEADS];
-  float corrections[MOST_HEADS];
+  alignas(32) float qf[MOST_WIDENED];
+  alignas(64) float scores[MOST_WIDENED_HEADS][BLOCK];
+  const float* heads[MOST_WIDENED_HEADS];
+  float* outs[MOST_WIDENED_HEADS];
+  float* values[MOST_WIDENED_HEADS];
+  float corrections[MOST_WIDENED_HEADS];
   for (int64_t g = 0; g < G; ++g) {
     widen_query(q[g], D, qf + g * D);
     heads[g] = qf + g * D;
