@@ -72,14 +72,22 @@ def build_flags(target: str | None = None) -> list[str]:
     return [*_TARGETS[target], "-fopenmp"]
 
 
-def _processor() -> str:
+def _flags_line() -> str | None:
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return line
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
     except OSError:
-        pass
-    return platform.processor()
+        return None
+    return next((line for line in lines if line.startswith("flags")), None)
+
+
+def _processor() -> str:
+    return _flags_line() or platform.processor()
+
+
+def processor_flags() -> set[str]:
+    """The instruction sets this processor has, as Linux's /proc/cpuinfo names them (empty elsewhere):
+    for tests that build a kernel for other instructions and must know whether it can run here."""
+    return set((_flags_line() or "").split())
 
 
 @contextlib.contextmanager
@@ -137,11 +145,11 @@ def status() -> str:
 
 def kernel_copy(source: Path, namespace: str, target: str | None = None):
     """One kernel source built a second time under the op namespace `namespace`, for a target of
-    _TARGETS (by default ember's own build's): for tests and benchmarks that hold one version or build of a kernel against another
-    in one process, with the units beside it that are compiled with it (_units). Its headers are
-    those beside it where its folder has ember's (common.h among them: another commit's kernels
-    folder, `git archive REV ember/kernels | tar -x -C DIR`), else this tree's. Returns
-    torch.ops.<namespace>."""
+    _TARGETS (by default ember's own build's): for tests and benchmarks that hold one version or
+    build of a kernel against another in one process, with the units beside it that are compiled
+    with it (_units). Its headers are those beside it where its folder has ember's (common.h among
+    them: another commit's kernels folder, `git archive REV ember/kernels | tar -x -C DIR`), else
+    this tree's. Returns torch.ops.<namespace>."""
     from torch.utils import cpp_extension
 
     folder = Path(tempfile.mkdtemp(prefix=f"{namespace}-"))

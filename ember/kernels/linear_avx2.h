@@ -70,8 +70,8 @@ inline __m256 load_steps(const uint8_t* p, bool is_signed) {
 // saturates. Q4: a pair is at most 2 * 15 * 127 and the block's eight pairs sum in int16 (at most
 // 30480). Q8: the code b becomes the signed w = b - 128, and |w| times x with w's sign (at most
 // 2 * 128 * 127 a pair) goes straight to int32. With AVX-VNNI, dpbusd sums each lane's four
-// products straight to int32 instead: the same exact sums, so the same bits. `next` (or nullptr): the column block fetched
-// into L2 as this one is computed, as on the AVX-512 path.
+// products straight to int32 instead: the same exact sums, so the same bits. `next` (or nullptr):
+// the column block fetched into L2 as this one is computed, as on the AVX-512 path.
 // `start` (or nullptr: zero): the (M, N) float32 sums to continue.
 template <Format F, int MR, int H, int HALVES, typename T>
 inline void tile(const uint8_t* w, int64_t KB, int64_t nb, int64_t N, const int8_t* xq, const float* dx,

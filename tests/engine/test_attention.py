@@ -347,12 +347,8 @@ def widening_builds() -> dict:
     instructions): the paths that widen the cache's bfloat16 pairs to floats, eight and sixteen
     lanes at a time, which this processor's own build passes by where it has those instructions.
     Built side by side, each one compiler process."""
-    try:
-        flags = set(next(line for line in open("/proc/cpuinfo") if line.startswith("flags")).split())
-    except (OSError, StopIteration):
-        flags = set()
     assert kernels.available(), kernels.status()
-    if torch.ops.ember.vector_bits() != 512 or not _ICELAKE_FLAGS <= flags:
+    if torch.ops.ember.vector_bits() != 512 or not _ICELAKE_FLAGS <= kernels.processor_flags():
         pytest.skip("the widening paths run as this processor's own build here, if at all")
     source = Path(kernels.__file__).parent / "attention.cpp"
     with ThreadPoolExecutor(2) as pool:

@@ -36,18 +36,11 @@ def copies() -> dict:
         folder = Path(kernels.__file__).parent
         builds["avx2"] = kernels.avx2_linear_copy
         builds["avx2 row ops"] = lambda: kernels.kernel_copy(folder / "layer_ops.cpp", "ember_avx2_row_ops", "avx2")
-        if "avx_vnni" in _processor_flags():
+        if "avx_vnni" in kernels.processor_flags():
             builds["avx-vnni"] = lambda: kernels.kernel_copy(folder / "linear.cpp", "ember_avx_vnni_copy", "avx-vnni")
     with ThreadPoolExecutor(max(len(builds), 1)) as pool:
         started = {name: pool.submit(build) for name, build in builds.items()}
         return {name: future.result() for name, future in started.items()}
-
-
-def _processor_flags() -> set[str]:
-    try:
-        return set(next(line for line in open("/proc/cpuinfo") if line.startswith("flags")).split())
-    except (OSError, StopIteration):
-        return set()
 
 
 @pytest.fixture(scope="module")
