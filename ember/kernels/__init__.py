@@ -130,6 +130,8 @@ def available() -> bool:
         logger.warning("ember's CPU kernels could not be built; using plain torch paths: %s", _status)
         return False
     vector = {512: "AVX-512 VNNI", 256: "AVX2"}.get(torch.ops.ember.vector_bits(), "plain C++")
+    if torch.ops.ember.avx_vnni():
+        vector += " with AVX-VNNI"
     if torch.ops.ember.attention_tiles(tiles == "1"):
         vector += ", AMX tiles for bfloat16 attention"
     if torch.ops.ember.linear_tiles():

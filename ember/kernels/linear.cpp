@@ -353,6 +353,9 @@ at::Tensor block_rows(const at::Tensor& packed, const at::Tensor& ids, int64_t i
 // The vector registers' width in bits the kernels were built for: 512, 256, or 0 (plain C++).
 int64_t vector_bits() { return EMBER_AVX512 ? 512 : EMBER_AVX2 ? 256 : 0; }
 
+// Whether the AVX2 path's linear layers take AVX-VNNI's byte dot products (linear_avx2.h).
+bool avx_vnni() { return EMBER_AVX_VNNI && !EMBER_AVX512; }
+
 // Whether linear layers of many rows take AMX tiles here (linear_amx.h): built for them, and the
 // processor grants them.
 bool linear_tiles() {
@@ -370,6 +373,7 @@ TORCH_LIBRARY_FRAGMENT(EMBER_OPS, m) {
   m.def("quantized_linear_parts(Tensor x, Tensor[] packed, int[] out_features, int[] formats) -> Tensor");
   m.def("quantized_linear_accumulate_(Tensor x, Tensor packed, int out_features, int format, Tensor(a!) sums) -> ()");
   m.def("vector_bits() -> int", &ember_kernels::vector_bits);
+  m.def("avx_vnni() -> bool", &ember_kernels::avx_vnni);
   m.def("linear_tiles() -> bool", &ember_kernels::linear_tiles);
   m.def("block_rows(Tensor packed, Tensor ids, int in_features, int format, ScalarType dtype) -> Tensor");
 }

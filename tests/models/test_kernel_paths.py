@@ -98,6 +98,7 @@ def test_the_avx2_path_with_avx_vnni_gives_the_plain_bits_too(copies, plain_ops,
     byte products with dpbusd instead of maddubs and madd: the same exact integer sums."""
     if "avx-vnni" not in copies:
         pytest.skip("no AVX-VNNI here beside AVX-512 (an AVX2 processor with it checks it as its own path)")
+    assert copies["avx-vnni"].avx_vnni() and not torch.ops.ember.avx_vnni()  # the AVX-512 build's path is its own
     check_vector_against_plain(copies["avx-vnni"], plain_ops, format, torch.bfloat16)
 
 
