@@ -324,7 +324,8 @@ constexpr int64_t MOST_WIDENED = 4096, MOST_WIDENED_HEADS = 64;
 #if EMBER_AVX512
 // softmax_weights, then round_to_bf16, for a block the row sees whole, sixteen lanes in registers
 // rather than through memory: the same operations (a max is exact in any order; the sum's
-// sixteen lanes are reduced as exp_and_sum reduces them), so the same bits.
+// sixteen lanes are reduced as exp_and_sum reduces them; bf16_bits rounds as round_to_bf16 does
+// where no weight is NaN), so the same bits.
 inline float whole_block_weights(float* scores, State& state) {
   const __m512 scaled = _mm512_load_ps(scores);
   const float max = std::max(state.max, _mm512_reduce_max_ps(scaled));
@@ -332,10 +333,7 @@ inline float whole_block_weights(float* scores, State& state) {
   const __m512 weights = exp_nonpositive(_mm512_sub_ps(scaled, _mm512_set1_ps(max)));
   state.sum = std::fma(state.sum, correction, _mm512_reduce_add_ps(weights));
   state.max = max;
-  const __m512i u = _mm512_castps_si512(weights);
-  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-  const __m512i up = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), odd));
-  _mm512_store_ps(scores, _mm512_castsi512_ps(_mm512_and_si512(up, _mm512_set1_epi32(int(0xffff0000u)))));
+  _mm512_store_ps(scores, _mm512_castsi512_ps(bf16_bits(weights)));
   return correction;
 }
 #endif
