@@ -296,8 +296,11 @@ class EngineCore:
         return self.pooled.take(request.request_id, method, request.num_prompt_tokens)
 
     def _move_blocks(self) -> None:
+        moves = self.kv_manager.take_moves()
         if self.tiers is not None:
-            self.tiers.move(self.kv_manager.take_moves())
+            self.tiers.move(moves)
+        elif moves.relocated:
+            self.runner.cache.copy_blocks(moves.relocated)
 
     def _advance_images(self) -> list[StepOutput]:
         """Encode the images live requests need, for at most IMAGE_WORK_SHARE of a decoding step's

@@ -3,7 +3,9 @@
 Block 0 is a null block for padding block tables; it is never handed out. A full block whose
 tokens are all computed gets a hash chained from its parent's hash, so a later request with the
 same prefix (and the same cache salt) can reuse it. Free blocks sit in an LRU queue; a free block
-that still has a hash stays findable until allocation takes it from the front of the queue.
+that still has a hash stays findable until allocation takes it from the front of the queue. With
+keep_runs, a request's blocks are kept in runs of consecutive ids, cached data moved aside to the
+block the queue evicts (see _take_free_block).
 
 A pinned block (engine.kv_pins) that no request holds waits aside, out of that queue, until its
 pin expires. Pins give way only to a request that holds the pool alone and still cannot fit, so
@@ -22,11 +24,12 @@ from __future__ import annotations
 import hashlib
 import time
 from array import array
-from collections import Counter, OrderedDict
+from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from ember.engine.free_queue import FreeQueue
 from ember.engine.kv_changes import CacheChangeFeed
 from ember.engine.kv_pins import PinTable
 from ember.engine.request import Request
@@ -75,9 +78,12 @@ class BlockMoves:
     evicted: list[tuple[bytes, int]] = field(default_factory=list)  # (hash, block id) the pool let go
     cached: list[tuple[bytes, int]] = field(default_factory=list)  # (hash, block id) newly cached
     loads: dict[int, Any] = field(default_factory=dict)  # block id -> fetched data to write in
+    # block id -> the block whose data it takes (KVCacheManager's keep_runs): copied after the
+    # reads above and before the loads, every source read as it was before any copy
+    relocated: dict[int, int] = field(default_factory=dict)
 
     def __bool__(self) -> bool:
-        return bool(self.evicted or self.cached or self.loads)
+        return bool(self.evicted or self.cached or self.loads or self.relocated)
 
 
 def tokens_by_tier(hits: Sequence[int | FetchedBlock], block_size: int) -> dict[str, int]:
@@ -112,7 +118,8 @@ class KVCacheManager:
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
                  max_pinned_share: float = DEFAULT_MAX_PINNED_SHARE,
-                 clock: Callable[[], float] = time.monotonic, tiers: BlockTiers | None = None) -> None:
+                 clock: Callable[[], float] = time.monotonic, tiers: BlockTiers | None = None,
+                 keep_runs: bool = False) -> None:
         if num_blocks < 2:
             raise ValueError(f"num_blocks must be at least 2 (block 0 is reserved), got {num_blocks}")
         if block_size < 1:
@@ -124,7 +131,7 @@ class KVCacheManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
         # front: taken next (plain blocks, then the least recently freed cached ones)
-        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(1, num_blocks))
+        self._free = FreeQueue(range(1, num_blocks))
         self.cached_block_ids: dict[bytes, int] = {}
         self._num_cached_free = 0
         self._holders: dict[str, Request] = {}  # requests holding blocks, for check_invariants
@@ -135,6 +142,11 @@ class KVCacheManager:
         self._changes = CacheChangeFeed()
         self.tiers = tiers if enable_prefix_caching else None
         self._moves = BlockMoves()
+        # keep_runs: a request's next block is the one after its last wherever that block is free,
+        # a cached one's data moved to the block the queue would have taken (see _take_free_block)
+        self.keep_runs = keep_runs
+        self._origin: dict[int, int] = {}  # block -> where its cached data lies until take_moves copies it
+        self.blocks_relocated = 0  # cached blocks whose data moved so that a request's blocks run on
 
     @property
     def num_allocatable_blocks(self) -> int:
@@ -262,28 +274,55 @@ class KVCacheManager:
         return True
 
     def _take_free_block(self, wanted: int) -> int:
-        """The block right after the request's last one when it is free and holds nothing cached,
-        else the front of the free queue.
+        """The block right after the request's last one when it is free and holds nothing cached
+        (or, with keep_runs, when it is free at all), else the front of the free queue.
 
-        Plain free blocks all sit ahead of cached ones, so the choice never evicts a cached block
-        sooner; it gives long sequences runs of consecutive blocks, which attention reads in place.
+        Runs of consecutive blocks are what ember's CPU attention reads fastest: a block of one KV
+        head is 2 KiB for the default model, and where a pool that has served a while hands out
+        blocks from all over itself, 32 streams decode about 7% slower (bench/kv_runs.py). Plain free
+        blocks all sit ahead of cached ones, so taking a plain one never evicts a cached block
+        sooner. A cached one is not evicted out of turn either: the front of the queue is evicted
+        as it would have been, and the wanted block's hash, data and place in the queue go to that
+        front block (the data copied by whoever applies take_moves, before the next forward).
         """
-        if 0 < wanted < self.num_blocks and self.blocks[wanted].hash is None and wanted in self._free:
-            del self._free[wanted]
-            return wanted
-        return self._free.popitem(last=False)[0]
+        if 0 < wanted < self.num_blocks and wanted in self._free:
+            block = self.blocks[wanted]
+            if block.hash is None:
+                self._free.remove(wanted)
+                return wanted
+            if self.keep_runs and self._free.front() != wanted:
+                self._relocate(block, self.blocks[self._free.pop_front()])
+                return wanted
+        return self._free.pop_front()
+
+    def _relocate(self, source: Block, target: Block) -> None:
+        """Give queued cached block `source`'s hash, data and place in the queue to `target`, just
+        taken from the queue's front (and evicted, as the queue's turn asks); `source` leaves the
+        queue plain."""
+        if target.hash is not None:
+            self._evict(target)
+        self._free.replace(source.block_id, target.block_id)
+        target.hash, source.hash = source.hash, None
+        self.cached_block_ids[target.hash] = target.block_id
+        load = self._moves.loads.pop(source.block_id, None)  # its data still on its way from a tier
+        if load is not None:
+            self._moves.loads[target.block_id] = load
+        else:
+            self._origin[target.block_id] = self._origin.pop(source.block_id, source.block_id)
+        self.blocks_relocated += 1
 
     def _unqueue_cached(self, block_id: int) -> None:
         """Take a cached block out of the free queue, keeping its hash."""
-        del self._free[block_id]
+        self._free.remove(block_id)
         self._num_cached_free -= 1
 
     def _evict(self, block: Block) -> None:
         """Forget the hash of a cached block just taken from the free queue (a tier that keeps
         evicted blocks gets it first)."""
         # a block whose data has not been loaded yet is in the tier it came from: nothing to keep
+        origin = self._origin.pop(block.block_id, block.block_id)
         if self._moves.loads.pop(block.block_id, None) is None and self.tiers is not None and self.tiers.keeps_evicted:
-            self._moves.evicted.append((block.hash, block.block_id))
+            self._moves.evicted.append((block.hash, origin))
         del self.cached_block_ids[block.hash]
         self._changes.removed(block.hash)
         block.hash = None
@@ -297,8 +336,11 @@ class KVCacheManager:
             self._changes.stored(block_hash)
 
     def take_moves(self) -> BlockMoves:
-        """The copies between the pool and its tiers asked for since the last call (BlockMoves)."""
+        """The copies between the pool and its tiers, and within the pool, asked for since the last
+        call (BlockMoves)."""
         moves, self._moves = self._moves, BlockMoves()
+        moves.relocated, self._origin = {target: source for target, source in self._origin.items()
+                                          if target != source}, {}
         return moves
 
     def cache_full_blocks(self, request: Request) -> None:
@@ -358,9 +400,9 @@ class KVCacheManager:
             if block.hash in self.pins:
                 self._pinned_idle.add(block_id)
                 return
-            self._free[block_id] = None
+            self._free.append(block_id)
             if block.hash is None:
-                self._free.move_to_end(block_id, last=False)  # holds nothing worth keeping
+                self._free.move_to_front(block_id)  # holds nothing worth keeping
             else:
                 self._num_cached_free += 1
 
@@ -372,6 +414,7 @@ class KVCacheManager:
         for block_id in self.cached_block_ids.values():
             self.blocks[block_id].hash = None
         self.cached_block_ids.clear()
+        self._origin.clear()  # no block's data is wanted any more
         self._num_cached_free = 0
         self._changes.cleared()
         return True
@@ -431,7 +474,7 @@ class KVCacheManager:
         block_id = self.cached_block_ids[block_hash]
         if block_id in self._pinned_idle:
             self._pinned_idle.remove(block_id)
-            self._free[block_id] = None
+            self._free.append(block_id)
             self._num_cached_free += 1
 
     # ---- invariants ------------------------------------------------------------------------------
@@ -465,6 +508,8 @@ class KVCacheManager:
         for block_hash, block_id in self.cached_block_ids.items():
             assert self.blocks[block_id].hash == block_hash, \
                 f"hash map entry points at block {block_id}, which has a different hash"
+        for target in self._origin:
+            assert self.blocks[target].hash is not None, f"block {target} waits for data no hash names"
         num_cached_free = sum(1 for block_id in self._free if self.blocks[block_id].hash is not None)
         assert num_cached_free == self._num_cached_free, \
             f"cached free count is {self._num_cached_free} but {num_cached_free} free blocks carry a hash"

@@ -67,7 +67,8 @@ class CacheTiers:
 
     def move(self, moves: BlockMoves) -> None:
         """Copy what `moves` lists: the data of evicted and newly cached blocks out of the pool,
-        then the fetched blocks' data into theirs."""
+        then the data of blocks the pool moved within itself, then the fetched blocks' data into
+        theirs."""
         if not moves:
             return
         began = time.perf_counter()
@@ -77,6 +78,8 @@ class CacheTiers:
             if block_hash not in self.disk:
                 self.disk.put(block_hash, self.cache.read_block(block_id))
         copied_out = time.perf_counter()
+        if moves.relocated:
+            self.cache.copy_blocks(moves.relocated)
         for block_id, data in moves.loads.items():
             self.cache.write_block(block_id, data)
         loaded = time.perf_counter()
