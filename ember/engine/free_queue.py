@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 
 class FreeQueue:
@@ -16,7 +16,7 @@ class FreeQueue:
 
     __slots__ = ("_blocks", "_key_of", "_next_key")
 
-    def __init__(self, block_ids: range) -> None:
+    def __init__(self, block_ids: Iterable[int]) -> None:
         self._blocks: OrderedDict[int, int] = OrderedDict()  # key -> block id, front first
         self._key_of: dict[int, int] = {}
         self._next_key = 0

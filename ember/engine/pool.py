@@ -75,8 +75,8 @@ def build_step_parts(model: torch.nn.Module, model_config: ModelConfig, config: 
         host_mb = default_cache_ram_mb() if config.cache_ram_mb is None else config.cache_ram_mb
         tiers = build_cache_tiers(cache, int(host_mb * 2**20), config.cache_disk_dir if description else None,
                                   int(config.cache_disk_mb * 2**20), description)
-    # runs of blocks: what ember's attention kernel reads fastest (one process: the copies it takes
-    # are made by the engine core, which under tensor parallelism holds no rank's cache)
+    # runs of blocks: what ember's attention kernel reads fastest (not under tensor parallelism, where
+    # every rank's shard would have to take the copies the core makes in its own cache)
     kv_manager = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching,
                                 config.max_pinned_kv_share, tiers=tiers, keep_runs=uses_cpu_kernels and group is None)
     scheduler = Scheduler(
