@@ -1,7 +1,7 @@
 """Decode speed on a pool that has been in use a while, its requests' blocks in runs or strewn.
 
-    python bench/kv_runs.py [--streams 32] [--context 1024] [--decode 64] [--pool-tokens 65536]
-        [--churn-tokens 131072] [--rounds 2]
+    python bench/kv_runs.py [--streams 32] [--context 1024] [--decode 64] [--pool-tokens 40960]
+        [--churn-tokens 400000] [--rounds 3]
 
 A fresh pool hands a request consecutive blocks; one that has served for a while holds cached
 prefixes in every block, taken back in the order they were freed, so without care a request's
@@ -120,9 +120,9 @@ def main() -> None:
     parser.add_argument("--streams", type=int, default=32)
     parser.add_argument("--context", type=int, default=1024, help="each decoding request's prompt tokens")
     parser.add_argument("--decode", type=int, default=64, help="steps timed, every stream decoding")
-    parser.add_argument("--pool-tokens", type=int, default=65536)
-    parser.add_argument("--churn-tokens", type=int, default=131072)
-    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--pool-tokens", type=int, default=40960)
+    parser.add_argument("--churn-tokens", type=int, default=400000, help="about ten turns of the default pool")
+    parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
     llm = LLM(max_model_len=4096, kv_cache_tokens=args.pool_tokens, cache_ram_mb=0)
     runs = llm.engine
