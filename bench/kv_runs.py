@@ -26,17 +26,13 @@ import random
 import statistics
 import time
 
+from speculative import engine_like
+
 from ember import SamplingParams
 from ember.engine.core import EngineCore
 from ember.llm import LLM
 
 SYSTEM_TOKENS = 400
-
-
-def engine_like(llm: LLM) -> EngineCore:
-    base = llm.engine
-    return EngineCore(base.runner.model, base.model_config, base.config, set(base.eos_token_ids), base.device,
-                      base.dtype)
 
 
 def tokens(rng: random.Random, count: int, vocab: int) -> list[int]:
@@ -126,7 +122,7 @@ def main() -> None:
     args = parser.parse_args()
     llm = LLM(max_model_len=4096, kv_cache_tokens=args.pool_tokens, cache_ram_mb=0)
     runs = llm.engine
-    strewn = engine_like(llm)
+    strewn = engine_like(llm, runs.config.speculative)  # a second pool beside the same weights
     strewn.kv_manager.keep_runs = False
     engines = {"keep_runs": runs, "without": strewn}
     vocab = runs.model_config.vocab_size
@@ -158,10 +154,10 @@ def main() -> None:
               f"in {copy_seconds[0] - copied:.3f} s; "
               f"decode {speed['keep_runs']:.1f} against {speed['without']:.1f} tok/s "
               f"({speed['keep_runs'] / speed['without']:.2f}x)")
-    best = {name: statistics.median(values) for name, values in speeds.items()}
+    median = {name: statistics.median(values) for name, values in speeds.items()}
     print(f"{args.streams} streams at {args.context} tokens, median of {args.rounds} rounds: keep_runs "
-          f"{best['keep_runs']:.1f} tok/s, without {best['without']:.1f} tok/s, "
-          f"{best['keep_runs'] / best['without']:.2f}x")
+          f"{median['keep_runs']:.1f} tok/s, without {median['without']:.1f} tok/s, "
+          f"{median['keep_runs'] / median['without']:.2f}x")
 
 
 if __name__ == "__main__":
