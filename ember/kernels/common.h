@@ -34,8 +34,9 @@
 #include <immintrin.h>
 #endif
 // Byte dot products on AVX2's registers (AVX-VNNI: Intel's processors since Alder Lake that stop
-// short of AVX-512, most laptops of recent years among them), for the AVX2 path's linear layers.
-#if EMBER_AVX2 && defined(__AVXVNNI__)
+// short of AVX-512, most laptops of recent years among them), taken by the AVX2 path's linear
+// layers, which a build with AVX-512 does not take.
+#if EMBER_AVX2 && !EMBER_AVX512 && defined(__AVXVNNI__)
 #define EMBER_AVX_VNNI 1
 #else
 #define EMBER_AVX_VNNI 0

@@ -354,7 +354,7 @@ at::Tensor block_rows(const at::Tensor& packed, const at::Tensor& ids, int64_t i
 int64_t vector_bits() { return EMBER_AVX512 ? 512 : EMBER_AVX2 ? 256 : 0; }
 
 // Whether the AVX2 path's linear layers take AVX-VNNI's byte dot products (linear_avx2.h).
-bool avx_vnni() { return EMBER_AVX_VNNI && !EMBER_AVX512; }
+bool avx_vnni() { return EMBER_AVX_VNNI; }
 
 // Whether linear layers of many rows take AMX tiles here (linear_amx.h): built for them, and the
 // processor grants them.
