@@ -175,17 +175,33 @@ inline void tile(const uint8_t* w, int64_t KB, int64_t nb0, int64_t N, const int
     for (int c = 0; c < NB; ++c) store_sums(acc[r][c], y, m0 + r, (nb0 + c) * NBLOCK, N);
 }
 
-// Column blocks [nb, nb + NB) (their bytes from `w`) against every row, in tiles of four rows; a
-// remainder of one or two joins the first tile (five or six rows) rather than taking a pass of its
-// own, which would unpack the weights once more for it, and a remainder of three takes the last
-// tile. The blocks' weights stay in L1 while the rows pass, and each tile unpacks them once (a few
-// rows, as in a drafted round's verification, cost little more than one). Every tile asks for
-// `next` (a repeated ask finds its lines on their way), so memory stays busy however many tiles
-// the rows take.
+// Column blocks [nb, nb + NB) (their bytes from `w`) against every row, in tiles of rows. The
+// blocks' weights stay in L1 while the rows pass, and each tile unpacks them once (a few rows, as
+// in a drafted round's verification, cost little more than one). A nibble format's rows go in as
+// few tiles of up to six rows as they fit, their sizes as even as they go: each tile unpacks the
+// nibbles again, and six rows' sums of two column blocks still fit the registers. A byte format's
+// (nothing to unpack but its steps' registers) go in tiles of four, where a remainder of one or
+// two joins the first tile (five or six rows) and a remainder of three takes the last. Every tile
+// asks for `next` (a repeated ask finds its lines on their way), so memory stays busy however many
+// tiles the rows take.
 template <Format F, int NB, typename T>
 inline void column_blocks(const uint8_t* w, int64_t KB, int64_t nb, int64_t N, const int8_t* xq, const float* dx,
                           const float* sx, const int32_t* qsum, const int32_t* qlow, int64_t K, int64_t M, T* y,
                           const float* start, const uint8_t* next) {
+  if constexpr (NIBBLES<F>) {
+    const int64_t passes = (M + 5) / 6;
+    for (int64_t p = 0, m = 0; p < passes; m += (M - m) / (passes - p), ++p) {
+      switch ((M - m) / (passes - p)) {
+        case 6: tile<F, 6, NB>(w, KB, nb, N, xq, dx, sx, qsum, qlow, K, m, y, start, next); break;
+        case 5: tile<F, 5, NB>(w, KB, nb, N, xq, dx, sx, qsum, qlow, K, m, y, start, next); break;
+        case 4: tile<F, 4, NB>(w, KB, nb, N, xq, dx, sx, qsum, qlow, K, m, y, start, next); break;
+        case 3: tile<F, 3, NB>(w, KB, nb, N, xq, dx, sx, qsum, qlow, K, m, y, start, next); break;
+        case 2: tile<F, 2, NB>(w, KB, nb, N, xq, dx, sx, qsum, qlow, K, m, y, start, next); break;
+        default: tile<F, 1, NB>(w, KB, nb, N, xq, dx, sx, qsum, qlow, K, m, y, start, next); break;
+      }
+    }
+    return;
+  }
   int64_t m = 0;
   if (M >= 5 && M % 4 == 1) {
     tile<F, 5, NB>(w, KB, nb, N, xq, dx, sx, qsum, qlow, K, 0, y, start, next);
