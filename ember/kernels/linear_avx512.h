@@ -180,8 +180,9 @@ inline void tile(const uint8_t* w, int64_t KB, int64_t nb0, int64_t N, const int
 // in a drafted round's verification, cost little more than one). A nibble format's rows go in as
 // few tiles of up to six rows as they fit, their sizes as even as they go: each tile unpacks the
 // nibbles again, and six rows' sums of two column blocks still fit the registers. A byte format's
-// (nothing to unpack but its steps' registers) go in tiles of four, where a remainder of one or
-// two joins the first tile (five or six rows) and a remainder of three takes the last. Every tile
+// rows (nothing to unpack; a step for each half block wants registers of its own) go in tiles of
+// four, where a remainder of one or two joins the first tile (five or six rows) and a remainder
+// of three takes the last. Every tile
 // asks for `next` (a repeated ask finds its lines on their way), so memory stays busy however many
 // tiles the rows take.
 template <Format F, int NB, typename T>
