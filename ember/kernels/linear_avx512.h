@@ -182,42 +182,37 @@ inline void tile(const uint8_t* w, int64_t KB, int64_t nb0, int64_t N, const int
 // nibbles again, and six rows' sums of two column blocks still fit the registers. A byte format's
 // rows (nothing to unpack; a step for each half block wants registers of its own) go in tiles of
 // four, where a remainder of one or two joins the first tile (five or six rows) and a remainder
-// of three takes the last. Every tile
-// asks for `next` (a repeated ask finds its lines on their way), so memory stays busy however many
-// tiles the rows take.
+// of three takes the last. Every tile asks for `next` (a repeated ask finds its lines on their
+// way), so memory stays busy however many tiles the rows take.
 template <Format F, int NB, typename T>
 inline void column_blocks(const uint8_t* w, int64_t KB, int64_t nb, int64_t N, const int8_t* xq, const float* dx,
                           const float* sx, const int32_t* qsum, const int32_t* qlow, int64_t K, int64_t M, T* y,
                           const float* start, const uint8_t* next) {
+  const auto rows_from = [&](int64_t m, int64_t rows) {  // rows [m, m + rows), 1 to 6 of them
+    switch (rows) {
+      case 6: return tile<F, 6, NB>(w, KB, nb, N, xq, dx, sx, qsum, qlow, K, m, y, start, next);
+      case 5: return tile<F, 5, NB>(w, KB, nb, N, xq, dx, sx, qsum, qlow, K, m, y, start, next);
+      case 4: return tile<F, 4, NB>(w, KB, nb, N, xq, dx, sx, qsum, qlow, K, m, y, start, next);
+      case 3: return tile<F, 3, NB>(w, KB, nb, N, xq, dx, sx, qsum, qlow, K, m, y, start, next);
+      case 2: return tile<F, 2, NB>(w, KB, nb, N, xq, dx, sx, qsum, qlow, K, m, y, start, next);
+      default: return tile<F, 1, NB>(w, KB, nb, N, xq, dx, sx, qsum, qlow, K, m, y, start, next);
+    }
+  };
+  int64_t m = 0;
   if constexpr (NIBBLES<F>) {
-    const int64_t passes = (M + 5) / 6;
-    for (int64_t p = 0, m = 0; p < passes; m += (M - m) / (passes - p), ++p) {
-      switch ((M - m) / (passes - p)) {
-        case 6: tile<F, 6, NB>(w, KB, nb, N, xq, dx, sx, qsum, qlow, K, m, y, start, next); break;
-        case 5: tile<F, 5, NB>(w, KB, nb, N, xq, dx, sx, qsum, qlow, K, m, y, start, next); break;
-        case 4: tile<F, 4, NB>(w, KB, nb, N, xq, dx, sx, qsum, qlow, K, m, y, start, next); break;
-        case 3: tile<F, 3, NB>(w, KB, nb, N, xq, dx, sx, qsum, qlow, K, m, y, start, next); break;
-        case 2: tile<F, 2, NB>(w, KB, nb, N, xq, dx, sx, qsum, qlow, K, m, y, start, next); break;
-        default: tile<F, 1, NB>(w, KB, nb, N, xq, dx, sx, qsum, qlow, K, m, y, start, next); break;
-      }
+    for (int64_t tiles = (M + 5) / 6; tiles > 0; --tiles) {
+      const int64_t rows = (M - m) / tiles;
+      rows_from(m, rows);
+      m += rows;
     }
     return;
   }
-  int64_t m = 0;
-  if (M >= 5 && M % 4 == 1) {
-    tile<F, 5, NB>(w, KB, nb, N, xq, dx, sx, qsum, qlow, K, 0, y, start, next);
-    m = 5;
-  } else if (M >= 6 && M % 4 == 2) {
-    tile<F, 6, NB>(w, KB, nb, N, xq, dx, sx, qsum, qlow, K, 0, y, start, next);
-    m = 6;
+  if (M >= 5 && (M % 4 == 1 || M % 4 == 2)) {
+    rows_from(0, 4 + M % 4);
+    m = 4 + M % 4;
   }
-  for (; m + 4 <= M; m += 4) tile<F, 4, NB>(w, KB, nb, N, xq, dx, sx, qsum, qlow, K, m, y, start, next);
-  switch (M - m) {
-    case 3: tile<F, 3, NB>(w, KB, nb, N, xq, dx, sx, qsum, qlow, K, m, y, start, next); break;
-    case 2: tile<F, 2, NB>(w, KB, nb, N, xq, dx, sx, qsum, qlow, K, m, y, start, next); break;
-    case 1: tile<F, 1, NB>(w, KB, nb, N, xq, dx, sx, qsum, qlow, K, m, y, start, next); break;
-    default: break;
-  }
+  for (; m + 4 <= M; m += 4) rows_from(m, 4);
+  if (m < M) rows_from(m, M - m);
 }
 
 // Column blocks [nb, nb + count) (count 1 or 2; their bytes from `w`) against every row.
