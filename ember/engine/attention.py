@@ -34,6 +34,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from ember.engine.host_memory import BackgroundPopulate, huge_page_tensor
+
 
 @dataclass(slots=True)
 class DecodeGroup:
@@ -210,16 +212,26 @@ class KVCache:
 
     Torch layout: (kv_heads, slots, head_dim) per layer, heads before slots, so a gathered run of
     blocks is already (kv_heads, keys, head_dim), the layout the attention matmuls read without a
-    copy. Kernel layout (`kernel_layout`, blocks of 16): (kv_heads, blocks, 16 * head_dim) per
-    layer, each block arranged for ember's attention kernel (see ember/kernels/attention.cpp).
+    copy. Kernel layout (`kernel_layout`, blocks of 16): each block arranged for ember's attention
+    kernel (see ember/kernels/attention.cpp), in groups of GROUP_BLOCKS blocks: the pool is
+    (groups, layers, k/v, kv_heads, GROUP_BLOCKS, 16 * head_dim), so a layer's view is (groups,
+    kv_heads, GROUP_BLOCKS, 16 * head_dim) and a run of a group's blocks of one KV head lies in one
+    piece. On the host the pool lies on huge pages where it can (engine.host_memory): no page walk
+    per 4 KiB as attention reads a step's keys and values, while the first write to a group's
+    blocks makes that group's pages resident (5.8 MB for the default model), not a 2 MiB page in
+    each layer's keys and values of each KV head as it would with the layers outermost
+    (bench/kv_pool_pages.py).
 
     `dtype` is what attention computes in (the model's); `kv_dtype` what the cache stores. A float
     kv_dtype other than dtype is cast on write and back on read. int8 (quantize_rows) stores each
     key and value row with its own scale: in the torch layout a slot is (head_dim + 4) int8, its
     values then its scale's bytes; in the kernel layout a block is its 16 * head_dim int8 values
-    (laid out as float32's) then its 16 float32 scales. Either way a block is still
-    `blocks[:, :, :, block]`, scales included, and a token's bits depend on its own K/V alone.
+    (laid out as float32's) then its 16 float32 scales. Either way `block(b)` is block b's
+    (layers, k/v, kv_heads, block elements), scales included, and a token's bits depend on its own
+    K/V alone.
     """
+
+    GROUP_BLOCKS = 64  # blocks whose keys (or values) of one layer and KV head lie in one piece
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
                  head_dim: int, dtype: torch.dtype, device: torch.device, kernel_layout: bool = False,
@@ -233,44 +245,76 @@ class KVCache:
         self.dtype = dtype
         self.kv_dtype = kv_dtype or dtype
         row = head_dim + INT8_SCALE_BYTES if self.kv_dtype == torch.int8 else head_dim  # elements per slot
-        # (layers, k/v, kv_heads, slots, row), or (layers, k/v, kv_heads, blocks, 16 * row)
+        self._populate: BackgroundPopulate | None = None
+        self._groups_asked = 0  # groups [0, this) asked to be made resident (populate_ahead)
         if kernel_layout:
             # The kernel never reads a slot past a row's keys, so the pool need not be written up
-            # front: the process holds only the pages its requests have used.
-            self.tensor = torch.empty(num_layers, 2, num_kv_heads, num_blocks, block_size * row,
-                                      dtype=self.kv_dtype, device=device)
-            self.tensor[:, :, :, 0].zero_()  # the null block
+            # front: the process holds only the pages its requests have used. A fresh huge-page
+            # region reads as zeros, null block 0 included; it starts a cache line past a huge
+            # page, as torch's allocations start past a page (on the boundary itself, every block
+            # on a 2 KiB one, the AVX2 path's attention lost time: bench/kv_pool_pages.py).
+            groups = -(-num_blocks // self.GROUP_BLOCKS)
+            shape = (groups, num_layers, 2, num_kv_heads, self.GROUP_BLOCKS, block_size * row)
+            pool = huge_page_tensor(shape, self.kv_dtype, offset=64) if torch.device(device).type == "cpu" else None
+            # The pages of the group after the furthest one in use are made resident ahead of its
+            # first writes (populate_ahead).
+            self._populate = None if pool is None else BackgroundPopulate(pool)
+            if pool is None:
+                pool = torch.empty(shape, dtype=self.kv_dtype, device=device)
+                pool[0, :, :, :, 0].zero_()  # the null block
+            self.tensor = pool
+            self.layers = [(pool[:, i, 0], pool[:, i, 1]) for i in range(num_layers)]  # (k, v) views
         else:
-            # The torch paths weigh padded slots by exact zeros, which must not meet a NaN.
+            # (layers, k/v, kv_heads, slots, row). The torch paths weigh padded slots by exact
+            # zeros, which must not meet a NaN.
             self.tensor = torch.zeros(num_layers, 2, num_kv_heads, num_blocks * block_size, row,
                                       dtype=self.kv_dtype, device=device)
-        self.layers = [(self.tensor[i, 0], self.tensor[i, 1]) for i in range(num_layers)]  # (k, v) views
-        # (layers, k/v, kv_heads, blocks, block elements): one block's data is [:, :, :, block], in either layout
-        self.blocks = self.tensor.view(num_layers, 2, num_kv_heads, num_blocks, -1)
+            self.layers = [(self.tensor[i, 0], self.tensor[i, 1]) for i in range(num_layers)]  # (k, v) views
+            # (layers, k/v, kv_heads, blocks, block elements)
+            self._blocks = self.tensor.view(num_layers, 2, num_kv_heads, num_blocks, -1)
+
+    def populate_ahead(self, block_id: int) -> None:
+        """Where the pool lies on huge pages: have the pages of block_id's group and the next one
+        made resident in the background, if not asked for already. Blocks are first handed out in
+        order, so the next group is where the pool's first writes go next; a block written before
+        its pages are there takes them itself, as on ordinary pages."""
+        if self._populate is None or self._populate.refused:
+            return
+        wanted = min(self.tensor.shape[0], block_id // self.GROUP_BLOCKS + 2)
+        if wanted > self._groups_asked:
+            group_bytes = self.tensor[0].numel() * self.tensor.element_size()
+            self._populate.submit(self._groups_asked * group_bytes, (wanted - self._groups_asked) * group_bytes)
+            self._groups_asked = wanted
+
+    def block(self, block_id: int) -> torch.Tensor:
+        """Block `block_id`'s data in place, (layers, k/v, kv_heads, block elements), in either layout."""
+        if self.kernel_layout:
+            return self.tensor[block_id // self.GROUP_BLOCKS, :, :, :, block_id % self.GROUP_BLOCKS]
+        return self._blocks[:, :, :, block_id]
 
     def block_layout(self) -> tuple[tuple[int, ...], torch.dtype]:
         """The shape and dtype of read_block's copies (what the tiers keep)."""
-        return tuple(self.blocks[:, :, :, 0].shape), self.kv_dtype
+        return tuple(self.block(0).shape), self.kv_dtype
 
     def read_block(self, block_id: int, device: torch.device | str = "cpu") -> torch.Tensor:
         """A copy of one block's keys and values (int8: and their scales), (layers, k/v, kv_heads,
         block elements), on `device`."""
-        return self.blocks[:, :, :, block_id].to(device, copy=True)
+        return self.block(block_id).to(device, copy=True)
 
     def write_block(self, block_id: int, data: torch.Tensor) -> None:
         """Put read_block's copy (of a block of this layout) into block `block_id`."""
-        self.blocks[:, :, :, block_id].copy_(data, non_blocking=True)
+        self.block(block_id).copy_(data, non_blocking=True)
 
     def copy_blocks(self, sources: dict[int, int]) -> None:
         """Each block of `sources` (target -> source) takes its source's data, every source read
         as it was before any of them was written."""
-        if sources.keys().isdisjoint(sources.values()):  # as good as always: block by block, 2-3x faster
+        if sources.keys().isdisjoint(sources.values()):  # as good as always: block by block
             for target, source in sources.items():
-                self.blocks[:, :, :, target].copy_(self.blocks[:, :, :, source])
+                self.block(target).copy_(self.block(source))
             return
-        targets = torch.tensor(list(sources), device=self.tensor.device)
-        self.blocks.index_copy_(3, targets, self.blocks.index_select(3, torch.tensor(list(sources.values()),
-                                                                                     device=self.tensor.device)))
+        copies = {target: self.block(source).clone() for target, source in sources.items()}
+        for target, data in copies.items():
+            self.block(target).copy_(data)
 
     def stored(self, x: torch.Tensor) -> torch.Tensor:
         """New keys or values (..., head_dim) as the torch layout stores them."""

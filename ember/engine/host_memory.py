@@ -1,10 +1,12 @@
-"""The loaded model's place in the host's memory.
+"""The loaded model's place in the host's memory, and its KV pool's.
 
-- Huge pages: a decode step streams every weight of the model once. On 4 KiB pages that is a
-  page walk per 4 KiB and a hardware prefetcher that stops at each page's end; on 2 MiB pages
-  neither, and the block-quantized linear kernels run faster (bench/huge_pages.py measures it).
-  The region is an anonymous mapping advised MADV_HUGEPAGE, so it works where transparent huge
+- Huge pages: a decode step streams every weight of the model once, and its attention reads each
+  sequence's keys and values. On 4 KiB pages that is a page walk per 4 KiB and a hardware
+  prefetcher that stops at each page's end; on 2 MiB pages neither, and the block-quantized
+  linear kernels and the attention kernel run faster (bench/huge_pages.py, bench/kv_pool_pages.py).
+  A region is an anonymous mapping advised MADV_HUGEPAGE, so it works where transparent huge
   pages are `always` or `madvise` (most distributions' default) and costs nothing under `never`.
+  Its pages read as zeros and become resident at their first write, 2 MiB at a time.
 
 Loading also frees far more than it keeps; the engine hands those pages back once the model is in
 place (ember.freed_heap), which takes a few hundred MB off the resident size of the default model.
@@ -12,15 +14,20 @@ place (ember.freed_heap), which takes a few hundred MB off the resident size of 
 
 from __future__ import annotations
 
+import ctypes
+import math
 import mmap
 import sys
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
 
 HUGE_PAGE = 2 << 20
 _ALIGN = 64  # each tensor starts on a cache line
+_PAGE = mmap.PAGESIZE
+_MADV_POPULATE_WRITE = 23  # Linux 5.14 on
 
 
 def _aligned(nbytes: int) -> int:
@@ -42,6 +49,40 @@ def huge_page_bytes(nbytes: int) -> torch.Tensor | None:
     buffer = torch.frombuffer(region, dtype=torch.uint8)
     start = -buffer.data_ptr() % HUGE_PAGE
     return buffer[start:start + nbytes]
+
+
+def huge_page_tensor(shape: Sequence[int], dtype: torch.dtype, offset: int = 0) -> torch.Tensor | None:
+    """A zeroed contiguous CPU tensor of `shape` and `dtype` on huge pages (huge_page_bytes),
+    starting `offset` bytes past a huge page's start; None where they cannot be asked for."""
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    region = huge_page_bytes(offset + nbytes)
+    return None if region is None else region[offset:].view(dtype).view(tuple(shape))
+
+
+class BackgroundPopulate:
+    """Makes byte ranges of a tensor resident on a thread of its own (madvise's MADV_POPULATE_WRITE:
+    each page faulted in as a write would, no byte changed), so that on huge pages the kernel
+    assembles a 2 MiB page there rather than inside the first write that meets it, where it can
+    take milliseconds (compacting memory to find one). The call runs outside the GIL (ctypes).
+    Where the kernel refuses the advice (before Linux 5.14), it stops asking: the first writes then
+    fault their pages in themselves, as they would without it."""
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self._tensor = tensor  # keeps its mapping alive while a range is under way
+        self._madvise = ctypes.CDLL(None, use_errno=True).madvise
+        self._madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ember-populate")
+        self.refused = False
+
+    def submit(self, start: int, nbytes: int) -> Future | None:
+        """Bytes [start, start + nbytes) of the tensor, widened to whole pages, in the background."""
+        return None if self.refused else self._executor.submit(self._populate, start, nbytes)
+
+    def _populate(self, start: int, nbytes: int) -> None:
+        first = (self._tensor.data_ptr() + start) // _PAGE * _PAGE
+        end = self._tensor.data_ptr() + min(start + nbytes, self._tensor.numel() * self._tensor.element_size())
+        if first < end and self._madvise(first, end - first, _MADV_POPULATE_WRITE) != 0:
+            self.refused = True
 
 
 def move_to_huge_pages(owners: Sequence[Any], attribute: str) -> bool:

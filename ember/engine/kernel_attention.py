@@ -64,10 +64,13 @@ def kernel_attention(cache: KVCache, scheduled_rows: list[tuple[list[int], int, 
     """scheduled_rows: (block ids, first position, row count) per scheduled sequence, in row order."""
     width = max(-(-(start + count) // KERNEL_BLOCK_SIZE) for _, start, count in scheduled_rows)
     tables, row_begin, first_pos = [], [0], []
+    newest = 0  # the furthest block a sequence's last is: new blocks are handed out at the tails
     for block_ids, start, count in scheduled_rows:
         blocks = block_ids[: -(-(start + count) // KERNEL_BLOCK_SIZE)]
         tables.append(blocks + [0] * (width - len(blocks)))
         row_begin.append(row_begin[-1] + count)
         first_pos.append(start)
+        newest = max(newest, blocks[-1])
+    cache.populate_ahead(newest)
     return KernelAttention(cache, slot_mapping, torch.tensor(tables, dtype=torch.int32),
                            torch.tensor(row_begin, dtype=torch.int32), torch.tensor(first_pos, dtype=torch.int32))

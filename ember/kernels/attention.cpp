@@ -54,13 +54,30 @@ inline void prefetch_bytes(const void* p, int64_t bytes) {
   for (int64_t line = 0; line < bytes; line += 64) __builtin_prefetch(static_cast<const char*>(p) + line, 0, 2);
 }
 
+// Where a layer's cache keeps block b of KV head h, in elements from its start. A cache is
+// (kv_heads, blocks, block elements), every KV head's blocks in one run, or, as the engine's pool
+// lays it out (ember/engine/attention.py), (groups, kv_heads, blocks of a group, block elements):
+// runs of a group's blocks, group after group.
+struct CacheLayout {
+  int64_t kv_heads, blocks, head_stride, block_stride, group_stride, group_blocks;
+  int64_t offset(int64_t h, int64_t b) const {
+    return (b / group_blocks) * group_stride + h * head_stride + (b % group_blocks) * block_stride;
+  }
+};
+
+CacheLayout layout_of(const at::Tensor& cache) {
+  if (cache.dim() == 3)
+    return {cache.size(0), cache.size(1), cache.stride(0), cache.stride(1), 0, std::max<int64_t>(1, cache.size(1))};
+  return {cache.size(1), cache.size(0) * cache.size(2), cache.stride(1), cache.stride(2), cache.stride(0),
+          std::max<int64_t>(1, cache.size(2))};
+}
+
 struct Batch {
   const void* q;
   int64_t q_stride, H, KVH, G, D;
   const void* k_cache;
   const void* v_cache;
-  int64_t head_stride;  // elements between kv heads in a layer's cache
-  int64_t block_stride;  // elements between blocks of a kv head
+  CacheLayout layout;  // of both caches
   const int32_t* tables;
   int64_t table_width;
   const int32_t* row_begin;  // (S + 1,) rows of sequence s: [row_begin[s], row_begin[s + 1])
@@ -106,8 +123,8 @@ template <typename T, typename C>
 void split_partials(const Batch& b, int64_t s, int64_t kvh, int64_t split, int64_t r0, int64_t r1, float* partials) {
   const int64_t D = b.D, G = b.G, lo = split * SPLIT, R = r1 - r0;
   const T* q = static_cast<const T*>(b.q);
-  const C* keys = static_cast<const C*>(b.k_cache) + kvh * b.head_stride;
-  const C* vals = static_cast<const C*>(b.v_cache) + kvh * b.head_stride;
+  const C* keys = static_cast<const C*>(b.k_cache);
+  const C* vals = static_cast<const C*>(b.v_cache);
   const int32_t* table = b.tables + s * b.table_width;
   // the thread's scratch, kept from call to call (every entry is set below before it is read)
   thread_local std::vector<State> states;
@@ -136,10 +153,10 @@ void split_partials(const Batch& b, int64_t s, int64_t kvh, int64_t split, int64
   // finds them out of the caches (the weights streamed through since the last step), and the
   // hardware's prefetcher loses the thread at each block's end where blocks do not lie in a run
   // (bench/attention_versions.py: cold, 1.02-1.09x; scattered, 1.35-1.64x; in the caches, 0.90-0.96x).
-  const int64_t block_bytes = b.block_stride * int64_t(sizeof(C));
+  const int64_t block_bytes = b.layout.block_stride * int64_t(sizeof(C));
   const auto prefetch = [&](int64_t from, int64_t to) {  // the blocks of keys [from, to)
     for (int64_t pos = from; pos < to; pos += BLOCK) {
-      const int64_t base = int64_t(table[pos / BLOCK]) * b.block_stride;
+      const int64_t base = b.layout.offset(kvh, table[pos / BLOCK]);
       prefetch_bytes(keys + base, block_bytes);
       prefetch_bytes(vals + base, block_bytes);
     }
@@ -149,7 +166,7 @@ void split_partials(const Batch& b, int64_t s, int64_t kvh, int64_t split, int64
     if (b.tiles) {
       tile_passes(R, G, D, b.scale, rows.data(), states.data(), first_chunk.data(), begin.data(), end.data(), prefetch,
                   [&](int64_t pos) {
-                    const int64_t base = int64_t(table[pos / BLOCK]) * b.block_stride;
+                    const int64_t base = b.layout.offset(kvh, table[pos / BLOCK]);
                     return std::make_pair(keys + base, vals + base);
                   });
       return keep_max_and_sum(states.data(), R * G, D, partials);
@@ -167,7 +184,7 @@ void split_partials(const Batch& b, int64_t s, int64_t kvh, int64_t split, int64
       const C* kblocks[CHUNK / BLOCK];
       const C* vblocks[CHUNK / BLOCK];
       for (int64_t blk = 0; blk < count; ++blk) {
-        const int64_t base = int64_t(table[chunk / BLOCK + blk]) * b.block_stride;
+        const int64_t base = b.layout.offset(kvh, table[chunk / BLOCK + blk]);
         kblocks[blk] = keys + base;
         vblocks[blk] = vals + base;
       }
@@ -353,8 +370,10 @@ bool is_int8(const at::Tensor& cache) { return cache.scalar_type() == at::kChar;
 
 void check_cache(const at::Tensor& k_cache, const at::Tensor& v_cache, int64_t D) {
   const int64_t block = is_int8(k_cache) ? kv_int8::block_bytes(D) : BLOCK * D;
-  TORCH_CHECK(k_cache.dim() == 3 && k_cache.size(2) == block && k_cache.stride(2) == 1 && k_cache.stride(1) == block,
-              "the cache must be (kv_heads, blocks, 16 * head_dim), or int8 (kv_heads, blocks, 16 * (head_dim + 4))");
+  TORCH_CHECK((k_cache.dim() == 3 || k_cache.dim() == 4) && k_cache.size(-1) == block && k_cache.stride(-1) == 1 &&
+                  k_cache.stride(-2) == block,
+              "the cache must be (kv_heads, blocks, 16 * head_dim) or (groups, kv_heads, blocks of a group, 16 * "
+              "head_dim), int8 with 16 * (head_dim + 4)");
   TORCH_CHECK(!is_int8(k_cache) || D % 16 == 0, "an int8 cache needs head_dim a multiple of 16");
   TORCH_CHECK(v_cache.sizes() == k_cache.sizes() && v_cache.strides() == k_cache.strides() &&
               v_cache.scalar_type() == k_cache.scalar_type(), "v_cache unlike k_cache");
@@ -368,8 +387,9 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
                            const at::Tensor& block_table, const at::Tensor& row_begin, const at::Tensor& first_pos,
                            double scale, int64_t window) {
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2), "q must be (T, heads, head_dim) rows");
-  const int64_t T = q.size(0), H = q.size(1), D = q.size(2), KVH = k_cache.size(0), S = first_pos.numel();
-  check_cache(k_cache, v_cache, D);
+  check_cache(k_cache, v_cache, q.size(2));
+  const CacheLayout layout = layout_of(k_cache);
+  const int64_t T = q.size(0), H = q.size(1), D = q.size(2), KVH = layout.kv_heads, S = first_pos.numel();
   TORCH_CHECK(H % KVH == 0 && (is_int8(k_cache) || q.scalar_type() == k_cache.scalar_type()),
               "heads: a multiple of kv_heads; q in the cache's dtype, unless the cache is int8");
   TORCH_CHECK(!is_int8(k_cache) || ((H / KVH) * D <= INT8_MOST_FLOATS && H / KVH <= INT8_MOST_HEADS),
@@ -381,8 +401,8 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
   TORCH_CHECK(S == 0 || row_begin.data_ptr<int32_t>()[S] == T, "the sequences' rows must cover q");
   auto out = at::empty({T, H, D}, q.options());
   if (T == 0) return out;
-  Batch b{q.data_ptr(), q.stride(0), H, KVH, H / KVH, D, k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(0),
-          k_cache.stride(1), block_table.data_ptr<int32_t>(), block_table.size(1), row_begin.data_ptr<int32_t>(),
+  Batch b{q.data_ptr(), q.stride(0), H, KVH, H / KVH, D, k_cache.data_ptr(), v_cache.data_ptr(), layout,
+          block_table.data_ptr<int32_t>(), block_table.size(1), row_begin.data_ptr<int32_t>(),
           first_pos.data_ptr<int32_t>(), window, float(scale), out.data_ptr(), false};
 #if EMBER_AMX_TILES
   b.tiles = q.scalar_type() == at::kBFloat16 && k_cache.scalar_type() == at::kBFloat16 && tiles::apply(D);
@@ -397,25 +417,20 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
   return out;
 }
 
-template <typename T>
-inline void store_row(const T* k, const T* v, int64_t slot, int64_t kvh, T* k_cache, T* v_cache, int64_t head_stride,
-                      int64_t D) {
-  T* kb = k_cache + kvh * head_stride + (slot / BLOCK) * BLOCK * D;
-  T* vb = v_cache + kvh * head_stride + (slot / BLOCK) * BLOCK * D;
-  const int64_t key = slot % BLOCK;
-  for (int64_t d = 0; d < D; ++d) {
-    kb[k_offset<T>(key, d, D)] = k[d];
-    vb[v_offset<T>(key, d, D)] = v[d];
-  }
-}
-
 // One row's k and v (D values each) into the cache's `slot` of KV head kvh, quantized where it is int8.
 template <typename T>
 inline void store_slot(const T* k, const T* v, int64_t slot, int64_t kvh, const at::Tensor& k_cache,
-                       const at::Tensor& v_cache, int64_t D) {
-  if (!is_int8(k_cache))
-    return store_row<T>(k, v, slot, kvh, k_cache.data_ptr<T>(), v_cache.data_ptr<T>(), k_cache.stride(0), D);
-  const int64_t at = kvh * k_cache.stride(0) + (slot / BLOCK) * k_cache.stride(1);
+                       const at::Tensor& v_cache, const CacheLayout& layout, int64_t D) {
+  const int64_t at = layout.offset(kvh, slot / BLOCK), key = slot % BLOCK;
+  if (!is_int8(k_cache)) {
+    T* kb = k_cache.data_ptr<T>() + at;
+    T* vb = v_cache.data_ptr<T>() + at;
+    for (int64_t d = 0; d < D; ++d) {
+      kb[k_offset<T>(key, d, D)] = k[d];
+      vb[v_offset<T>(key, d, D)] = v[d];
+    }
+    return;
+  }
   kv_int8::store_row<T>(k, D, k_cache.data_ptr<int8_t>() + at, slot % BLOCK, false);
   kv_int8::store_row<T>(v, D, v_cache.data_ptr<int8_t>() + at, slot % BLOCK, true);
 }
@@ -429,12 +444,14 @@ void store_kv_(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at
               (k.scalar_type() == k_cache.scalar_type() || is_int8(k_cache)) && v.scalar_type() == k.scalar_type(),
               "k and v: (T, kv_heads, head_dim) rows in the cache's dtype (any, for an int8 cache)");
   TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.numel() == T, "one int64 slot per row");
+  const CacheLayout layout = layout_of(k_cache);
+  TORCH_CHECK(layout.kv_heads == KVH, "k and v: the cache's kv_heads");
   dispatch_float_or_bf16(k.scalar_type(), [&](auto tag) {
     using T_ = decltype(tag);
     for (int64_t t = 0; t < T; ++t)
       for (int64_t h = 0; h < KVH; ++h)
         store_slot<T_>(k.data_ptr<T_>() + t * k.stride(0) + h * D, v.data_ptr<T_>() + t * v.stride(0) + h * D,
-                       slots.data_ptr<int64_t>()[t], h, k_cache, v_cache, D);
+                       slots.data_ptr<int64_t>()[t], h, k_cache, v_cache, layout, D);
   });
 }
 
@@ -446,7 +463,8 @@ void rotary_store_(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin
               "qkv must be (T, (H + 2 KVH) D) rows");
   const int64_t T = qkv.size(0), D = qkv.size(1) / (heads + 2 * kv_heads), half = D / 2;
   check_cache(k_cache, v_cache, D);
-  TORCH_CHECK(k_cache.size(0) == kv_heads && (k_cache.scalar_type() == qkv.scalar_type() || is_int8(k_cache)),
+  const CacheLayout layout = layout_of(k_cache);
+  TORCH_CHECK(layout.kv_heads == kv_heads && (k_cache.scalar_type() == qkv.scalar_type() || is_int8(k_cache)),
               "the cache: kv_heads, and qkv's dtype or int8");
   TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.numel() == T, "one int64 slot per row");
   TORCH_CHECK(cos.size(0) == T && cos.size(-1) == half && cos.stride(-1) == 1 && sin.strides() == cos.strides() &&
@@ -479,7 +497,8 @@ void rotary_store_(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin
           rotate_heads<T_>(row + first * D, last - first, D, half, cos_rows + t * row_stride, sin_rows + t * row_stride,
                            c.data(), s.data());
           for (int64_t head = std::max(first, heads); head < last; ++head)
-            store_slot<T_>(row + head * D, row + (head + kv_heads) * D, slot[t], head - heads, k_cache, v_cache, D);
+            store_slot<T_>(row + head * D, row + (head + kv_heads) * D, slot[t], head - heads, k_cache, v_cache, layout,
+                           D);
         }
       }
     });
@@ -489,12 +508,13 @@ void rotary_store_(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin
 // The cache's blocks back in the (kv_heads, slots, D) layout: for tests and for debugging. An int8
 // cache comes back as float32, each value times its row's scale.
 at::Tensor unpack_cache(const at::Tensor& cache, bool values, int64_t D) {
-  const int64_t KVH = cache.size(0), blocks = cache.size(1);
+  const CacheLayout layout = layout_of(cache);
+  const int64_t KVH = layout.kv_heads, blocks = layout.blocks;
   if (is_int8(cache)) {
     auto out = at::empty({KVH, blocks * BLOCK, D}, cache.options().dtype(at::kFloat));
     for (int64_t h = 0; h < KVH; ++h)
       for (int64_t slot = 0; slot < blocks * BLOCK; ++slot) {
-        const int8_t* block = cache.data_ptr<int8_t>() + h * cache.stride(0) + (slot / BLOCK) * cache.stride(1);
+        const int8_t* block = cache.data_ptr<int8_t>() + layout.offset(h, slot / BLOCK);
         const int64_t key = slot % BLOCK;
         for (int64_t d = 0; d < D; ++d)
           out.data_ptr<float>()[(h * blocks * BLOCK + slot) * D + d] =
@@ -508,7 +528,7 @@ at::Tensor unpack_cache(const at::Tensor& cache, bool values, int64_t D) {
     for (int64_t h = 0; h < KVH; ++h)
       for (int64_t slot = 0; slot < blocks * BLOCK; ++slot)
         for (int64_t d = 0; d < D; ++d) {
-          const T_* block = cache.data_ptr<T_>() + h * cache.stride(0) + (slot / BLOCK) * BLOCK * D;
+          const T_* block = cache.data_ptr<T_>() + layout.offset(h, slot / BLOCK);
           const int64_t key = slot % BLOCK;
           out.data_ptr<T_>()[(h * blocks * BLOCK + slot) * D + d] = block[values ? v_offset<T_>(key, d, D) : k_offset<T_>(key, d, D)];
         }

@@ -193,6 +193,34 @@ def test_the_cache_layout_round_trips(kernel_case):
 
 
 @pytest.mark.parametrize("kernel_case", KERNEL_DTYPES, indirect=True)
+def test_the_pools_groups_of_blocks_read_and_store_as_one_run_per_kv_head_does(kernel_case):
+    """The engine's pool keeps blocks in groups (KVCache.GROUP_BLOCKS); the kernel takes a cache of
+    one run of blocks per KV head as well, and the same blocks give the same bits either way."""
+    cache, blocks, keys, values, q = kernel_case
+    grouped = cache.layers[0]
+    assert grouped[0].dim() == 4 and grouped[0].shape[2] == KVCache.GROUP_BLOCKS
+    # the same blocks as (kv_heads, blocks, block elements)
+    runs = [c.transpose(0, 1).reshape(KERNEL_KV_HEADS, -1, c.shape[-1]).clone() for c in grouped]
+    table = torch.tensor([blocks], dtype=torch.int32)
+    for start, count in ((0, KERNEL_LENGTH), (699, 1), (300, 17)):
+        row_begin = torch.tensor([0, count], dtype=torch.int32)
+        first = torch.tensor([start], dtype=torch.int32)
+        rows = q[start:start + count]
+        assert torch.equal(torch.ops.ember.paged_attention(rows, *grouped, table, row_begin, first, 0.125, 0),
+                           torch.ops.ember.paged_attention(rows, *runs, table, row_begin, first, 0.125, 0))
+    qkv = torch.randn(3, (KERNEL_HEADS + 2 * KERNEL_KV_HEADS) * KERNEL_HEAD_DIM).to(q.dtype)
+    angles = torch.rand(3, KERNEL_HEAD_DIM // 2) * 6.3
+    cos, sin = angles.cos().to(q.dtype), angles.sin().to(q.dtype)
+    slots = torch.tensor([blocks[-1] * KERNEL_BLOCK + 15, blocks[0] * KERNEL_BLOCK + 1, 17 * KERNEL_BLOCK + 3])
+    rotated = [qkv.clone(), qkv.clone()]
+    torch.ops.ember.rotary_store_(rotated[0], cos, sin, *grouped, slots, KERNEL_HEADS, KERNEL_KV_HEADS)
+    torch.ops.ember.rotary_store_(rotated[1], cos, sin, *runs, slots, KERNEL_HEADS, KERNEL_KV_HEADS)
+    assert torch.equal(rotated[0], rotated[1])
+    for mine, theirs in zip(grouped, runs):
+        assert torch.equal(mine.transpose(0, 1).reshape(theirs.shape).nan_to_num(7.0), theirs.nan_to_num(7.0))
+
+
+@pytest.mark.parametrize("kernel_case", KERNEL_DTYPES, indirect=True)
 def test_the_attention_kernel_matches_plain_causal_attention(kernel_case):
     cache, blocks, keys, values, q = kernel_case
     out = _kernel(cache, [(blocks, 0, q)])
@@ -251,9 +279,8 @@ def test_a_windowed_row_keeps_its_bits_and_never_reads_blocks_before_its_window(
     assert torch.equal(together, torch.cat((whole[650:], whole[100:300], whole[5:6])))
     # the last row's window starts at position 700 - window: poison every block wholly before it
     before = blocks[: (KERNEL_LENGTH - window) // KERNEL_BLOCK]
-    k_cache, v_cache = cache.layers[0]
-    k_cache[:, before] = float("nan")
-    v_cache[:, before] = float("nan")
+    for block_id in before:
+        cache.block(block_id).fill_(float("nan"))
     assert torch.equal(_kernel(cache, [(blocks, 699, q[699:])]), whole[699:])
 
 

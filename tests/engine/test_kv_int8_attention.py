@@ -177,11 +177,11 @@ def test_an_int8_block_carries_its_scales_and_takes_about_half_the_bytes(kernel_
     shape, dtype = cache.block_layout()
     assert dtype == torch.int8 and shape == (2, 2, KV_HEADS, BLOCK * (HEAD_DIM + 4))
     per_block = KVCache.bytes_per_block(2, BLOCK, KV_HEADS, HEAD_DIM, torch.int8)
-    assert per_block == cache.tensor.numel() // 4  # four blocks, one byte each element
+    assert per_block == cache.block(0).numel()  # one byte each element
     bf16 = KVCache.bytes_per_block(2, BLOCK, KV_HEADS, HEAD_DIM, torch.bfloat16)
     assert bf16 / per_block == pytest.approx(2 * HEAD_DIM / (HEAD_DIM + 4))  # 1.88 at head_dim 64
     generator = torch.Generator().manual_seed(2)
-    cache.blocks[:, :, :, 1] = torch.randint(-127, 128, shape, generator=generator, dtype=torch.int8)
+    cache.block(1)[:] = torch.randint(-127, 128, shape, generator=generator, dtype=torch.int8)
     block = cache.read_block(1)
     assert block.shape == shape and block.dtype == dtype
     cache.write_block(3, block)

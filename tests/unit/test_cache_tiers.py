@@ -185,7 +185,7 @@ def compute(kv, tiers, cache, request, fill):
     tiers.move(kv.take_moves())
     request.num_cached_tokens = num_hit_tokens
     for index in range(num_hit_tokens // BLOCK_SIZE, len(request.block_ids)):
-        cache.write_block(request.block_ids[index], torch.full(cache.blocks[:, :, :, 0].shape, fill + index,
+        cache.write_block(request.block_ids[index], torch.full(cache.block(0).shape, fill + index,
                                                                dtype=cache.tensor.dtype))
     request.num_computed_tokens = request.num_tokens
     kv.cache_full_blocks(request)

@@ -1,11 +1,15 @@
-"""CPU tensors moved onto huge pages keep their values, and the engine's block weights live there."""
+"""CPU tensors moved onto huge pages keep their values, and the engine's block weights and KV pool
+live there."""
 
+import re
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-from ember.engine.host_memory import HUGE_PAGE, huge_page_bytes, move_to_huge_pages
+from ember.engine.attention import KVCache
+from ember.engine.host_memory import (HUGE_PAGE, BackgroundPopulate, huge_page_bytes, huge_page_tensor,
+                                     move_to_huge_pages)
 
 advisable = pytest.mark.skipif(huge_page_bytes(64) is None, reason="huge pages are asked for on Linux, where granted")
 
@@ -18,6 +22,61 @@ def test_a_region_starts_on_a_huge_page_and_is_zeroed():
     assert not region.any()
     region[-1] = 7  # writable to its last byte
     assert region[-1] == 7
+
+
+@advisable
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.int8])
+def test_a_tensor_on_huge_pages_has_its_shape_and_dtype_and_reads_zero(dtype):
+    tensor = huge_page_tensor((3, 2, 1000, 17), dtype)
+    assert tensor.shape == (3, 2, 1000, 17) and tensor.dtype == dtype and tensor.is_contiguous()
+    assert tensor.data_ptr() % HUGE_PAGE == 0 and not tensor.any()
+    tensor[-1, -1, -1, -1] = 5
+    assert tensor[-1, -1, -1, -1] == 5 and tensor.count_nonzero() == 1
+    assert huge_page_tensor((5, 7), dtype, offset=64).data_ptr() % HUGE_PAGE == 64
+
+
+@advisable
+def test_the_kernel_layouts_kv_pool_lies_on_huge_pages_in_groups_of_blocks():
+    group = KVCache.GROUP_BLOCKS
+    cache = KVCache(4, 2 * group + 8, 16, 2, 64, torch.bfloat16, torch.device("cpu"), kernel_layout=True)
+    assert cache.tensor.data_ptr() % HUGE_PAGE == 64  # a cache line in, as torch's allocations start
+    assert cache.tensor.shape == (3, 4, 2, 2, group, 16 * 64)  # the blocks in 3 groups
+    k, v = cache.layers[1]
+    assert k.shape == (3, 2, group, 16 * 64) and not cache.block(0).any()  # the null block reads zero
+    data = torch.arange(4 * 2 * 2 * 16 * 64, dtype=torch.float32).view(4, 2, 2, 16 * 64).bfloat16()
+    last = 2 * group + 7
+    cache.write_block(last, data)
+    assert torch.equal(cache.read_block(last), data) and torch.equal(v[2, :, 7], data[1, 1])
+    cache.copy_blocks({5: last, last: 6})  # every source read before any is written
+    assert torch.equal(cache.read_block(5), data) and not cache.read_block(last).any()
+    assert cache.tensor.count_nonzero() == data.count_nonzero()
+    cache.populate_ahead(last)  # the background thread's pages change no byte
+    cache.populate_ahead(0)
+    assert torch.equal(cache.read_block(5), data) and cache.tensor.count_nonzero() == data.count_nonzero()
+
+
+def _resident_bytes_of_mapping(address: int) -> int:
+    """The Rss of the mapping of this process that holds `address` (/proc/self/smaps)."""
+    inside = False
+    for line in open("/proc/self/smaps"):
+        span = re.match(r"([0-9a-f]+)-([0-9a-f]+) ", line)
+        if span:
+            inside = int(span[1], 16) <= address < int(span[2], 16)
+        elif inside and line.startswith("Rss:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no mapping holds the address")
+
+
+@advisable
+def test_a_background_populate_makes_pages_resident_without_changing_a_byte():
+    tensor = huge_page_tensor((8 * HUGE_PAGE,), torch.uint8, offset=64)
+    tensor[100] = 7
+    assert _resident_bytes_of_mapping(tensor.data_ptr()) < 2 * HUGE_PAGE
+    populate = BackgroundPopulate(tensor)
+    populate.submit(0, 4 * HUGE_PAGE).result()
+    if not populate.refused:  # Linux before 5.14 refuses the advice: then nothing is made resident
+        assert _resident_bytes_of_mapping(tensor.data_ptr()) >= 4 * HUGE_PAGE
+    assert tensor[100] == 7 and tensor.count_nonzero() == 1
 
 
 def test_nothing_to_allocate_gives_none():
@@ -51,13 +110,14 @@ def test_a_strided_tensor_is_left_where_it_is():
 
 
 @advisable
-def test_the_engine_reads_its_block_weights_from_one_huge_page_region():
+def test_the_engine_reads_its_block_weights_from_one_huge_page_region_and_keeps_its_kv_pool_on_them():
     from ember import LLM, SamplingParams, kernels
     from ember.models.layers import block_weights
 
     if not kernels.available():
         pytest.skip("ember's CPU kernels do not build here")
     llm = LLM(max_model_len=256, kv_cache_tokens=1024)
+    assert llm.engine.runner.cache.tensor.data_ptr() % HUGE_PAGE == 64  # and its KV pool
     weights = block_weights(llm.engine.runner.model)
     starts = [w.packed.data_ptr() for w in weights]
     assert len(weights) > 1 and starts[0] % HUGE_PAGE == 0 and starts == sorted(starts)

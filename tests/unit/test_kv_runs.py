@@ -44,7 +44,7 @@ def test_the_free_queue_gives_a_block_the_place_of_another():
 def test_copy_blocks_reads_every_source_before_writing_any():
     cache = KVCache(2, 8, BLOCK_SIZE, 1, 16, torch.bfloat16, torch.device("cpu"), kernel_layout=True)
     for block_id in range(8):
-        cache.write_block(block_id, torch.full(cache.blocks[:, :, :, 0].shape, block_id, dtype=torch.bfloat16))
+        cache.write_block(block_id, torch.full(cache.block(0).shape, block_id, dtype=torch.bfloat16))
     before = [cache.read_block(block_id) for block_id in range(8)]
     cache.copy_blocks({5: 4, 6: 1})  # apart: block by block
     cache.copy_blocks({2: 1, 3: 2})  # block 2 is written and read: 3 takes its data from before
@@ -150,7 +150,7 @@ def test_every_cached_hash_names_its_own_data_through_moves_evictions_and_loads(
     running, count = [], 0
 
     def data(value):
-        return torch.full(cache.blocks[:, :, :, 0].shape, value, dtype=cache.tensor.dtype)
+        return torch.full(cache.block(0).shape, value, dtype=cache.tensor.dtype)
 
     for _ in range(300):
         scheduled = []
