@@ -218,9 +218,10 @@ class KVCache:
     kv_heads, GROUP_BLOCKS, 16 * head_dim) and a run of a group's blocks of one KV head lies in one
     piece. On the host the pool lies on huge pages where it can (engine.host_memory): no page walk
     per 4 KiB as attention reads a step's keys and values, while the first write to a group's
-    blocks makes that group's pages resident (5.8 MB for the default model), not a 2 MiB page in
-    each layer's keys and values of each KV head as it would with the layers outermost
-    (bench/kv_pool_pages.py).
+    blocks makes that group's pages resident (23 MB for the default model), not a 2 MiB page in
+    each layer's keys and values of each KV head as it would with the layers outermost, and
+    populate_ahead has the next group's made resident before the steps reach it
+    (bench/kv_pool_pages.py, docs/cpu-kernels.md).
 
     `dtype` is what attention computes in (the model's); `kv_dtype` what the cache stores. A float
     kv_dtype other than dtype is cast on write and back on read. int8 (quantize_rows) stores each
@@ -274,13 +275,15 @@ class KVCache:
             self._blocks = self.tensor.view(num_layers, 2, num_kv_heads, num_blocks, -1)
 
     def populate_ahead(self, block_id: int) -> None:
-        """Where the pool lies on huge pages: have the pages of block_id's group and the next one
-        made resident in the background, if not asked for already. Blocks are first handed out in
-        order, so the next group is where the pool's first writes go next; a block written before
-        its pages are there takes them itself, as on ordinary pages."""
+        """Where the pool lies on huge pages: have the pages of block_id's group made resident in
+        the background, and the next group's too once block_id is past the middle of its own, if
+        not asked for already. Blocks are first handed out in order, so the next group is where the
+        pool's first writes go next; a block written before its pages are there takes them itself,
+        as on ordinary pages."""
         if self._populate is None or self._populate.refused:
             return
-        wanted = min(self.tensor.shape[0], block_id // self.GROUP_BLOCKS + 2)
+        group, within = divmod(block_id, self.GROUP_BLOCKS)
+        wanted = min(self.tensor.shape[0], group + (2 if 2 * within >= self.GROUP_BLOCKS else 1))
         if wanted > self._groups_asked:
             group_bytes = self.tensor[0].numel() * self.tensor.element_size()
             self._populate.submit(self._groups_asked * group_bytes, (wanted - self._groups_asked) * group_bytes)

@@ -1,6 +1,7 @@
 // Paged attention over ember's kernel cache layout, for decode and prompt rows alike.
 //
-// The cache of one layer is (kv_heads, blocks, 16 * D) for K and for V, a block holding 16 slots:
+// The cache of one layer is (kv_heads, blocks, 16 * D) for K and for V, or (groups, kv_heads, blocks
+// of a group, 16 * D) as the engine's pool holds it (CacheLayout), a block holding 16 slots:
 //   bfloat16 K: [D / 2][16][2]  one vector per pair of dims: the 16 keys' values of that pair
 //   bfloat16 V: [8][D][2]       per pair of keys, every dim's two values
 //   float32  K: [D][16],  V: [16][D]
