@@ -432,8 +432,8 @@ inline void store_slot(const T* k, const T* v, int64_t slot, int64_t kvh, const 
     }
     return;
   }
-  kv_int8::store_row<T>(k, D, k_cache.data_ptr<int8_t>() + at, slot % BLOCK, false);
-  kv_int8::store_row<T>(v, D, v_cache.data_ptr<int8_t>() + at, slot % BLOCK, true);
+  kv_int8::store_row<T>(k, D, k_cache.data_ptr<int8_t>() + at, key, false);
+  kv_int8::store_row<T>(v, D, v_cache.data_ptr<int8_t>() + at, key, true);
 }
 
 // k, v (T, KVH, D) with contiguous heads -> the cache's slots[t].
