@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from ember.engine.host_memory import BackgroundPopulate, huge_page_tensor
+from ember.engine.host_memory import HUGE_PAGE, ResidentPages, huge_page_tensor
 
 
 @dataclass(slots=True)
@@ -233,6 +233,7 @@ class KVCache:
     """
 
     GROUP_BLOCKS = 64  # blocks whose keys (or values) of one layer and KV head lie in one piece
+    POPULATE_PAGES = 1  # huge pages a thread makes resident ahead of the steps, at most, per step
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
                  head_dim: int, dtype: torch.dtype, device: torch.device, kernel_layout: bool = False,
@@ -246,8 +247,8 @@ class KVCache:
         self.dtype = dtype
         self.kv_dtype = kv_dtype or dtype
         row = head_dim + INT8_SCALE_BYTES if self.kv_dtype == torch.int8 else head_dim  # elements per slot
-        self._populate: BackgroundPopulate | None = None
-        self._groups_asked = 0  # groups [0, this) asked to be made resident (populate_ahead)
+        self._pages: ResidentPages | None = None
+        self._resident_to = 0  # bytes of the pool up to which populate_ahead has made it resident
         if kernel_layout:
             # The kernel never reads a slot past a row's keys, so the pool need not be written up
             # front: the process holds only the pages its requests have used. A fresh huge-page
@@ -259,7 +260,7 @@ class KVCache:
             pool = huge_page_tensor(shape, self.kv_dtype, offset=64) if torch.device(device).type == "cpu" else None
             # The pages of the group after the furthest one in use are made resident ahead of its
             # first writes (populate_ahead).
-            self._populate = None if pool is None else BackgroundPopulate(pool)
+            self._pages = None if pool is None else ResidentPages(pool)
             if pool is None:
                 pool = torch.empty(shape, dtype=self.kv_dtype, device=device)
                 pool[0, :, :, :, 0].zero_()  # the null block
@@ -275,19 +276,24 @@ class KVCache:
             self._blocks = self.tensor.view(num_layers, 2, num_kv_heads, num_blocks, -1)
 
     def populate_ahead(self, block_id: int) -> None:
-        """Where the pool lies on huge pages: have the pages of block_id's group made resident in
-        the background, and the next group's too once block_id is past the middle of its own, if
-        not asked for already. Blocks are first handed out in order, so the next group is where the
-        pool's first writes go next; a block written before its pages are there takes them itself,
-        as on ordinary pages."""
-        if self._populate is None or self._populate.refused:
+        """Where the pool lies on huge pages, called before each step with the furthest block it
+        writes: block_id's group made resident now if it is not yet, and once block_id is past the
+        middle of its group the next group's pages too, a few at a time (POPULATE_PAGES a thread
+        each step), so that a step's first writes rarely wait for a page. Blocks are first handed
+        out in order, so the next group is where the pool's first writes go next; a group passed
+        over is left to the writes that reach it."""
+        if self._pages is None or self._pages.refused:
             return
         group, within = divmod(block_id, self.GROUP_BLOCKS)
-        wanted = min(self.tensor.shape[0], group + (2 if 2 * within >= self.GROUP_BLOCKS else 1))
-        if wanted > self._groups_asked:
-            group_bytes = self.tensor[0].numel() * self.tensor.element_size()
-            self._populate.submit(self._groups_asked * group_bytes, (wanted - self._groups_asked) * group_bytes)
-            self._groups_asked = wanted
+        group_bytes = self.tensor[0].numel() * self.tensor.element_size()
+        total = self.tensor.shape[0] * group_bytes
+        needed = min(total, (group + 1) * group_bytes)
+        ahead = min(total, (group + 2) * group_bytes) if 2 * within >= self.GROUP_BLOCKS else needed
+        first = max(self._resident_to, group * group_bytes)
+        end = min(ahead, max(needed, first + self.POPULATE_PAGES * torch.get_num_threads() * HUGE_PAGE))
+        if end > first:
+            self._pages.populate(first, end - first)
+            self._resident_to = end
 
     def block(self, block_id: int) -> torch.Tensor:
         """Block `block_id`'s data in place, (layers, k/v, kv_heads, block elements), in either layout."""

@@ -19,7 +19,7 @@ import math
 import mmap
 import sys
 from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -59,28 +59,50 @@ def huge_page_tensor(shape: Sequence[int], dtype: torch.dtype, offset: int = 0) 
     return None if region is None else region[offset:].view(dtype).view(tuple(shape))
 
 
-class BackgroundPopulate:
-    """Makes byte ranges of a tensor resident on a thread of its own (madvise's MADV_POPULATE_WRITE:
-    each page faulted in as a write would, no byte changed), so that on huge pages the kernel
-    assembles a 2 MiB page there rather than inside the first write that meets it, where it can
-    take milliseconds (compacting memory to find one). The call runs outside the GIL (ctypes).
-    Where the kernel refuses the advice (before Linux 5.14), it stops asking: the first writes then
-    fault their pages in themselves, as they would without it."""
+class ResidentPages:
+    """Makes byte ranges of a tensor resident now (madvise's MADV_POPULATE_WRITE: each page faulted
+    in as a write would, no byte changed), a range shared out in runs of whole huge pages between
+    the calling thread and threads of its own, torch's thread count in all. The engine calls it
+    between steps, while its own threads wait: a thread that did this beside the steps took a core
+    from them (on 2 cores every step it overlapped waited), and a step's first write to a page
+    holds every thread at the next barrier. A fresh huge page is a zeroed 2 MiB, and in a virtual
+    machine whose host has not yet backed that memory it costs far more than the zeroing (on the
+    2-core Xeon guest here 2.5 ms a MiB on one thread, 0.1-0.2 ms once touched:
+    bench/page_first_touch.py). The calls run outside the GIL (ctypes). Where the kernel refuses the
+    advice (before Linux 5.14), it stops asking: first writes then fault their pages in themselves."""
 
     def __init__(self, tensor: torch.Tensor) -> None:
-        self._tensor = tensor  # keeps its mapping alive while a range is under way
+        self._tensor = tensor
         self._madvise = ctypes.CDLL(None, use_errno=True).madvise
         self._madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ember-populate")
+        self._helpers: ThreadPoolExecutor | None = None
         self.refused = False
 
-    def submit(self, start: int, nbytes: int) -> Future | None:
-        """Bytes [start, start + nbytes) of the tensor, widened to whole pages, in the background."""
-        return None if self.refused else self._executor.submit(self._populate, start, nbytes)
-
-    def _populate(self, start: int, nbytes: int) -> None:
+    def populate(self, start: int, nbytes: int) -> None:
+        """Bytes [start, start + nbytes) of the tensor, widened to whole pages; returns when they
+        are resident."""
+        if self.refused:
+            return
         first = (self._tensor.data_ptr() + start) // _PAGE * _PAGE
         end = self._tensor.data_ptr() + min(start + nbytes, self._tensor.numel() * self._tensor.element_size())
+        if first >= end:
+            return
+        # runs of whole huge pages (no page faulted by two threads), one a thread
+        first_page, pages = first // HUGE_PAGE, -(-end // HUGE_PAGE) - first // HUGE_PAGE
+        per_thread = -(-pages // max(1, min(torch.get_num_threads(), pages)))
+        cuts = [first, *((first_page + i) * HUGE_PAGE for i in range(per_thread, pages, per_thread)), end]
+        runs = list(zip(cuts, cuts[1:]))
+        helped = []
+        if len(runs) > 1:
+            if self._helpers is None:
+                self._helpers = ThreadPoolExecutor(max_workers=max(1, torch.get_num_threads() - 1),
+                                                   thread_name_prefix="ember-pages")
+            helped = [self._helpers.submit(self._advise, *span) for span in runs[1:]]
+        self._advise(*runs[0])
+        for future in helped:
+            future.result()
+
+    def _advise(self, first: int, end: int) -> None:
         if first < end and self._madvise(first, end - first, _MADV_POPULATE_WRITE) != 0:
             self.refused = True
 

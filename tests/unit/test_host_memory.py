@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from ember.engine.attention import KVCache
-from ember.engine.host_memory import (HUGE_PAGE, BackgroundPopulate, huge_page_bytes, huge_page_tensor,
+from ember.engine.host_memory import (HUGE_PAGE, ResidentPages, huge_page_bytes, huge_page_tensor,
                                      move_to_huge_pages)
 
 advisable = pytest.mark.skipif(huge_page_bytes(64) is None, reason="huge pages are asked for on Linux, where granted")
@@ -50,7 +50,7 @@ def test_the_kernel_layouts_kv_pool_lies_on_huge_pages_in_groups_of_blocks():
     cache.copy_blocks({5: last, last: 6})  # every source read before any is written
     assert torch.equal(cache.read_block(5), data) and not cache.read_block(last).any()
     assert cache.tensor.count_nonzero() == data.count_nonzero()
-    cache.populate_ahead(last)  # the background thread's pages change no byte
+    cache.populate_ahead(last)  # making pages resident changes no byte
     cache.populate_ahead(0)
     assert torch.equal(cache.read_block(5), data) and cache.tensor.count_nonzero() == data.count_nonzero()
 
@@ -68,15 +68,44 @@ def _resident_bytes_of_mapping(address: int) -> int:
 
 
 @advisable
-def test_a_background_populate_makes_pages_resident_without_changing_a_byte():
+@pytest.mark.parametrize("threads", [1, 2])
+def test_resident_pages_are_made_resident_without_changing_a_byte(threads):
     tensor = huge_page_tensor((8 * HUGE_PAGE,), torch.uint8, offset=64)
     tensor[100] = 7
-    assert _resident_bytes_of_mapping(tensor.data_ptr()) < 2 * HUGE_PAGE
-    populate = BackgroundPopulate(tensor)
-    populate.submit(0, 4 * HUGE_PAGE).result()
-    if not populate.refused:  # Linux before 5.14 refuses the advice: then nothing is made resident
-        assert _resident_bytes_of_mapping(tensor.data_ptr()) >= 4 * HUGE_PAGE
-    assert tensor[100] == 7 and tensor.count_nonzero() == 1
+    tensor[-1] = 9
+    assert _resident_bytes_of_mapping(tensor.data_ptr()) < 3 * HUGE_PAGE
+    pages = ResidentPages(tensor)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        pages.populate(HUGE_PAGE, 5 * HUGE_PAGE)  # runs shared out between the threads
+    finally:
+        torch.set_num_threads(before)
+    if not pages.refused:  # Linux before 5.14 refuses the advice: then nothing is made resident
+        assert _resident_bytes_of_mapping(tensor.data_ptr()) >= 5 * HUGE_PAGE
+    assert tensor[100] == 7 and tensor[-1] == 9 and tensor.count_nonzero() == 2
+
+
+@advisable
+def test_the_pool_is_made_resident_group_by_group_a_few_pages_ahead_each_step():
+    group = KVCache.GROUP_BLOCKS
+    cache = KVCache(30, 3 * group, 16, 3, 64, torch.bfloat16, torch.device("cpu"), kernel_layout=True)
+    group_bytes = cache.tensor[0].numel() * cache.tensor.element_size()  # 23.6 MB
+    piece = KVCache.POPULATE_PAGES * torch.get_num_threads() * HUGE_PAGE
+    resident = lambda: _resident_bytes_of_mapping(cache.tensor.data_ptr())  # noqa: E731
+    cache.populate_ahead(3)  # the step writes into group 0: all of it now
+    if cache._pages.refused:
+        pytest.skip("this kernel refuses MADV_POPULATE_WRITE")
+    assert group_bytes <= resident() < group_bytes + 2 * HUGE_PAGE
+    cache.populate_ahead(group // 2 - 1)  # short of the middle: nothing more
+    assert resident() < group_bytes + 2 * HUGE_PAGE
+    cache.populate_ahead(group // 2)  # past it: group 1 a piece at a time
+    assert group_bytes + piece <= resident() < group_bytes + piece + 2 * HUGE_PAGE
+    for _ in range(group_bytes // piece + 1):
+        cache.populate_ahead(group - 1)
+    assert 2 * group_bytes <= resident() < 2 * group_bytes + 2 * HUGE_PAGE  # never past the next group
+    cache.populate_ahead(2 * group)  # a step that writes into group 2 has all of it at once
+    assert resident() >= 3 * group_bytes and not cache.tensor.any()
 
 
 def test_nothing_to_allocate_gives_none():
