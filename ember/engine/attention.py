@@ -285,8 +285,8 @@ class KVCache:
         if self._pages is None or self._pages.refused:
             return
         group, within = divmod(block_id, self.GROUP_BLOCKS)
-        group_bytes = self.tensor[0].numel() * self.tensor.element_size()
-        total = self.tensor.shape[0] * group_bytes
+        total = self.tensor.numel() * self.tensor.element_size()
+        group_bytes = total // self.tensor.shape[0]
         needed = min(total, (group + 1) * group_bytes)
         ahead = min(total, (group + 2) * group_bytes) if 2 * within >= self.GROUP_BLOCKS else needed
         first = max(self._resident_to, group * group_bytes)
