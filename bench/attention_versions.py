@@ -2,7 +2,8 @@
 
     mkdir -p /tmp/before && git archive HEAD~1 ember/kernels | tar -x -C /tmp/before
     python bench/attention_versions.py /tmp/before/ember/kernels/attention.cpp [--prompt 4000] [--rounds 5]
-        [--decode-contexts 128,256,512,1024,2048] [--store-rows 1,8,9,16,24,32,256]
+        [--decode-contexts 128,256,512,1024,2048] [--decode-batches 32x250,64x128,8x1000,1x8000,4x100]
+        [--store-rows 1,8,9,16,24,32,256]
 
 The other source is built beside ember's kernels under an op namespace of its own, with the headers
 of its folder (that commit's; a lone .cpp takes this tree's), and both run the default model's
@@ -20,7 +21,20 @@ the next), each sequence's blocks in a run, as the KV manager hands them out whi
 `scattered`, the same with blocks drawn at random from the pool (a pool after much coming and
 going). An empty --decode-contexts leaves it out.
 
-A third table times the rotary embedding with the cache store (rotary_store_) for --store-rows rows
+A third table times decode steps of many sequences, --decode-batches (sequences x tokens of
+context each, within a tenth either way), as the engine lays them out: the pool of
+ember.engine.attention.KVCache (groups of blocks on huge pages), each sequence's first 8 blocks in a
+run (its prompt's) and the later ones handed out a block per sequence in turn (decode's), the
+model's 30 layers called one after another, each after a read of 4 MB of its own (the layer's
+weights, as a step reads them between one layer's attention and the next). Milliseconds a step for
+the 30 layers (the median of the rounds, the two alternating) and the median of the per-round
+ratios, this tree over the other.
+
+Two builds of nearly the same source can differ by up to a tenth in these tables from where the
+compiler placed their code alone (docs/benchmarks.md, 2026-12-07): a change that only shows up
+as a few percent here is measured again with a switch inside one build before it is believed.
+
+A fourth table times the rotary embedding with the cache store (rotary_store_) for --store-rows rows
 of one sequence, from a position at a block's start and from one inside a block (angles on the unit
 circle, so rotating in place keeps the values' size), microseconds a call in alternation, with
 whether q and the cache come out with the same bits. An empty --store-rows leaves it out."""
@@ -48,6 +62,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--decode-contexts", default="128,256,512,1024,2048",
                         help="contexts of the decode table (empty: none)")
+    parser.add_argument("--decode-batches", default="32x250,64x128,8x1000,1x8000,4x100",
+                        help="SEQUENCESxCONTEXT decode steps of the batch table (empty: none)")
     parser.add_argument("--store-rows", default="1,8,9,16,24,32,256", help="rows of the store table (empty: none)")
     args = parser.parse_args()
     contexts = [int(c) for c in args.decode_contexts.split(",")] if args.decode_contexts else []
@@ -55,6 +71,8 @@ def main() -> None:
         raise SystemExit(f"--decode-contexts: at most {POOL_BLOCKS * BLOCK} tokens")
     assert kernels.available(), kernels.status()
     ops = {"this tree": torch.ops.ember, "other": kernels.kernel_copy(args.other, "ember_attention_other")}
+    if hasattr(ops["other"], "attention_tiles"):  # one bfloat16 path for both (EMBER_ATTENTION_TILES=0: dot products)
+        ops["other"].attention_tiles(torch.ops.ember.attention_tiles(None))
     generator = torch.Generator().manual_seed(0)
     length = args.prompt
     num_blocks = length // BLOCK + 1
@@ -100,6 +118,9 @@ def main() -> None:
               f"{statistics.median(theirs) * LAYERS * factor:.2f} {unit} | {ratio:.2f}x | {'yes' if same else 'no'} |")
     if contexts:
         decode_table(ops, contexts, args.rounds)
+    if args.decode_batches:
+        batch_table(ops, [tuple(int(n) for n in batch.split("x")) for batch in args.decode_batches.split(",")],
+                    args.rounds)
     if args.store_rows:
         store_table(ops, [int(rows) for rows in args.store_rows.split(",")], args.rounds * 60)
 
@@ -147,6 +168,63 @@ def decode_table(ops: dict, contexts: list[int], rounds: int) -> None:
             theirs, mine = min(figures[setting, "other"]), min(figures[setting, "this tree"])
             cells.append(f"{theirs:.2f}, {mine:.2f} ({theirs / mine:.2f}x)")
         print(f"| {context:,} | " + " | ".join(cells) + " |")
+
+
+def engine_tables(contexts: list[int], prompt_blocks: int = 8) -> tuple[torch.Tensor, int]:
+    """Block tables as the KV manager hands blocks out to sequences decoding side by side: each
+    one's first `prompt_blocks` in a run, then one block per sequence in turn. Block 0 is left
+    out, as the engine keeps it. Returns the tables and the blocks used."""
+    needed = [-(-context // BLOCK) for context in contexts]
+    tables: list[list[int]] = [[] for _ in contexts]
+    next_block = 1
+    for s, count in enumerate(needed):
+        tables[s] = list(range(next_block, next_block + min(prompt_blocks, count)))
+        next_block += len(tables[s])
+    for j in range(prompt_blocks, max(needed)):
+        for s, count in enumerate(needed):
+            if j < count:
+                tables[s].append(next_block)
+                next_block += 1
+    table = torch.zeros(len(contexts), max(needed), dtype=torch.int32)
+    for s, blocks in enumerate(tables):
+        table[s, :len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
+    return table, next_block
+
+
+def batch_table(ops: dict, batches: list[tuple[int, int]], rounds: int) -> None:
+    from ember.engine.attention import KVCache
+
+    print(f"\ndecode steps of many sequences, {LAYERS} layers, ms a step ({torch.get_num_threads()} threads)")
+    print("| sequences x context | this tree | other | this tree / other | same bits |")
+    print("| --- | --- | --- | --- | --- |")
+    weights = torch.ones(LAYERS, 1 << 20)
+    for sequences, context in batches:
+        rng = random.Random(sequences * 100_003 + context)
+        contexts = [rng.randrange(context * 9 // 10, context * 11 // 10 + 1) for _ in range(sequences)]
+        table, blocks = engine_tables(contexts)
+        cache = KVCache(LAYERS, blocks, BLOCK, KV_HEADS, HEAD_DIM, torch.bfloat16, torch.device("cpu"),
+                        kernel_layout=True)
+        cache.tensor.copy_(torch.randn(cache.tensor.shape, generator=torch.Generator().manual_seed(3)).bfloat16())
+        q = torch.randn(sequences, HEADS, HEAD_DIM).bfloat16()
+        row_begin = torch.arange(sequences + 1, dtype=torch.int32)
+        first_pos = torch.tensor([c - 1 for c in contexts], dtype=torch.int32)
+        times = {name: [] for name in ops}
+        outputs = {}
+        for round_index in range(rounds):
+            for name in random.Random(round_index).sample(list(ops), len(ops)):
+                seconds = 0.0
+                for layer, (k_cache, v_cache) in enumerate(cache.layers):
+                    weights[layer].sum()
+                    began = time.perf_counter()
+                    outputs[name] = ops[name].paged_attention(q, k_cache, v_cache, table, row_begin, first_pos,
+                                                              HEAD_DIM ** -0.5, 0)
+                    seconds += time.perf_counter() - began
+                times[name].append(seconds)
+        mine, theirs = times["this tree"], times["other"]
+        ratio = statistics.median(a / b for a, b in zip(mine, theirs))
+        same = torch.equal(outputs["this tree"], outputs["other"])
+        print(f"| {sequences} x {context} | {statistics.median(mine) * 1e3:.2f} | "
+              f"{statistics.median(theirs) * 1e3:.2f} | {ratio:.3f}x | {'yes' if same else 'no'} |")
 
 
 def store_table(ops: dict, row_counts: list[int], calls: int) -> None:
