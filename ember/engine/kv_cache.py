@@ -116,6 +116,10 @@ class KVCacheManager:
     The manager tracks the requests that hold blocks; `check_invariants()` needs no arguments.
     """
 
+    # With keep_runs, a request's new run starts past the RUN_ROOM - 1 blocks after every holder's
+    # last one (_plain_block_with_room): 4 decoded 32 streams faster than 1 and 8 (docs/benchmarks.md).
+    RUN_ROOM = 4
+
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
                  max_pinned_share: float = DEFAULT_MAX_PINNED_SHARE,
                  clock: Callable[[], float] = time.monotonic, tiers: BlockTiers | None = None,
@@ -279,9 +283,10 @@ class KVCacheManager:
 
         Runs of consecutive blocks are what ember's CPU attention reads fastest: a block of one KV
         head is 2 KiB for the default model, and where a pool that has served a while hands out
-        blocks from all over itself, 32 streams decode about 7% slower (bench/kv_runs.py). Plain free
-        blocks all sit ahead of cached ones, so taking a plain one never evicts a cached block
-        sooner. A cached one is not evicted out of turn either: the front of the queue is evicted
+        blocks from all over itself, 32 streams decode about 7% slower (bench/kv_runs.py). With
+        keep_runs, where the wanted block is not free, a new run starts where it leaves the others
+        room (_plain_block_with_room). Plain free blocks all sit ahead of cached ones, so taking a
+        plain one never evicts a cached block sooner. A cached one is not evicted out of turn either: the front of the queue is evicted
         as it would have been, and the wanted block's hash, data and place in the queue go to that
         front block (the data copied by whoever applies take_moves, before the next forward).
         """
@@ -293,7 +298,31 @@ class KVCacheManager:
             if self.keep_runs and self._free.front() != wanted:
                 self._relocate(block, self.blocks[self._free.pop_front()])
                 return wanted
+        if self.keep_runs:
+            block_id = self._plain_block_with_room()
+            if block_id is not None:
+                self._free.remove(block_id)
+                return block_id
         return self._free.pop_front()
+
+    def _plain_block_with_room(self) -> int | None:
+        """Where a request starts a new run: the first plain free block that is not among the
+        RUN_ROOM - 1 after any holder's last block. Requests decoding side by side each need a new
+        block every block_size tokens; in a fresh pool they would take one another's next blocks in
+        turn, every request's decode blocks strewn one request apart. Left room, each one's next
+        blocks follow its last (runs of RUN_ROOM), and a new prompt starts past the others' room.
+        Only plain blocks are passed over (their order decides nothing the prefix cache keeps);
+        None where every plain block near the front is someone's room."""
+        room: set[int] = set()
+        for request in self._holders.values():
+            last = request.block_ids[-1]
+            room.update(range(last + 1, last + self.RUN_ROOM))
+        for seen, block_id in enumerate(self._free):
+            if seen > len(room) or self.blocks[block_id].hash is not None:
+                return None
+            if block_id not in room:
+                return block_id
+        return None
 
     def _relocate(self, source: Block, target: Block) -> None:
         """Give queued cached block `source`'s hash, data and place in the queue to `target`, just

@@ -136,6 +136,51 @@ def test_keep_runs_evicts_the_same_hashes_in_the_same_order_and_keeps_the_blocks
     assert with_runs[2] > 0.7 and without[2] < 0.2  # consecutive pairs: 76% against 12%
 
 
+def side_by_side(kv, requests=8, prompt_blocks=2, decode_blocks=12):
+    """`requests` prompts admitted one after another in a fresh pool, then decoded a token each in
+    turn until each holds decode_blocks more blocks; returns their block tables."""
+    running = []
+    for index in range(requests):
+        request = make_request(f"r{index}", range(index * 100, index * 100 + prompt_blocks * BLOCK_SIZE))
+        admit(kv, request)
+        request.num_computed_tokens = request.num_tokens
+        running.append(request)
+    for _ in range(decode_blocks * BLOCK_SIZE):
+        for request in running:
+            assert kv.allocate_slots(request, 1)
+            request.token_ids.append(7)
+            request.num_computed_tokens += 1
+    kv.check_invariants()
+    return [request.block_ids for request in running]
+
+
+def test_requests_decoding_side_by_side_leave_each_other_room_for_runs():
+    room = KVCacheManager.RUN_ROOM
+    tables = side_by_side(KVCacheManager(512, BLOCK_SIZE, keep_runs=True))
+    for table in tables:
+        runs = [1]  # lengths of the table's runs of consecutive blocks
+        for a, b in zip(table, table[1:]):
+            runs[-1:] = [runs[-1] + 1] if b == a + 1 else [runs[-1], 1]
+        # the prompt's run goes on for room - 1 blocks, then runs of `room` or more (the last may be cut)
+        assert runs[0] >= 2 + room - 1 and all(length >= room for length in runs[:-1]), table
+    assert len({block for table in tables for block in table}) == sum(map(len, tables))
+    # without keep_runs each request's decode blocks lie a request apart
+    plain = side_by_side(KVCacheManager(512, BLOCK_SIZE))
+    assert all(b == a + 8 for table in plain for a, b in zip(table[3:], table[4:]))
+
+
+def test_room_for_runs_gives_way_when_the_pool_has_no_other_block():
+    room = KVCacheManager.RUN_ROOM
+    kv = KVCacheManager(1 + 4 * (2 + room - 1), BLOCK_SIZE, keep_runs=True)
+    tables = side_by_side(kv, requests=4, decode_blocks=0)
+    assert [table[0] for table in tables] == [1 + i * (2 + room - 1) for i in range(4)]  # each past the room before
+    assert kv.num_free_blocks == 4 * (room - 1)  # every free block is someone's room
+    late = make_request("late", range(9000, 9000 + BLOCK_SIZE))
+    admit(kv, late)
+    assert late.block_ids == [3]  # the queue's front, room or not
+    kv.check_invariants()
+
+
 def test_every_cached_hash_names_its_own_data_through_moves_evictions_and_loads():
     """Random steps on a real pool with a host tier: requests admitted (some freed again in the same
     schedule, before any data moved), grown, computed (each block written with a value that follows
