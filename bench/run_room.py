@@ -1,4 +1,4 @@
-"""`ember bench` with the KV manager's RUN_ROOM set, to hold one room against another.
+r"""`ember bench` with the KV manager's RUN_ROOM set, to hold one room against another.
 
     python bench/run_room.py ROOM bench --offline --no-limits --seed N --concurrency 32 \
         --input-len 128 --output-len 512 --num-requests 32
