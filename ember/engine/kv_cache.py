@@ -286,9 +286,10 @@ class KVCacheManager:
         blocks from all over itself, 32 streams decode about 7% slower (bench/kv_runs.py). With
         keep_runs, where the wanted block is not free, a new run starts where it leaves the others
         room (_plain_block_with_room). Plain free blocks all sit ahead of cached ones, so taking a
-        plain one never evicts a cached block sooner. A cached one is not evicted out of turn either: the front of the queue is evicted
-        as it would have been, and the wanted block's hash, data and place in the queue go to that
-        front block (the data copied by whoever applies take_moves, before the next forward).
+        plain one never evicts a cached block sooner. A cached one is not evicted out of turn
+        either: the front of the queue is evicted as it would have been, and the wanted block's
+        hash, data and place in the queue go to that front block (the data copied by whoever
+        applies take_moves, before the next forward).
         """
         if 0 < wanted < self.num_blocks and wanted in self._free:
             block = self.blocks[wanted]
