@@ -23,8 +23,8 @@ going). An empty --decode-contexts leaves it out.
 
 A third table times decode steps of many sequences, --decode-batches (sequences x tokens of
 context each, within a tenth either way), as the engine lays them out: the pool of
-ember.engine.attention.KVCache (groups of blocks on huge pages), each sequence's first 8 blocks in a
-run (its prompt's) and the later ones handed out a block per sequence in turn (decode's), the
+ember.engine.attention.KVCache (groups of blocks on huge pages), the blocks handed out by the
+engine's KV manager to 128-token prompts admitted in turn and then decoded side by side, the
 model's 30 layers called one after another, each after a read of 4 MB of its own (the layer's
 weights, as a step reads them between one layer's attention and the next). Milliseconds a step for
 the 30 layers (the median of the rounds, the two alternating) and the median of the per-round
@@ -170,25 +170,33 @@ def decode_table(ops: dict, contexts: list[int], rounds: int) -> None:
         print(f"| {context:,} | " + " | ".join(cells) + " |")
 
 
-def engine_tables(contexts: list[int], prompt_blocks: int = 8) -> tuple[torch.Tensor, int]:
-    """Block tables as the KV manager hands blocks out to sequences decoding side by side: each
-    one's first `prompt_blocks` in a run, then one block per sequence in turn. Block 0 is left
-    out, as the engine keeps it. Returns the tables and the blocks used."""
-    needed = [-(-context // BLOCK) for context in contexts]
-    tables: list[list[int]] = [[] for _ in contexts]
-    next_block = 1
-    for s, count in enumerate(needed):
-        tables[s] = list(range(next_block, next_block + min(prompt_blocks, count)))
-        next_block += len(tables[s])
-    for j in range(prompt_blocks, max(needed)):
-        for s, count in enumerate(needed):
-            if j < count:
-                tables[s].append(next_block)
-                next_block += 1
-    table = torch.zeros(len(contexts), max(needed), dtype=torch.int32)
-    for s, blocks in enumerate(tables):
-        table[s, :len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
-    return table, next_block
+def engine_tables(contexts: list[int], prompt_tokens: int = 128) -> tuple[torch.Tensor, int]:
+    """Block tables as the engine's KV manager (keep_runs, as on the CPU) hands blocks out: each
+    sequence's prompt of `prompt_tokens` admitted in turn, then a token each in turn until every
+    sequence holds its context. Returns the tables and the pool's blocks (block 0 is the null one)."""
+    from ember.engine.kv_cache import KVCacheManager
+    from ember.engine.request import Request
+    from ember.types import SamplingParams
+
+    blocks = sum(-(-context // BLOCK) for context in contexts) * 2 + 1
+    kv = KVCacheManager(blocks, BLOCK, enable_prefix_caching=False, keep_runs=True)
+    requests = []
+    for s, context in enumerate(contexts):
+        request = Request(f"s{s}", list(range(min(prompt_tokens, context))), SamplingParams(), max_tokens=1 << 20,
+                          eos_token_ids=(), arrival_time=0.0)
+        assert kv.allocate_slots(request, request.num_tokens)
+        request.num_computed_tokens = request.num_tokens
+        requests.append(request)
+    for _ in range(max(contexts)):
+        for request, context in zip(requests, contexts):
+            if request.num_tokens < context:
+                assert kv.allocate_slots(request, 1)
+                request.token_ids.append(0)
+                request.num_computed_tokens += 1
+    table = torch.zeros(len(contexts), max(len(request.block_ids) for request in requests), dtype=torch.int32)
+    for s, request in enumerate(requests):
+        table[s, :len(request.block_ids)] = torch.tensor(request.block_ids, dtype=torch.int32)
+    return table, blocks
 
 
 def batch_table(ops: dict, batches: list[tuple[int, int]], rounds: int) -> None:
