@@ -62,6 +62,7 @@ _TARGETS = {"native": ["-O3", "-march=native"],
             "avx-vnni": ["-O3", "-mavx2", "-mfma", "-mf16c", "-mavxvnni"],
             "avx2": ["-O3", "-mavx2", "-mfma", "-mf16c"], "plain": ["-O2"]}
 _status = "not loaded yet"
+_library: Path | None = None  # the shared library available() built or loaded
 
 
 def build_flags(target: str | None = None) -> list[str]:
@@ -105,7 +106,7 @@ def _sole_builder(build_directory: Path):
 @functools.cache
 def available() -> bool:
     """Build (or load the cached build of) the kernels once per process; True when they run here."""
-    global _status
+    global _status, _library
     if hasattr(torch.ops, "ember") and hasattr(torch.ops.ember, "quantized_linear"):
         _status = "loaded"
         return True
@@ -129,6 +130,7 @@ def available() -> bool:
         _status = f"unavailable ({type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''})"
         logger.warning("ember's CPU kernels could not be built; using plain torch paths: %s", _status)
         return False
+    _library = Path(build_directory) / f"{name}.so"
     vector = {512: "AVX-512 VNNI", 256: "AVX2"}.get(torch.ops.ember.vector_bits(), "plain C++")
     if torch.ops.ember.avx_vnni():
         vector += " with AVX-VNNI"
@@ -143,6 +145,12 @@ def available() -> bool:
 
 def status() -> str:
     return _status
+
+
+def library() -> Path | None:
+    """The shared library this process built or loaded the kernels from (None before available(),
+    or where they were loaded another way): for tests that read the build itself."""
+    return _library
 
 
 def kernel_copy(source: Path, namespace: str, target: str | None = None):

@@ -70,8 +70,10 @@ template <typename F> inline void each_tile(int n, F&& f) {
 }
 
 // Adds to C tiles [0, n) one V block's products: the weights of block `blk` (tile 6) times its
-// dims [d0, d0 + 16 n) (tile 7, one load per tile).
-inline void add_block(const uint32_t* pairs, int64_t blk, const at::BFloat16* vblock, int64_t D, int64_t d0, int n) {
+// dims [d0, d0 + 16 n) (tile 7, one load per tile); a step of `drip` first.
+inline void add_block(const uint32_t* pairs, int64_t blk, const at::BFloat16* vblock, int64_t D, int64_t d0, int n,
+                      Drip& drip) {
+  drip.step();
   load<6>(pairs + blk * BLOCK / 2, SPAN / 2 * sizeof(uint32_t));
   each_tile(n, [&](auto t) {
     load<7>(vblock + (d0 + 16 * decltype(t)::value) * 2, D * 2 * sizeof(at::BFloat16));
@@ -102,9 +104,9 @@ struct Pass {
 };
 
 // The pass over its rows' keys of one split, one softmax step for them all: `blocks_at(position)`
-// gives the K and V blocks holding a key, `prefetch(from, to)` asks for those of keys [from, to).
-template <typename Prefetch, typename Blocks>
-void attend(const Pass& p, int64_t D, float scale, Prefetch&& prefetch, Blocks&& blocks_at) {
+// gives the K and V blocks holding a key; `drip` asks for its lines after each tile product.
+template <typename Blocks>
+void attend(const Pass& p, int64_t D, float scale, Drip& drip, Blocks&& blocks_at) {
   const int64_t M = p.M;
   int64_t last = p.from;
   for (int64_t m = 0; m < M; ++m) last = std::max(last, p.end[p.row_of[m]]);
@@ -165,8 +167,8 @@ void attend(const Pass& p, int64_t D, float scale, Prefetch&& prefetch, Blocks&&
   for (int64_t m = 0; m < M; ++m) vmax[m] = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   // Scores, four blocks to a round of the C tiles.
   const int64_t sums_bytes = D * sizeof(float);
-  for (int64_t b0 = 0; b0 < count; b0 += 4) {  // the blocks of this round and the next asked for ahead
-    prefetch(b0 == 0 ? p.from : p.from + (b0 + 4) * BLOCK, std::min(last, p.from + (b0 + 8) * BLOCK));
+  drip.start(count * (D / 32) + count * ((D + 63) / 64));  // the score products, then the value blocks
+  for (int64_t b0 = 0; b0 < count; b0 += 4) {
     const int n = int(std::min<int64_t>(4, count - b0));
     each_tile(n, [&](auto t) { zero<decltype(t)::value>(); });
     for (int64_t half = 0; half < D / 32; ++half) {
@@ -174,6 +176,7 @@ void attend(const Pass& p, int64_t D, float scale, Prefetch&& prefetch, Blocks&&
       each_tile(n, [&](auto t) {
         load<5>(kblocks[b0 + decltype(t)::value] + half * 32 * BLOCK, 2 * BLOCK * sizeof(at::BFloat16));
         dot<decltype(t)::value, 4, 5>();
+        drip.step();
       });
     }
     if (b0 > 0) take_maxima(b0 - 4, 4);
@@ -192,11 +195,11 @@ void attend(const Pass& p, int64_t D, float scale, Prefetch&& prefetch, Blocks&&
     each_tile(n, [&](auto t) { zero<decltype(t)::value>(); });
     if (d0 == 0) {
       for (int64_t blk = 0; blk < count + LAG; ++blk) {
-        if (blk >= LAG && blk - LAG < whole) add_block(pairs[0], blk - LAG, vblocks[blk - LAG], D, d0, n);
+        if (blk >= LAG && blk - LAG < whole) add_block(pairs[0], blk - LAG, vblocks[blk - LAG], D, d0, n, drip);
         if (blk < count) take_weights(blk);
       }
     } else {
-      for (int64_t blk = 0; blk < whole; ++blk) add_block(pairs[0], blk, vblocks[blk], D, d0, n);
+      for (int64_t blk = 0; blk < whole; ++blk) add_block(pairs[0], blk, vblocks[blk], D, d0, n, drip);
     }
     each_tile(n, [&](auto t) { store<decltype(t)::value>(weighted + d0 + 16 * decltype(t)::value, sums_bytes); });
     // Each row's blocks past the shared ones, row by row: the tiles take every row-head's sums
@@ -209,7 +212,8 @@ void attend(const Pass& p, int64_t D, float scale, Prefetch&& prefetch, Blocks&&
         each_tile(n, [&](auto t) { load<decltype(t)::value>(weighted + d0 + 16 * decltype(t)::value, sums_bytes); });
         for (int64_t blk = whole; blk * BLOCK < seen[m0]; ++blk) {
           const int64_t keys = std::min<int64_t>(BLOCK, seen[m0] - blk * BLOCK);
-          add_block(pairs[0], blk, keys == BLOCK ? vblocks[blk] : values_up_to(vblocks[blk], keys, D, copy), D, d0, n);
+          add_block(pairs[0], blk, keys == BLOCK ? vblocks[blk] : values_up_to(vblocks[blk], keys, D, copy), D, d0, n,
+                    drip);
         }
         each_tile(n, [&](auto t) { store<decltype(t)::value>(own + d0 + 16 * decltype(t)::value, sums_bytes); });
         for (int64_t m = m0; m < m1; ++m) std::memcpy(weighted + m * D + d0, own + m * D + d0, sizeof(float) * 16 * n);

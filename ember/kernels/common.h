@@ -76,6 +76,20 @@
 
 namespace ember_kernels {
 
+// Asks for the cache line holding p to be brought into L2, without waiting for it. An asm
+// statement on x86-64 rather than __builtin_prefetch (or _mm_prefetch, the same builtin): GCC
+// takes a function or lambda whose only effect is such a prefetch for one without effects and
+// drops every call to it that it does not inline, so prefetches behind a helper went missing
+// from the build without a word (attention's, all of them, from 2026-12-06 to 2026-12-08). An asm
+// volatile statement is never dropped. tests/models/test_kernel_prefetches.py checks the build.
+inline void prefetch_to_l2(const void* p) {
+#if defined(__x86_64__)
+  asm volatile("prefetcht1 %0" : : "m"(*static_cast<const char*>(p)));
+#else
+  __builtin_prefetch(p, 0, 2);
+#endif
+}
+
 inline float bf16_to_float(uint16_t h) {
   uint32_t u = uint32_t(h) << 16;
   float f;

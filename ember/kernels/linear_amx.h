@@ -46,10 +46,13 @@ template <Format F> inline void unpack_nibbles(const uint8_t* column, int64_t KB
 // rows at a time (configured: amx_configure); `codes`: a nibble format's unpacked codes
 // (unpack_nibbles), else nullptr. A k block's sums are stored from one C tile while the next
 // blocks' products go to the others, so the vector units find them in memory rather than waiting
-// on the store.
+// on the store. `next` (or nullptr): the `next_bytes` of the column block the thread takes after
+// this one's pair, asked for into L2 an even share at each k block of each tile of rows. Without
+// it, memory idles while a column block computes and the next one's first k blocks wait on it:
+// at 32 rows a decode step's linear layers took their compute time plus their weights' read time.
 template <Format F, typename T>
 void amx_column_block(const uint8_t* column, const uint8_t* codes, int64_t nb, int64_t N, const QuantizedRows& rows,
-                      T* y, const float* start) {
+                      T* y, const float* start, const uint8_t* next, int64_t next_bytes) {
   const int64_t K = rows.K, KB = rows.KB, n0 = nb * NBLOCK;
   alignas(64) int32_t sums[AMX_AHEAD + 1][AMX_ROWS][NBLOCK];
   for (int64_t m0 = 0; m0 < rows.M; m0 += AMX_ROWS) {
@@ -76,6 +79,11 @@ void amx_column_block(const uint8_t* column, const uint8_t* codes, int64_t nb, i
                                 : _mm512_maskz_loadu_ps(first_lanes(N - n0), start + (m0 + r) * N + n0);
     for (int64_t kb = 0; kb < std::min(AMX_AHEAD, KB); ++kb) product(kb);
     for (int64_t kb = 0; kb < KB; ++kb) {
+      if (next != nullptr) {  // step i of the block's `steps` asks for share i of as many
+        const int64_t steps = rows.M / AMX_ROWS * KB, i = m0 / AMX_ROWS * KB + kb;
+        for (int64_t line = i * next_bytes / steps / 64 * 64; line < (i + 1) * next_bytes / steps; line += 64)
+          prefetch_to_l2(next + line);
+      }
       if (kb + AMX_AHEAD < KB) product(kb + AMX_AHEAD);
       const Offsets at = offsets<F>(kb);
       const BlockScales<F> block(column + at.scales, column + at.steps);

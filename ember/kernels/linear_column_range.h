@@ -18,14 +18,15 @@ namespace EMBER_LINEAR {
 
 // The kb-th of the KB equal shares of each of `count` column blocks from `next` (k block kb where
 // the blocks are all alike; an eighth of a Q4K super-block), fetched into L2 line by line.
-// (Inlined: left to itself, the compiler kept Q4K's prefetches out of the kernel's loop.)
+// (Inlined: once its prefetches were builtins the compiler dropped the calls it left out of line;
+// see prefetch_to_l2.)
 template <Format F>
 __attribute__((always_inline)) inline void prefetch_share(const uint8_t* next, int64_t column, int count, int64_t kb) {
   constexpr int64_t SHARE = PER_SUPER<F> ? SUPER_BYTES<F> / SUPER : BLOCK_BYTES<F>;
   const int64_t first = kb * SHARE / 64 * 64, end = (kb + 1) * SHARE;
   for (int c = 0; c < count; ++c)
     for (int64_t line = first; line < end; line += 64)
-      _mm_prefetch(reinterpret_cast<const char*>(next + c * column + line), _MM_HINT_T1);
+      prefetch_to_l2(next + c * column + line);
 }
 
 #endif
@@ -135,14 +136,15 @@ void column_range(const QuantizedRows& rows, const uint8_t* w, int64_t nb_first,
     // Whole tiles of 16 rows on the AMX tiles; the rows after them (a short tile costs as much as a
     // whole one there) on the VNNI tiles, which give the same bits.
     const int64_t tiled = M / AMX_ROWS * AMX_ROWS;
-    const auto tile_columns = [&](const uint8_t* blocks, int64_t b, int n) {
+    const auto tile_columns = [&](const uint8_t* blocks, int64_t b, int n, const uint8_t* next) {
       if constexpr (AMX_FORMAT<U>) {
         const QuantizedRows whole{tiled, K, KB, xq, dx, sx, qsum, qlow};
         if (!configured) amx_configure(), configured = true;
         for (int c = 0; c < n; ++c) {
           const uint8_t* block = blocks + c * column_bytes<U>(KB);
           if constexpr (NIBBLES<U>) unpack_nibbles<U>(block, KB, codes.get());
-          amx_column_block<U>(block, codes.get(), nb_first + b + c, N, whole, y, start);
+          amx_column_block<U>(block, codes.get(), nb_first + b + c, N, whole, y, start,
+                              next == nullptr ? nullptr : next + c * column, column);
         }
         if (tiled < M)
           columns<U>(blocks, KB, nb_first + b, n, N, xq + tiled * K, dx + tiled * KB, sx + tiled * KB,
@@ -157,7 +159,7 @@ void column_range(const QuantizedRows& rows, const uint8_t* w, int64_t nb_first,
           for (int c = 0; c < n; ++c)
             unpack<F>(w + (b + c) * column, KB, unpacked.get() + c * column_bytes<U>(KB));
 #if EMBER_AMX_INT8
-          if (tiles) return tile_columns(unpacked.get(), b, n);
+          if (tiles) return tile_columns(unpacked.get(), b, n, next);
 #endif
           columns<U>(unpacked.get(), KB, nb_first + b, n, N, xq, dx, sx, qsum, qlow, K, M, y, start, nullptr);
           return;
@@ -165,7 +167,7 @@ void column_range(const QuantizedRows& rows, const uint8_t* w, int64_t nb_first,
       }
 #if EMBER_AMX_INT8
       if constexpr (U == F)
-        if (tiles) return tile_columns(w + b * column, b, n);
+        if (tiles) return tile_columns(w + b * column, b, n, next);
 #endif
       columns<F>(w + b * column, KB, nb_first + b, n, N, xq, dx, sx, qsum, qlow, K, M, y, start, next);
     };
