@@ -14,6 +14,9 @@
 
 template <Format F> constexpr bool AMX_FORMAT = !HALF_STEPS<F> && !SIX_BITS<F> && !FIVE_BITS<F> && !PER_SUPER<F>;
 constexpr int64_t AMX_ROWS = 16;  // rows of a tile
+// The tiles of rows over which a column block asks for the next one (1, 2, 4 and 8 measured alike
+// at 64 to 512 rows; spread over every tile, the shares' divisions cost 4-5% at 256 and 512).
+constexpr int64_t FETCH_TILES = 4;
 // Fewer rows take the VNNI tiles alone: at 16 to 31 rows the tiles measured no faster (Intel Xeon,
 // bench/linear_versions.py), and the rows past the last whole tile take a pass of VNNI tiles.
 constexpr int64_t AMX_FROM_ROWS = 32;
@@ -47,14 +50,20 @@ template <Format F> inline void unpack_nibbles(const uint8_t* column, int64_t KB
 // (unpack_nibbles), else nullptr. A k block's sums are stored from one C tile while the next
 // blocks' products go to the others, so the vector units find them in memory rather than waiting
 // on the store. `next` (or nullptr): the `next_bytes` of the column block the thread takes after
-// this one's pair, asked for into L2 an even share at each k block of each tile of rows. Without
-// it, memory idles while a column block computes and the next one's first k blocks wait on it:
-// at 32 rows a decode step's linear layers took their compute time plus their weights' read time.
+// this one's pair, asked for into L2 in even shares over the k blocks of the first tiles of rows.
+// Without it, memory idles while a column block computes and the next one's first k blocks wait
+// on it: at 32 rows a decode step's linear layers took their arithmetic's time plus their
+// weights' read time.
 template <Format F, typename T>
 void amx_column_block(const uint8_t* column, const uint8_t* codes, int64_t nb, int64_t N, const QuantizedRows& rows,
                       T* y, const float* start, const uint8_t* next, int64_t next_bytes) {
   const int64_t K = rows.K, KB = rows.KB, n0 = nb * NBLOCK;
   alignas(64) int32_t sums[AMX_AHEAD + 1][AMX_ROWS][NBLOCK];
+  // `next`'s lines are asked for over the k blocks of the first FETCH_TILES tiles of rows, a line
+  // each time `owed` reaches `steps` (no division in the loop)
+  const int64_t fetch_rows = next == nullptr ? 0 : std::min(rows.M, FETCH_TILES * AMX_ROWS);
+  const int64_t steps = fetch_rows / AMX_ROWS * KB, lines = (next_bytes + 63) / 64;
+  int64_t owed = 0, line = 0;
   for (int64_t m0 = 0; m0 < rows.M; m0 += AMX_ROWS) {
     // k block kb's sums into sums[kb % 4], through C tile 0, 3, 4 or 5
     const auto product = [&](int64_t kb) {
@@ -79,11 +88,8 @@ void amx_column_block(const uint8_t* column, const uint8_t* codes, int64_t nb, i
                                 : _mm512_maskz_loadu_ps(first_lanes(N - n0), start + (m0 + r) * N + n0);
     for (int64_t kb = 0; kb < std::min(AMX_AHEAD, KB); ++kb) product(kb);
     for (int64_t kb = 0; kb < KB; ++kb) {
-      if (next != nullptr) {  // step i of the block's `steps` asks for share i of as many
-        const int64_t steps = rows.M / AMX_ROWS * KB, i = m0 / AMX_ROWS * KB + kb;
-        for (int64_t line = i * next_bytes / steps / 64 * 64; line < (i + 1) * next_bytes / steps; line += 64)
-          prefetch_to_l2(next + line);
-      }
+      if (m0 < fetch_rows)
+        for (owed += lines; owed >= steps && line < lines; owed -= steps) prefetch_to_l2(next + 64 * line++);
       if (kb + AMX_AHEAD < KB) product(kb + AMX_AHEAD);
       const Offsets at = offsets<F>(kb);
       const BlockScales<F> block(column + at.scales, column + at.steps);
