@@ -1,7 +1,8 @@
 """This tree's linear kernel against another version of its source, in one process.
 
     mkdir -p /tmp/before && git archive HEAD~1 ember/kernels | tar -x -C /tmp/before
-    python bench/linear_versions.py /tmp/before/ember/kernels/linear.cpp [--rows 1,2,5,9,17,128] [--rounds 30] [--distinct]
+    python bench/linear_versions.py /tmp/before/ember/kernels/linear.cpp [--rows 1,2,5,9,17,128] [--rounds 30]
+        [--distinct]
 
 The other source is built beside ember's kernels under an op namespace of its own, with the headers
 of its folder (that commit's; a lone .cpp takes this tree's). Both run one decode step's linear
